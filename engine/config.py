@@ -1,0 +1,134 @@
+"""Frozen configuration: what the model is (read from config.json) and how to run it.
+
+Runtime facts (how many KV blocks fit, the resolved context length) live in `EngineLimits`,
+computed once at start-up and never written back into config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> ModelConfig:
+        path = Path(model_dir)
+        cfg = json.loads((path / "config.json").read_text())
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported ({SUPPORTED_ARCHITECTURES})")
+        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+            # Sliding-window attention only differs past the window; refuse rather than be wrong.
+            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+                raise ValueError("Mistral sliding_window attention is not supported")
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        num_heads = cfg["num_attention_heads"]
+        rs = cfg.get("rope_scaling") or {}
+        rope_type = rs.get("rope_type", rs.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+        rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=RopeScaling(
+                rope_type=rope_type,
+                factor=float(rs.get("factor", 1.0)),
+                low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    rs.get("original_max_position_embeddings", 8192)
+                ),
+            ),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to run a model. Validated when built; never mutated afterwards."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    # KV pool size: an explicit block count wins over the memory budget.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # torch intra-op threads; None leaves torch's default. Workers sharing a machine set it.
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Facts resolved at start-up from config, model and memory."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    bytes_per_block: int

@@ -1,0 +1,127 @@
+"""The synchronous engine: add requests, step (schedule, run, update), read outputs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, resolve_limits
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+from services.common.block_hash import hash_extra
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for load reports and metrics."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_queued_tokens: int  # prompt/recompute tokens not yet computed
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.limits = resolve_limits(self.model_config, config)
+        self.tokenizer = Tokenizer(config.model)
+        self.runner = ModelRunner(self.model_config, config, self.limits)
+        self.pool = BlockPool(self.limits.num_kv_blocks, record_events=record_kv_events)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, self.limits.max_model_len
+            ),
+            self.kv,
+            self.model_config.eos_token_ids,
+        )
+        self.hash_extra = hash_extra(
+            self.model_config.architecture + ":" + config.model, config.dtype
+        )
+
+    # -- requests --------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and convert a prompt into an engine request (raises ValueError)."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        limit = self.limits.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but the context length is {limit} "
+                f"(the prompt must be shorter to leave room for output)"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop}")
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            block_size=self.config.block_size,
+            hash_extra=self.hash_extra,
+            priority=priority,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        return None if request is None else RequestOutput.from_request(request, 0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        tables = {
+            s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled
+        }
+        sampled = self.runner.execute(sched, tables)
+        advanced, _ = self.scheduler.update_from_output(sched, sampled)
+        return [RequestOutput.from_request(r, 1) for r in advanced]
+
+    # -- introspection ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        queued = sum(len(r.token_ids) - r.num_computed_tokens for r in s.requests.values())
+        return EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_total_blocks=self.pool.num_blocks,
+            num_queued_tokens=queued,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

@@ -1,0 +1,133 @@
+"""Turns a scheduled step into tensors, runs the model on them and samples.
+
+Owns the model weights and the KV cache tensors; knows nothing about queues or policy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig, EngineLimits, ModelConfig
+from engine.models.llama import LlamaModel, load_llama_weights
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from engine.weights import load_tensors
+from kernels.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
+    max_model_len = min(
+        config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
+    )
+    itemsize = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+    bytes_per_block = (
+        2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * itemsize
+    )
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+    return EngineLimits(
+        num_kv_blocks=num_blocks, max_model_len=max_model_len, bytes_per_block=bytes_per_block
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, limits: EngineLimits
+    ) -> None:
+        self.cfg = model_config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        weights = load_llama_weights(load_tensors(config.model), model_config, self.dtype)
+        attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
+        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len)
+        slots = limits.num_kv_blocks * config.block_size
+        shape = (
+            model_config.num_layers,
+            2,
+            slots,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        # empty, not zeros: untouched pages cost no memory until a block is first written.
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.sampler = Sampler(model_config.eos_token_ids, config.seed)
+        log.info(
+            "model loaded: %s, %d layers, %s, kv cache %d blocks (%.1f MiB)",
+            model_config.architecture,
+            model_config.num_layers,
+            config.dtype,
+            limits.num_kv_blocks,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    def execute(
+        self, out: SchedulerOutput, block_tables: dict[str, list[int]]
+    ) -> dict[str, SampledToken]:
+        if not out.scheduled:
+            return {}
+        # Decodes (one new token) first, so attention can batch them in one call.
+        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, sample_rows = self._prepare(items, block_tables)
+        samplers = [s.request for s in items if s.samples]
+        if not samplers:
+            self.model.forward(input_ids, positions, self.kv_caches, meta, torch.tensor([0]))
+            return {}
+        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows)
+        tokens = self.sampler(logits, samplers)
+        return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+
+    def _prepare(
+        self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for item in items:
+            r: Request = item.request
+            start, n = r.num_computed_tokens, item.num_new_tokens
+            table = block_tables[r.request_id]
+            q_start = len(ids)
+            ids.extend(r.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if item.samples:
+                sample_rows.append(q_start + n - 1)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                ctx_slots = None
+                if start:
+                    t = torch.tensor(table[: (start + n + bs - 1) // bs])
+                    ctx_slots = (t[:, None] * bs + torch.arange(bs)).flatten()[: start + n]
+                prefills.append(PrefillChunk(q_start, n, start, ctx_slots))
+
+        decode_slots = decode_mask = None
+        if decode_tables:
+            lmax = max(decode_lens)
+            nblk = (lmax + bs - 1) // bs
+            table_t = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in decode_tables])
+            decode_slots = (table_t[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :lmax]
+            lens = torch.tensor(decode_lens)
+            decode_mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping),
+            num_decodes=len(decode_tables),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return torch.tensor(ids), torch.tensor(pos), meta, torch.tensor(sample_rows)

@@ -1,0 +1,170 @@
+"""Llama / Qwen2 / Mistral decoder over a paged KV cache, as plain functions over tensors.
+
+The three families differ only in config (qkv bias, tied embeddings, rope scaling), so one
+implementation serves all of them. q/k/v and gate/up projections are fused into one matmul
+each at load time: fewer, larger kernels are what a CPU (and a GPU at batch 1) wants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig, RopeScaling
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass(slots=True)
+class LlamaWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def load_llama_weights(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype
+) -> LlamaWeights:
+    """Map HF tensor names onto fused weights; `tensors` is consumed (popped) as we go."""
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return tensors.pop(name).to(dtype).contiguous()
+        except KeyError:
+            raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = (
+            torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            if cfg.attention_bias
+            else None
+        )
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=qkv,
+                qkv_bias=bias,
+                o=take(p + "self_attn.o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                ),
+                down=take(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = take("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else take("lm_head.weight")
+    weights = LlamaWeights(
+        embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head
+    )
+    tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
+    leftover = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"checkpoint has tensors this model does not use: {leftover[:5]}")
+    return weights
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: leave high frequencies, divide low ones by `factor`, interpolate between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cache(
+    cfg: ModelConfig, max_len: int, dtype: torch.dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_len, head_dim] in the rotate-half layout HF uses."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: LlamaWeights,
+        attention: AttentionBackend,
+        max_len: int,
+    ) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.attention = attention
+        self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
+        self._q = cfg.num_heads * cfg.head_dim
+        self._kv = cfg.num_kv_heads * cfg.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run new tokens [T]; return float32 logits of the rows in `logits_indices`."""
+        cfg = self.cfg
+        d = cfg.head_dim
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x = self.w.embed[input_ids]
+        for layer, (k_cache, v_cache) in zip(self.w.layers, kv_caches, strict=True):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self._q, self._kv, self._kv], dim=-1)
+            q = apply_rope(q.view(-1, cfg.num_heads, d), cos, sin)
+            k = apply_rope(k.view(-1, cfg.num_kv_heads, d), cos, sin)
+            v = v.reshape(-1, cfg.num_kv_heads, d)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+            x = x + F.linear(attn.view(-1, self._q), layer.o)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.w.lm_head).float()

@@ -1,0 +1,80 @@
+"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Greedy rows are decided by one batched argmax. Random rows draw from their own
+`torch.Generator` when seeded, so a seeded request samples the same tokens whatever else
+shares its batch. Logprobs are of the raw model distribution (before temperature/top-k/p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request, TokenLogprobs
+from engine.scheduler import SampledToken
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """logits [N, V] float32, one row per request that samples this step."""
+        raw = logits
+        masked = self._mask_early_stops(logits, requests)
+        greedy = masked.argmax(dim=-1).tolist()
+        out = []
+        for i, request in enumerate(requests):
+            params = request.params
+            if params.greedy:
+                token = greedy[i]
+            else:
+                token = self._sample_row(masked[i], request)
+            lp = None
+            if params.logprobs is not None:
+                lp = _logprobs(raw[i], token, params.logprobs)
+            out.append(SampledToken(token, lp))
+        return out
+
+    def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Forbid EOS and stop tokens until a request has produced min_tokens."""
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if r.params.min_tokens and r.num_output_tokens < r.params.min_tokens
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            params = requests[i].params
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
+        params = request.params
+        x = row / params.temperature
+        if params.top_k > 0 and params.top_k < x.shape[-1]:
+            kth = torch.topk(x, params.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            probs = sorted_x.softmax(-1)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop = (probs.cumsum(-1) - probs) >= params.top_p
+            drop[0] = False
+            x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+        probs = x.softmax(-1)
+        gen = request.generator or self.generator
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _logprobs(row: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    lp = row.log_softmax(-1)
+    top: dict[int, float] = {}
+    if n:
+        values, ids = torch.topk(lp, n)
+        top = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token_id=token, logprob=float(lp[token]), top=top)

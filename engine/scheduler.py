@@ -1,0 +1,207 @@
+"""Continuous-batching scheduler in the vLLM-v1 style.
+
+There is no prefill or decode phase: every step each running request gets
+`len(token_ids) - num_computed_tokens` new tokens (capped by the step's token budget), then
+waiting requests are admitted in (priority, arrival) order. Chunked prefill is the budget cap,
+a prefix hit starts `num_computed_tokens` above zero, and preemption resets it to zero
+(recompute). When blocks run out, the lowest-priority, newest running request is preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus, TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step catches the request up, so its logits give the next token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == len(r.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
+
+    # -- queues ----------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        heapq.heappush(self._waiting, (request.sort_key, request))
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._waiting = [(k, r) for k, r in self._waiting if r is not request]
+            heapq.heapify(self._waiting)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = max(self.running, key=lambda r: r.sort_key)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = ScheduledRequest(request, num_new)
+                budget -= num_new
+
+        while (
+            not out.preempted
+            and self._waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self._waiting[0][1]
+            hits, num_hit_tokens = (
+                self.kv.get_computed_blocks(request)
+                if request.num_computed_tokens == 0
+                else ([], 0)
+            )
+            num_new = min(
+                len(request.token_ids) - request.num_computed_tokens - num_hit_tokens, budget
+            )
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            heapq.heappop(self._waiting)
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            budget -= num_new
+
+        out.scheduled = list(scheduled.values())
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        heapq.heappush(self._waiting, (request.sort_key, request))
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance computed counts, append sampled tokens, finish requests.
+
+        Returns (requests that got a new token, requests that finished this step).
+        """
+        advanced: list[Request] = []
+        finished: list[Request] = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prompt chunk that does not reach the end yet
+            request.append_token(token.token_id)
+            if token.logprobs is not None:
+                request.logprobs.append(token.logprobs)
+            advanced.append(request)
+            status = self._check_stop(request, token.token_id)
+            if status is not None:
+                request.status = status
+                self.running.remove(request)
+                del self.requests[request.request_id]
+                self.kv.free(request)
+                finished.append(request)
+        return advanced, finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens or len(request.token_ids) >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        running = set(map(id, self.running))
+        waiting = {id(r) for _, r in self._waiting}
+        assert not running & waiting, "a request is both running and waiting"
+        assert len(running) + len(waiting) == len(self.requests)
+        assert self.kv.num_requests <= len(self.running) + len(waiting)
+        for r in self.running:
+            assert 0 <= r.num_computed_tokens <= len(r.token_ids)

@@ -1,0 +1,58 @@
+"""The model's tokenizer and chat template, from tokenizer.json / tokenizer_config.json.
+
+Uses the `tokenizers` library and jinja2 only (no torch, no transformers), so the frontend
+can import it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir)
+        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = self.config.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(template) if template else None
+        self.special_ids = frozenset(self._tok.token_to_id(t) for t in self._special_tokens())
+
+    def _special_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.config.get("bos_token", ""),
+            eos_token=self.config.get("eos_token", ""),
+        )

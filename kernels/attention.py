@@ -1,0 +1,144 @@
+"""Paged attention: the interface the engine calls, and its torch reference implementation.
+
+KV for one layer lives in two flat tensors of slots, [num_blocks * block_size, kv_heads, D];
+token t of a request sits in slot `block_table[t // block_size] * block_size + t % block_size`.
+
+A step's new tokens come as one flat batch, decodes first:
+
+    tokens:  | d0 | d1 | ... | d(B-1) | p0 p0 p0 p0 | p1 p1 | ...
+               one token per decode     prefill chunks (any length), each
+               sequence, any context    after `ctx_len` tokens already cached
+
+Every layer writes the new K/V into their slots first, then attends, so a block computed
+in this step can already be read by another sequence of the same step.
+A GPU backend (flash-attn for prefill, Triton for decode) implements the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    q_start: int  # offset of its first new token in the flat batch
+    q_len: int
+    ctx_len: int  # tokens already in the cache before this chunk
+    # Slots of all ctx_len + q_len tokens; None when ctx_len == 0 (attend to new K/V only).
+    slots: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slot of each new token
+    num_decodes: int
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] slots of each decode's context
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a slot is valid
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, Hq, D]."""
+        ...
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+class TorchAttention:
+    """Reference backend on plain torch ops (CPU or any device)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        b = meta.num_decodes
+        if b:
+            out[:b] = paged_decode(
+                q[:b], k_cache, v_cache, meta.decode_slots, meta.decode_mask, self.scale
+            )
+        for chunk in meta.prefills:
+            sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+            if chunk.slots is None:
+                out[sl] = _attend(q[sl], k[sl], v[sl], None, self.scale, causal=True)
+            else:
+                out[sl] = paged_prefill(
+                    q[sl], k_cache, v_cache, chunk.slots, chunk.ctx_len, self.scale
+                )
+        return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its whole cached context. q [B, Hq, D]."""
+    bsz, lmax = slots.shape
+    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
+    values = v_cache[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """New tokens attend to `ctx_len` cached tokens plus themselves (causally). q [n, Hq, D]."""
+    n = q.shape[0]
+    keys, values = k_cache[slots], v_cache[slots]  # [ctx_len + n, Hkv, D]
+    # Query i sits at position ctx_len + i and sees keys 0 .. ctx_len + i.
+    mask = torch.ones(n, ctx_len + n, dtype=torch.bool, device=q.device).tril(diagonal=ctx_len)
+    return _attend(q, keys, values, mask, scale, causal=False)
+
+
+def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    # [n, H, D] -> [1, H, n, D] for SDPA, and back.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def get_attention_backend(device: torch.device, scale: float) -> AttentionBackend:
+    """The backend for a device. CPU (and, until the GPU kernels land, CUDA) use torch ops."""
+    return TorchAttention(scale)
