@@ -18,7 +18,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput"]
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

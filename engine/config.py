@@ -50,10 +50,10 @@ class ModelConfig:
         arch = (cfg.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported ({SUPPORTED_ARCHITECTURES})")
-        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-            # Sliding-window attention only differs past the window; refuse rather than be wrong.
-            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-                raise ValueError("Mistral sliding_window attention is not supported")
+        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        # Sliding-window attention only differs past the window; refuse rather than be wrong.
+        if window and window < cfg.get("max_position_embeddings", 0):
+            raise ValueError("Mistral sliding_window attention is not supported")
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))

@@ -26,10 +26,7 @@ class Sampler:
         out = []
         for i, request in enumerate(requests):
             params = request.params
-            if params.greedy:
-                token = greedy[i]
-            else:
-                token = self._sample_row(masked[i], request)
+            token = greedy[i] if params.greedy else self._sample_row(masked[i], request)
             lp = None
             if params.logprobs is not None:
                 lp = _logprobs(raw[i], token, params.logprobs)
