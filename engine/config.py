@@ -59,7 +59,8 @@ class ModelConfig:
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         num_heads = cfg["num_attention_heads"]
-        rs = cfg.get("rope_scaling") or {}
+        # transformers 4.x writes rope_theta / rope_scaling; 5.x writes rope_parameters.
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         rope_type = rs.get("rope_type", rs.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported")

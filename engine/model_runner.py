@@ -122,7 +122,8 @@ class ModelRunner:
             table_t = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in decode_tables])
             decode_slots = (table_t[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :lmax]
             lens = torch.tensor(decode_lens)
-            decode_mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+            if min(decode_lens) < lmax:  # all the same length needs no mask
+                decode_mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping),
             num_decodes=len(decode_tables),

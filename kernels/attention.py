@@ -37,7 +37,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot of each new token
     num_decodes: int
     decode_slots: torch.Tensor | None = None  # [B, Lmax] slots of each decode's context
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a slot is valid
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] valid slots; None: all valid
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -101,8 +101,8 @@ def paged_decode(
 ) -> torch.Tensor:
     """One query token per sequence against its whole cached context. q [B, Hq, D]."""
     bsz, lmax = slots.shape
-    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
-    values = v_cache[slots].transpose(1, 2)
+    keys = _gather(k_cache, slots).transpose(1, 2)  # [B, Hkv, Lmax, D]
+    values = _gather(v_cache, slots).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -119,10 +119,15 @@ def paged_prefill(
 ) -> torch.Tensor:
     """New tokens attend to `ctx_len` cached tokens plus themselves (causally). q [n, Hq, D]."""
     n = q.shape[0]
-    keys, values = k_cache[slots], v_cache[slots]  # [ctx_len + n, Hkv, D]
+    keys, values = _gather(k_cache, slots), _gather(v_cache, slots)  # [ctx_len + n, Hkv, D]
     # Query i sits at position ctx_len + i and sees keys 0 .. ctx_len + i.
     mask = torch.ones(n, ctx_len + n, dtype=torch.bool, device=q.device).tril(diagonal=ctx_len)
     return _attend(q, keys, values, mask, scale, causal=False)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # index_select on the flat slot axis is several times faster than advanced indexing.
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""Engine benchmark: this engine vs HF transformers on the same workload, in one run.
+
+    python bench/engine.py [--dtypes float32,bfloat16] [--threads 2] [--quick]
+
+(a) one request, 256-token prompt, 128 new tokens: time to first token, decode tokens/s,
+    and decode against the memory-bandwidth roofline (weight bytes per token over the
+    bandwidth of a large tensor copy measured in this run);
+(b) 64 requests of 256-token prompts, 128 new tokens each, submitted together: output
+    tokens/s, against HF's best static-batch throughput on the same prompts.
+Prints a table with ratios (ours / HF). Timings are wall-clock on a shared machine: compare
+ratios within one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from engine import LLM, SamplingParams
+from engine.make_model import ensure_model
+
+
+@dataclass
+class Single:
+    ttft_s: float
+    decode_tok_s: float
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes per second moved (read + write) by a large tensor copy."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n, length), generator=g).tolist()
+
+
+class _Clock(BaseStreamer):
+    """Records when HF generate() emits each new token (the first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_single(model, prompt: list[int], new: int) -> Single:
+    clock = _Clock()
+    x = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    model.generate(
+        x, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0
+    )
+    first, last = clock.times[1], clock.times[-1]
+    return Single(first - t0, (len(clock.times) - 2) / (last - first))
+
+
+def hf_batch(model, batch: list[list[int]], new: int, batch_size: int) -> float:
+    t0 = time.perf_counter()
+    produced = 0
+    for i in range(0, len(batch), batch_size):
+        x = torch.tensor(batch[i : i + batch_size])
+        out = model.generate(
+            x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+        produced += (out.shape[1] - x.shape[1]) * x.shape[0]
+    return produced / (time.perf_counter() - t0)
+
+
+def ours_single(llm: LLM, prompt: list[int], new: int) -> Single:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    engine.add_request(engine.make_request("single", prompt, params))
+    t0 = time.perf_counter()
+    while not engine.step():
+        pass  # prefill chunks until the first token
+    first = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return Single(first - t0, steps / (time.perf_counter() - first))
+
+
+def ours_batch(llm: LLM, batch: list[list[int]], new: int) -> float:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="model dir (default: the llama-100m preset)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="16,64", help="HF static batch sizes to try")
+    ap.add_argument("--quick", action="store_true", help="8 requests, 32 new tokens (smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.new_tokens, args.hf_batch_sizes = 8, 32, "8"
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or str(ensure_model("llama-100m"))
+
+    bw = copy_bandwidth()
+    rows: list[tuple[str, str, float, float]] = []
+    print(f"model {model_dir}, threads {args.threads}, copy bandwidth {bw / 1e9:.1f} GB/s")
+    for dtype in args.dtypes.split(","):
+        tdtype = getattr(torch, dtype)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+        vocab = hf.config.vocab_size
+        single = prompts(1, args.prompt_len, vocab, seed=1)[0]
+        batch = prompts(args.batch, args.prompt_len, vocab, seed=2)
+        # Every weight but the embedding table is read once per decoded token.
+        weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        weight_bytes -= (
+            hf.model.embed_tokens.weight.numel() * hf.model.embed_tokens.weight.element_size()
+        )
+        roofline = bw / weight_bytes
+
+        kv_bytes = 3 << 30
+        llm = LLM(
+            model_dir,
+            dtype=dtype,
+            num_threads=args.threads,
+            kv_cache_memory_bytes=kv_bytes,
+            max_num_seqs=max(64, args.batch),
+        )
+        with torch.inference_mode():
+            hf_single(hf, single[:32], 4)  # warm-up
+            ours_single(llm, single[:32], 4)
+            a_hf = hf_single(hf, single, args.new_tokens)
+            a_us = ours_single(llm, single, args.new_tokens)
+            hf_best, hf_bs = 0.0, 0
+            for bs in map(int, args.hf_batch_sizes.split(",")):
+                tput = hf_batch(hf, batch, args.new_tokens, bs)
+                if tput > hf_best:
+                    hf_best, hf_bs = tput, bs
+            b_us = ours_batch(llm, batch, args.new_tokens)
+        rows += [
+            (dtype, "(a) TTFT ms (lower is better)", a_us.ttft_s * 1e3, a_hf.ttft_s * 1e3),
+            (dtype, "(a) decode tok/s", a_us.decode_tok_s, a_hf.decode_tok_s),
+            (dtype, "(a) decode roofline tok/s", roofline, roofline),
+            (dtype, f"(b) {args.batch}x throughput tok/s (HF bs={hf_bs})", b_us, hf_best),
+        ]
+        print(
+            f"{dtype}: ours decode = {a_us.decode_tok_s / roofline:.0%} of roofline "
+            f"({roofline:.1f} tok/s at {weight_bytes / 2**20:.0f} MiB/token)"
+        )
+        del hf, llm
+        gc.collect()
+
+    print()
+    print(f"{'dtype':9} {'metric':44} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
+    for dtype, metric, ours, ref in rows:
+        print(f"{dtype:9} {metric:44} {ours:10.1f} {ref:10.1f} {ours / ref:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Build small HuggingFace-format checkpoints locally and deterministically.
+
+No machine here reaches a model hub, yet the engine, its tests and the benchmarks need real
+checkpoints in the exact on-disk layout of the supported families (Llama, Qwen2, Mistral).
+This module makes them: seeded random float32 weights saved as safetensors (sharded with
+HF's naming when large) next to a byte-level BPE tokenizer trained on the Python standard
+library, the one corpus every machine has. Same inputs, same bytes: two builds on one
+machine give byte-identical files, so tests can compare our engine token for token against
+HF ``generate()``.
+
+The weights are deliberately "peaky" (large-std embeddings and lm_head, strong attention):
+greedy decoding from a near-uniform random model is decided by float noise between near-tied
+logits, which would make engine-vs-reference comparisons flaky.
+
+The tokenizer corpus is this interpreter's stdlib, so a different Python version gives a
+different (equally valid) tokenizer; builds are byte-identical for one Python version.
+HF transformers is never imported here: it is a test reference, not a runtime dependency.
+From the shell: ``rtp-serve make-model --preset tiny-llama --out DIR``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRESET = "tiny-llama"
+VOCAB_SIZE = 8192
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+MODEL_MAX_LENGTH = 2048
+# Bump when the output of a build changes, so caches built by older code are not reused.
+BUILD_VERSION = 1
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Training corpus: stdlib sources minus vendored packages, the huge test suite and data-like
+# modules (codec tables, pydoc topics), capped so training takes a few seconds.
+_CORPUS_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "encodings", "pydoc_data", "idlelib"}
+)
+_CORPUS_BYTES = 4 << 20
+# The pre-tokenizer split of Qwen2 (and, but for \p{N}{1,3}, Llama 3). transformers >= 5
+# rebuilds any qwen2 tokenizer around exactly this regex plus NFC, whatever tokenizer.json
+# says; sharing it keeps HF and tokenizer.json in agreement for every preset.
+_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """Architecture and init of one generated checkpoint."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    seed: int
+    rope_theta: float = 10000.0
+    # Items of HF's ``rope_scaling`` dict; empty means no scaling. A tuple keeps it hashable.
+    rope_scaling: tuple[tuple[str, float | int | str], ...] = ()
+    qkv_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    # Init stds are gain / sqrt(fan_in). Unlike HF's flat 0.02 (fine before training, but
+    # it leaves a random model near-uniform and tie-prone), these make every layer matter:
+    # proj_gain > 1 lets each block outweigh the residual stream (else a tied-embedding model
+    # mostly predicts its input token again), qk_gain makes attention non-uniform, and
+    # logit_std spreads the final logits so greedy picks are clear-cut.
+    proj_gain: float = 1.5
+    qk_gain: float = 1.2
+    logit_std: float = 3.0  # embed_tokens and lm_head std is logit_std / sqrt(hidden)
+    bias_std: float = 0.02
+    # NFC-normalize in the tokenizer: HF's Qwen2Tokenizer always does, so tiny-qwen2 must too
+    # (decode(encode(s)) == s then holds for NFC strings only).
+    tokenizer_nfc: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset(
+        "LlamaForCausalLM", "llama", 128, 4, 4, 2, 352, False, seed=1,
+        rope_theta=500000.0,
+        rope_scaling=(
+            ("rope_type", "llama3"),
+            ("factor", 8.0),
+            ("low_freq_factor", 1.0),
+            ("high_freq_factor", 4.0),
+            ("original_max_position_embeddings", 256),
+        ),
+    ),
+    "tiny-qwen2": Preset(
+        "Qwen2ForCausalLM", "qwen2", 128, 4, 4, 2, 352, True, seed=2,
+        rope_theta=1000000.0, qkv_bias=True, rms_norm_eps=1e-6, tokenizer_nfc=True,
+    ),
+    "tiny-mistral": Preset("MistralForCausalLM", "mistral", 128, 4, 4, 2, 352, False, seed=3),
+    "llama-100m": Preset("LlamaForCausalLM", "llama", 768, 12, 12, 12, 2048, False, seed=4),
+}  # fmt: skip
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}") from None
+
+
+def _corpus() -> Iterator[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix())
+    total = 0
+    for path in paths:
+        if _CORPUS_SKIP_DIRS.intersection(path.relative_to(root).parts[:-1]):
+            continue
+        data = path.read_bytes()
+        yield data.decode("utf-8", errors="replace")
+        total += len(data)
+        if total >= _CORPUS_BYTES:
+            return
+
+
+@functools.cache
+def train_tokenizer() -> str:
+    """Train the shared byte-level BPE tokenizer; returns tokenizer.json text (cached)."""
+    start = time.perf_counter()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    log.info("trained tokenizer in %.1fs", time.perf_counter() - start)
+    return tok.to_str(pretty=True)
+
+
+def _config(p: Preset) -> dict[str, object]:
+    """config.json in the layout real checkpoints of the family use (transformers 4.x keys)."""
+    cfg: dict[str, object] = {
+        "architectures": [p.architecture],
+        "model_type": p.model_type,
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": p.rms_norm_eps,
+        "rope_theta": p.rope_theta,
+        "rope_scaling": dict(p.rope_scaling) or None,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if p.model_type == "llama":
+        cfg |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    elif p.model_type == "qwen2":
+        cfg |= {"use_sliding_window": False, "sliding_window": None}
+        cfg["max_window_layers"] = p.num_layers
+    elif p.model_type == "mistral":
+        cfg["sliding_window"] = None
+    return cfg
+
+
+def _weights(p: Preset) -> dict[str, torch.Tensor]:
+    """Seeded random weights under HF tensor names, in model order."""
+    gen = torch.Generator().manual_seed(p.seed)
+
+    def normal(std: float, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float32)
+
+    h, i = p.hidden_size, p.intermediate_size
+    q, kv = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+    proj, qk, embed = p.proj_gain / h**0.5, p.qk_gain / h**0.5, p.logit_std / h**0.5
+    w = {"model.embed_tokens.weight": normal(embed, VOCAB_SIZE, h)}
+    for layer in range(p.num_layers):
+        pre = f"model.layers.{layer}."
+        w[pre + "input_layernorm.weight"] = ones(h)
+        w[pre + "self_attn.q_proj.weight"] = normal(qk, q, h)
+        w[pre + "self_attn.k_proj.weight"] = normal(qk, kv, h)
+        w[pre + "self_attn.v_proj.weight"] = normal(proj, kv, h)
+        if p.qkv_bias:
+            w[pre + "self_attn.q_proj.bias"] = normal(p.bias_std, q)
+            w[pre + "self_attn.k_proj.bias"] = normal(p.bias_std, kv)
+            w[pre + "self_attn.v_proj.bias"] = normal(p.bias_std, kv)
+        w[pre + "self_attn.o_proj.weight"] = normal(p.proj_gain / q**0.5, h, q)
+        w[pre + "post_attention_layernorm.weight"] = ones(h)
+        w[pre + "mlp.gate_proj.weight"] = normal(proj, i, h)
+        w[pre + "mlp.up_proj.weight"] = normal(proj, i, h)
+        w[pre + "mlp.down_proj.weight"] = normal(p.proj_gain / i**0.5, h, i)
+    w["model.norm.weight"] = ones(h)
+    if not p.tie_word_embeddings:
+        w["lm_head.weight"] = normal(embed, VOCAB_SIZE, h)
+    return w
+
+
+def _save_weights(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    """Write model.safetensors, or HF-named shards plus model.safetensors.index.json."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in weights.items():  # greedy in model order, like HF's save_pretrained
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(dict(sorted(shards[0].items())), out / "model.safetensors", metadata=meta)
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(dict(sorted(shard.items())), out / fname, metadata=meta)
+        weight_map |= dict.fromkeys(shard, fname)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def _write_tokenizer(out: Path, p: Preset) -> None:
+    tokenizer_json = train_tokenizer()
+    if p.tokenizer_nfc:
+        tok = Tokenizer.from_str(tokenizer_json)
+        tok.normalizer = normalizers.NFC()
+        tokenizer_json = tok.to_str(pretty=True)
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    eot = SPECIAL_TOKENS[0]
+    special = {"bos_token": eot, "eos_token": eot, "pad_token": eot}
+    _write_json(out / "special_tokens_map.json", special)
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    added = {str(i): {"content": t, "special": True} | flags for i, t in enumerate(SPECIAL_TOKENS)}
+    tokenizer_config = special | {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MODEL_MAX_LENGTH,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+
+
+def build_model(preset: str, out_dir: str | Path, *, max_shard_bytes: int = 256 << 20) -> Path:
+    """Build ``preset`` into ``out_dir`` (replacing it) and return the directory.
+
+    Everything is written into a temp dir beside ``out_dir`` and renamed into place, so a
+    reader never sees a half-written checkpoint.
+    """
+    p = get_preset(preset)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_json(tmp / "config.json", _config(p))
+        # Stop on <|im_end|> (end of a chat turn) as well as <|endoftext|>, like Qwen2 chat.
+        gen = {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0}  # SPECIAL_TOKENS
+        _write_json(tmp / "generation_config.json", gen)
+        _write_tokenizer(tmp, p)
+        _save_weights(_weights(p), tmp, max_shard_bytes)
+        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if out.exists() and any(out.iterdir()):  # rename() only replaces an empty directory
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            out.replace(old)
+            shutil.rmtree(old)
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("built %s into %s in %.1fs", preset, out, time.perf_counter() - start)
+    return out
+
+
+def model_cache_dir() -> Path:
+    """Where ensure_model() keeps built checkpoints ($RTP_SERVE_MODEL_CACHE)."""
+    default = Path.home() / ".cache" / "rtp-serve" / "models"
+    return Path(os.environ.get("RTP_SERVE_MODEL_CACHE", default))
+
+
+def ensure_model(preset: str = DEFAULT_PRESET) -> Path:
+    """Return the cached checkpoint for ``preset``, building it on first use.
+
+    Safe under concurrent processes: builders serialize on a lock file, and the
+    checkpoint dir appears only complete (atomic rename), so its existence means done.
+    """
+    get_preset(preset)
+    cache = model_cache_dir()
+    out = cache / f"{preset}-v{BUILD_VERSION}"
+    if out.is_dir():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_dir():
+            build_model(preset, out)
+    return out
