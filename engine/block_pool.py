@@ -110,6 +110,11 @@ class BlockPool:
         if self._record_events:
             self._events.append(KVEvent(KVEventKind.STORED, block_hash))
 
+    def uncache(self, block: KVBlock) -> None:
+        """Withdraw a block's hash: the KV it was registered for will never be written."""
+        if block.block_hash is not None:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. after new weights are loaded)."""
         for block in list(self._free.values()):

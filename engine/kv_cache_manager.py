@@ -70,7 +70,11 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
-        self._num_hashed.pop(request.request_id, None)
+        num_hashed = self._num_hashed.pop(request.request_id, 0)
+        # Blocks are cached when their step is scheduled. A request preempted later in that
+        # same step never computes it, so blocks past its computed tokens hold no valid KV.
+        for block in blocks[request.num_computed_tokens // self.block_size : num_hashed]:
+            self.pool.uncache(block)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -115,20 +115,17 @@ class ModelRunner:
                     ctx_slots = (t[:, None] * bs + torch.arange(bs)).flatten()[: start + n]
                 prefills.append(PrefillChunk(q_start, n, start, ctx_slots))
 
-        decode_slots = decode_mask = None
+        decode_tables_t = decode_lens_t = None
         if decode_tables:
-            lmax = max(decode_lens)
-            nblk = (lmax + bs - 1) // bs
-            table_t = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in decode_tables])
-            decode_slots = (table_t[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :lmax]
-            lens = torch.tensor(decode_lens)
-            if min(decode_lens) < lmax:  # all the same length needs no mask
-                decode_mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+            nblk = max(map(len, decode_tables))
+            decode_tables_t = torch.tensor([t + [0] * (nblk - len(t)) for t in decode_tables])
+            decode_lens_t = torch.tensor(decode_lens)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping),
+            block_size=bs,
             num_decodes=len(decode_tables),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_block_tables=decode_tables_t,
+            decode_seq_lens=decode_lens_t,
             prefills=prefills,
         )
         return torch.tensor(ids), torch.tensor(pos), meta, torch.tensor(sample_rows)

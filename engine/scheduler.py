@@ -184,16 +184,19 @@ class Scheduler:
         return advanced, finished
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        # Same order as vLLM: a token that reaches the length limit reports "length" even if
+        # it is also a stop token.
         params = request.params
         n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
         if n_out >= params.max_tokens or len(request.token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if n_out < params.min_tokens:
+            return None
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     def check_integrity(self) -> None:

@@ -35,9 +35,10 @@ class PrefillChunk:
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot of each new token
+    block_size: int
     num_decodes: int
-    decode_slots: torch.Tensor | None = None  # [B, Lmax] slots of each decode's context
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] valid slots; None: all valid
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded
+    decode_seq_lens: torch.Tensor | None = None  # [B] context length incl. the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -77,9 +78,7 @@ class TorchAttention:
         out = torch.empty_like(q)
         b = meta.num_decodes
         if b:
-            out[:b] = paged_decode(
-                q[:b], k_cache, v_cache, meta.decode_slots, meta.decode_mask, self.scale
-            )
+            out[:b] = self.decode(q[:b], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
             if chunk.slots is None:
@@ -90,17 +89,53 @@ class TorchAttention:
                 )
         return out
 
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.block_size,
+            self.scale,
+        )
+
+
+class CpuKernelAttention(TorchAttention):
+    """Decode through the compiled CPU kernel (reads K/V in place); prefill as the reference."""
+
+    def __init__(self, scale: float, ops) -> None:
+        super().__init__(scale)
+        self.ops = ops
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.ops.paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.block_size,
+            self.scale,
+        )
+
 
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    mask: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its whole cached context. q [B, Hq, D]."""
-    bsz, lmax = slots.shape
+    lmax = int(seq_lens.max())
+    offsets = torch.arange(block_size, device=q.device)
+    slots = (block_tables[:, :, None] * block_size + offsets).flatten(1)[:, :lmax]
+    mask = None  # all the same length needs no mask
+    if int(seq_lens.min()) < lmax:
+        mask = (torch.arange(lmax, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
     keys = _gather(k_cache, slots).transpose(1, 2)  # [B, Hkv, Lmax, D]
     values = _gather(v_cache, slots).transpose(1, 2)
     out = F.scaled_dot_product_attention(
@@ -145,5 +180,12 @@ def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
 
 
 def get_attention_backend(device: torch.device, scale: float) -> AttentionBackend:
-    """The backend for a device. CPU (and, until the GPU kernels land, CUDA) use torch ops."""
+    """The backend for a device: the compiled CPU kernel where it builds, else torch ops
+    (also on CUDA until the GPU kernels land)."""
+    if device.type == "cpu":
+        from kernels import cpu
+
+        ops = cpu.load()
+        if ops is not None:
+            return CpuKernelAttention(scale, ops)
     return TorchAttention(scale)

@@ -1,0 +1,99 @@
+"""Chained block hash keys, and the modules that must import without torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from services.common.block_hash import block_hash_keys, hash_block, hash_extra
+
+BS = 4
+
+
+def test_keys_are_chained_block_by_block():
+    tokens = list(range(10))
+    keys = block_hash_keys(tokens, BS)
+    assert keys == [
+        hash_block(None, [0, 1, 2, 3]),
+        hash_block(keys[0], [4, 5, 6, 7]),
+    ]
+    assert all(len(k) == 16 for k in keys)
+
+
+def test_equal_prefixes_give_equal_keys():
+    a = block_hash_keys([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], BS)
+    b = block_hash_keys([1, 2, 3, 4, 5, 6, 7, 8, 90, 10, 11, 12], BS)
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+
+
+def test_change_in_block0_changes_every_later_key():
+    a = block_hash_keys(list(range(16)), BS)
+    b = block_hash_keys([99] + list(range(1, 16)), BS)
+    assert len(a) == len(b) == 4
+    assert all(x != y for x, y in zip(a, b, strict=True))
+
+
+def test_equal_blocks_after_different_prefixes_get_different_keys():
+    # Block 1 holds the same tokens in both, but the prefix differs: keys name prefixes.
+    a = block_hash_keys([1, 1, 1, 1, 5, 6, 7, 8], BS)
+    b = block_hash_keys([2, 2, 2, 2, 5, 6, 7, 8], BS)
+    assert a[1] != b[1]
+
+
+def test_different_extra_gives_disjoint_keys():
+    tokens = list(range(12))
+    extras = [
+        b"",
+        hash_extra("llama", "bfloat16"),
+        hash_extra("llama", "float16"),
+        hash_extra("llama", "bfloat16", adapter="lora-a"),
+        hash_extra("qwen", "bfloat16"),
+    ]
+    key_sets = [set(block_hash_keys(tokens, BS, extra)) for extra in extras]
+    assert all(len(s) == 3 for s in key_sets)
+    union = set().union(*key_sets)
+    assert len(union) == 3 * len(extras)
+
+
+def test_hash_extra_is_deterministic():
+    assert hash_extra("m", "bfloat16") == hash_extra("m", "bfloat16")
+    assert len(hash_extra("m", "bfloat16")) == 16
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_keys"), [(0, 0), (3, 0), (4, 1), (7, 1), (8, 2), (11, 2)]
+)
+def test_only_full_blocks_are_hashed(num_tokens, num_keys):
+    assert len(block_hash_keys(list(range(num_tokens)), BS)) == num_keys
+
+
+def test_incremental_extension_equals_full_recompute():
+    tokens = list(range(100, 123))  # 5 full blocks and a partial one
+    full = block_hash_keys(tokens, BS, b"x")
+    head = block_hash_keys(tokens[:9], BS, b"x")  # 2 keys; token 8 is in a partial block
+    assert head == full[:2]
+    tail = block_hash_keys(tokens, BS, b"x", parent=head[-1], start=len(head) * BS)
+    assert head + tail == full
+
+
+def test_extension_with_nothing_new_is_empty():
+    tokens = list(range(8))
+    keys = block_hash_keys(tokens, BS)
+    assert block_hash_keys(tokens + [8, 9], BS, parent=keys[-1], start=8) == []
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="block_size"):
+        block_hash_keys([1, 2], 0)
+    with pytest.raises(ValueError, match="start"):
+        block_hash_keys(list(range(8)), BS, start=2)
+
+
+@pytest.mark.parametrize(
+    "module", ["services.common.block_hash", "engine.tokenizer", "engine.sampling_params"]
+)
+def test_module_imports_without_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
