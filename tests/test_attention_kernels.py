@@ -6,10 +6,16 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu
-from kernels.attention import paged_decode, paged_prefill
+from kernels.attention import (
+    AttentionMetadata,
+    CpuKernelAttention,
+    PrefillChunk,
+    TorchAttention,
+    paged_decode,
+    paged_prefill,
+)
 
 
 def dense(q, k, v, scale):
@@ -92,15 +98,48 @@ def test_paged_prefill_matches_dense(ctx_len, n):
     torch.testing.assert_close(out, dense(q, k, v, d**-0.5), atol=1e-5, rtol=1e-5)
 
 
-def test_fresh_prefill_is_plain_causal_attention():
-    # The no-context path (is_causal SDPA) agrees with the dense reference too.
+def _backends(scale):
+    backends = [TorchAttention(scale)]
+    ops = cpu.load()
+    if ops is not None:
+        backends.append(CpuKernelAttention(scale, ops))
+    return backends
+
+
+def test_mixed_batch_writes_kv_then_attends():
+    """Decodes, a chunk after cached context and a fresh prompt in one flat batch."""
     torch.manual_seed(2)
-    q, k, v = torch.randn(9, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        is_causal=True,
-        enable_gqa=True,
-    )[0].transpose(0, 1)
-    torch.testing.assert_close(out, dense(q, k, v, 16**-0.5), atol=1e-5, rtol=1e-5)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    # (context already cached, new tokens this step) per sequence; decodes first.
+    seqs = [(6, 1), (12, 1), (5, 7), (0, 9)]
+    full = [(torch.randn(c + n, hkv, d), torch.randn(c + n, hkv, d)) for c, n in seqs]
+    k_cache, v_cache, tables = scatter_cache(full, 64, bs, torch.float32)
+    for (c, n), table in zip(seqs, tables, strict=True):  # forget the new tokens' K/V
+        new_slots = [table[t // bs] * bs + t % bs for t in range(c, c + n)]
+        k_cache[new_slots] = 0.0
+        v_cache[new_slots] = 0.0
+
+    def slots_of(table, start, end):
+        return torch.tensor([table[t // bs] * bs + t % bs for t in range(start, end)])
+
+    q = torch.randn(sum(n for _, n in seqs), hq, d)
+    k_new = torch.cat([k[c:] for (c, _), (k, _) in zip(seqs, full, strict=True)])
+    v_new = torch.cat([v[c:] for (c, _), (_, v) in zip(seqs, full, strict=True)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(
+            [slots_of(t, c, c + n) for (c, n), t in zip(seqs, tables, strict=True)]
+        ),
+        block_size=bs,
+        num_decodes=2,
+        decode_block_tables=padded(tables[:2]),
+        decode_seq_lens=torch.tensor([7, 13]),
+        prefills=[PrefillChunk(2, 7, 5, slots_of(tables[2], 0, 12)), PrefillChunk(9, 9, 0, None)],
+    )
+    offsets = [0, 1, 2, 9, 18]
+    expected = torch.cat(
+        [dense(q[offsets[i] : offsets[i + 1]], k, v, d**-0.5) for i, (k, v) in enumerate(full)]
+    )
+    for backend in _backends(d**-0.5):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = backend.forward(q, k_new, v_new, kc, vc, meta)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=type(backend).__name__)
