@@ -85,6 +85,9 @@ class AsyncLLM:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    # Refused (e.g. a duplicate id) or already aborted by the engine: aborting
+                    # by id now could only hit another caller's request of the same id.
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item

@@ -23,14 +23,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
-    max_model_len = min(
-        config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
-    )
     itemsize = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
     bytes_per_block = (
         2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * itemsize
     )
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+    max_model_len = min(
+        config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
+    )
+    # A request can never hold more KV than the whole pool: past that it would wait (or be
+    # preempted) forever, so the pool caps the context.
+    capacity = num_blocks * config.block_size
+    if max_model_len > capacity:
+        log.warning(
+            "max_model_len %d exceeds the KV pool (%d tokens); capping it", max_model_len, capacity
+        )
+        max_model_len = capacity
     return EngineLimits(
         num_kv_blocks=num_blocks, max_model_len=max_model_len, bytes_per_block=bytes_per_block
     )

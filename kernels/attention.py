@@ -133,11 +133,16 @@ def paged_decode(
     lmax = int(seq_lens.max())
     offsets = torch.arange(block_size, device=q.device)
     slots = (block_tables[:, :, None] * block_size + offsets).flatten(1)[:, :lmax]
+    keys = _gather(k_cache, slots)  # [B, Lmax, Hkv, D]
+    values = _gather(v_cache, slots)
     mask = None  # all the same length needs no mask
     if int(seq_lens.min()) < lmax:
-        mask = (torch.arange(lmax, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    keys = _gather(k_cache, slots).transpose(1, 2)  # [B, Hkv, Lmax, D]
-    values = _gather(v_cache, slots).transpose(1, 2)
+        valid = torch.arange(lmax, device=q.device)[None, :] < seq_lens[:, None]
+        # Padding slots hold whatever memory had (even NaN): zero them, not just mask them.
+        keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
+        values = values.masked_fill(~valid[:, :, None, None], 0.0)
+        mask = valid[:, None, None, :]
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lmax, D]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -1,0 +1,79 @@
+"""Plain helpers shared by the engine tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request import Request
+
+PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
+# Greedy references are computed once for this many tokens; tests compare prefixes of them.
+REF_TOKENS = 24
+
+
+def assert_pool_idle(engine: LLMEngine) -> None:
+    """Integrity holds and every block is free (or cached but unreferenced)."""
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def step_checked(engine: LLMEngine) -> list[RequestOutput]:
+    outputs = engine.step()
+    engine.check_integrity()
+    return outputs
+
+
+def drive(
+    engine: LLMEngine,
+    arrivals: Mapping[int, Sequence[Request]],
+    max_steps: int = 2000,
+) -> tuple[dict[str, RequestOutput], dict[str, list[int]]]:
+    """Add `arrivals[i]` before step i, step (checking integrity) until all finish.
+
+    Returns (final output per request id, streamed new_token_ids concatenated per id).
+    """
+    final: dict[str, RequestOutput] = {}
+    streamed: dict[str, list[int]] = {}
+    last_arrival = max(arrivals, default=0)
+    for i in range(max_steps):
+        for request in arrivals.get(i, ()):
+            engine.add_request(request)
+        if i >= last_arrival and not engine.has_unfinished_requests():
+            return final, streamed
+        for out in step_checked(engine):
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                assert out.request_id not in final, "a request finished twice"
+                final[out.request_id] = out
+    raise AssertionError(f"engine made no progress to completion in {max_steps} steps")
+
+
+# Finite junk, not NaN: masked-out attention slots then contribute exactly 0, while any read
+# of a slot that was never written (a stale prefix-cache hit, a wrong block table) derails
+# the output deterministically instead of depending on what the allocator left there.
+KV_POISON = 1e4
+
+
+def make_llm(model_dir: Path, dtype: str = "float32", **engine_args) -> LLM:
+    """An LLM on a small pool (block_size 16, 64 blocks unless given) with a poisoned cache."""
+    args = {"block_size": 16, "num_kv_blocks": 64} | engine_args
+    llm = LLM(str(model_dir), dtype=dtype, **args)
+    poison_kv(llm.engine)
+    return llm
+
+
+def poison_kv(engine: LLMEngine) -> None:
+    engine.runner.kv_cache.fill_(KV_POISON)
+
+
+def use_torch_attention(engine: LLMEngine) -> None:
+    """Swap in the torch reference attention backend (used where no CPU kernel builds)."""
+    from kernels.attention import TorchAttention
+
+    model = engine.runner.model
+    model.attention = TorchAttention(model.attention.scale)
