@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import PromptKV, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,6 +47,14 @@ class _Add:
 
 
 @dataclass(slots=True)
+class _Activate:
+    request_id: str
+    kv: list[PromptKV]
+    first: SampledToken
+    stream: _Stream
+
+
+@dataclass(slots=True)
 class _Abort:
     request_id: str
 
@@ -60,7 +69,9 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
         self.engine = LLMEngine(config, record_kv_events=record_kv_events)
         self.tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Activate | _Abort | _Call | None] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stats = self.engine.stats()
@@ -74,12 +85,40 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        export_kv_from: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs until the request finishes. Closing the iterator aborts it."""
+        """Stream outputs until the request finishes. Closing the iterator aborts it.
+
+        With `export_kv_from` (PD prefill side) the final output carries the prompt's KV.
+        """
         request_id = request_id or f"req-{next(self._ids)}"
-        request = self.engine.make_request(request_id, prompt, params, priority)  # may raise
+        request = self.engine.make_request(request_id, prompt, params, priority, export_kv_from)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(_Add(request, stream))
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    async def reserve(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, priority: int = 0
+    ) -> int:
+        """PD decode side: hold blocks for a prompt computed elsewhere.
+
+        Returns how many leading prompt tokens are cached here already. Raises ValueError
+        for bad input and engine.scheduler.NoCapacityError when there is no room.
+        """
+        request = self.engine.make_request(request_id, prompt, params, priority)
+        return await self.call(lambda engine: engine.reserve(request))
+
+    async def generate_prefilled(
+        self, request_id: str, kv: Sequence[PromptKV], first: SampledToken
+    ) -> AsyncIterator[RequestOutput]:
+        """Write a reserved request's prompt KV, then decode on from the first token."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(_Activate(request_id, list(kv), first, stream))
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    async def _consume(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -144,7 +183,7 @@ class AsyncLLM:
                         del self._streams[out.request_id]
             self._stats = engine.stats()
 
-    def _handle(self, cmd: _Add | _Abort | _Call) -> None:
+    def _handle(self, cmd: _Add | _Activate | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(cmd.request)
@@ -152,6 +191,18 @@ class AsyncLLM:
                 cmd.stream.put(exc)
                 return
             self._streams[cmd.request.request_id] = cmd.stream
+        elif isinstance(cmd, _Activate):
+            try:
+                for part in cmd.kv:
+                    self.engine.write_prompt_kv(cmd.request_id, part.start, part.k, part.v)
+                out = self.engine.activate(cmd.request_id, cmd.first)
+            except (KeyError, ValueError) as exc:
+                self.engine.abort_request(cmd.request_id)
+                cmd.stream.put(ValueError(f"cannot activate {cmd.request_id}: {exc}"))
+                return
+            cmd.stream.put(out)
+            if not out.finished:
+                self._streams[cmd.request_id] = cmd.stream
         elif isinstance(cmd, _Abort):
             out = self.engine.abort_request(cmd.request_id)
             stream = self._streams.pop(cmd.request_id, None)

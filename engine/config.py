@@ -103,7 +103,7 @@ class EngineConfig:
     block_size: int = 16
     # KV pool size: an explicit block count wins over the memory budget.
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = 512 << 20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -38,9 +38,18 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed: list[KVBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed: list[KVBlock] | None = None,
+        cache: bool = True,
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if it can't."""
+        """Make room for `num_new_tokens` more tokens; False (and no change) if it can't.
+
+        With `cache`, blocks this step fills are offered to the prefix cache at once (their
+        KV is written before anything reads it). A reservation whose KV arrives later from
+        another worker passes False and calls `cache_blocks` once it has been written.
+        """
         new_computed = new_computed or []
         blocks = self._blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
@@ -55,9 +64,16 @@ class KVCacheManager:
         blocks.extend(new_computed)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total // self.block_size)
+        if cache:
+            self.cache_blocks(request, total)
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the request's full blocks within its first `num_tokens` to the prefix cache."""
+        if self.enable_caching:
+            self._cache_full_blocks(
+                request, self._blocks[request.request_id], num_tokens // self.block_size
+            )
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
         # Blocks whose every token is computed by the end of this step. Their KV is written

@@ -12,10 +12,10 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_limits
-from engine.outputs import RequestOutput
+from engine.outputs import PromptKV, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import SampledToken, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from services.common.block_hash import hash_extra
 
@@ -62,6 +62,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         priority: int = 0,
+        export_kv_from: int | None = None,
     ) -> Request:
         """Validate and convert a prompt into an engine request (raises ValueError)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -87,6 +88,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             hash_extra=self.hash_extra,
             priority=priority,
+            export_kv_from=export_kv_from,
         )
 
     def add_request(self, request: Request) -> None:
@@ -108,8 +110,37 @@ class LLMEngine:
             s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled
         }
         sampled = self.runner.execute(sched, tables)
-        advanced, _ = self.scheduler.update_from_output(sched, sampled)
-        return [RequestOutput.from_request(r, 1) for r in advanced]
+        advanced, finished = self.scheduler.update_from_output(sched, sampled)
+        exports = {
+            r.request_id: self._export(r, tables[r.request_id])
+            for r in finished
+            if r.export_kv_from is not None
+        }
+        return [RequestOutput.from_request(r, 1, exports.get(r.request_id)) for r in advanced]
+
+    def _export(self, request: Request, block_ids: list[int]) -> PromptKV:
+        # The blocks were released by this very step, but nothing can reuse them before the
+        # next schedule(), so their contents are still this request's KV.
+        start = request.export_kv_from or 0
+        k, v = self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
+        return PromptKV(start, k, v)
+
+    # -- PD decode side --------------------------------------------------------------------
+    def reserve(self, request: Request) -> int:
+        """Hold blocks for a prompt computed elsewhere; returns prompt tokens cached here."""
+        return self.scheduler.reserve(request)
+
+    def write_prompt_kv(self, request_id: str, start: int, k, v) -> None:
+        request = self.scheduler.reserved[request_id]
+        if start + k.shape[1] > request.num_prompt_tokens:
+            raise ValueError(f"KV for tokens [{start}, {start + k.shape[1]}) is past the prompt")
+        self.runner.write_kv(self.kv.block_ids(request_id), start, k, v)
+
+    def activate(self, request_id: str, first: SampledToken) -> RequestOutput:
+        """Every prompt block is written: decode on from the prefill side's first token."""
+        if not 0 <= first.token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first.token_id} out of range")
+        return RequestOutput.from_request(self.scheduler.activate(request_id, first), 1)
 
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -63,8 +63,9 @@ class ModelRunner:
             model_config.num_kv_heads,
             model_config.head_dim,
         )
-        # empty, not zeros: untouched pages cost no memory until a block is first written.
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeroed up front, like a GPU pool reserved at start-up: first-touch page faults would
+        # otherwise land on the first requests' steps.
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(model_config.eos_token_ids, config.seed)
         log.info(
@@ -75,6 +76,30 @@ class ModelRunner:
             limits.num_kv_blocks,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
+
+    # -- KV in and out (PD transfer, remote tiers) ------------------------------------------
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        pos = torch.arange(start, end)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
+
+    def read_kv(
+        self, block_ids: list[int], start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of token positions [start, end), each [layers, end - start, kv_heads, D]."""
+        slots = self._slots(block_ids, start, end)
+        return self.kv_cache[:, 0].index_select(1, slots), self.kv_cache[:, 1].index_select(
+            1, slots
+        )
+
+    def write_kv(self, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        expected = (self.cfg.num_layers, k.shape[1], self.cfg.num_kv_heads, self.cfg.head_dim)
+        if tuple(k.shape) != expected or k.shape != v.shape:
+            raise ValueError(f"KV shape {tuple(k.shape)}/{tuple(v.shape)} != expected {expected}")
+        slots = self._slots(block_ids, start, start + k.shape[1])
+        self.kv_cache[:, 0].index_copy_(1, slots, k.to(self.dtype))
+        self.kv_cache[:, 1].index_copy_(1, slots, v.to(self.dtype))
 
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.request import FINISH_REASONS, Request, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKV:
+    """KV of prompt positions [start, start + n) of a finished prefill-only request."""
+
+    start: int
+    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    v: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,9 +32,12 @@ class RequestOutput:
     num_cached_tokens: int
     stop_reason: int | None = None
     text: str = ""
+    prompt_kv: PromptKV | None = None  # only for requests made with export_kv_from
 
     @classmethod
-    def from_request(cls, request: Request, num_new: int) -> RequestOutput:
+    def from_request(
+        cls, request: Request, num_new: int, prompt_kv: PromptKV | None = None
+    ) -> RequestOutput:
         out = request.output_token_ids
         finished = request.status.finished
         return cls(
@@ -34,4 +50,5 @@ class RequestOutput:
             finish_reason=FINISH_REASONS.get(request.status) if finished else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             stop_reason=request.stop_reason,
+            prompt_kv=prompt_kv,
         )

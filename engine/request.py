@@ -70,6 +70,9 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generator: torch.Generator | None = None
     stop_reason: int | None = None
+    # PD prefill side: when the request finishes, hand back the KV of prompt positions from
+    # here on (None: don't). Blocks the decode side already caches are skipped.
+    export_kv_from: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

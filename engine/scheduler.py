@@ -45,6 +45,10 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class NoCapacityError(RuntimeError):
+    """Not enough KV blocks or sequence slots right now (the caller may retry elsewhere)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     token_id: int
@@ -60,6 +64,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
+        # PD decode side: requests holding blocks while their prompt KV comes from elsewhere.
+        self.reserved: dict[str, Request] = {}
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
 
     # -- queues ----------------------------------------------------------------------------
@@ -86,11 +92,44 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.request_id in self.reserved:
+            del self.reserved[request.request_id]
         else:
             self._waiting = [(k, r) for k, r in self._waiting if r is not request]
             heapq.heapify(self._waiting)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    # -- PD decode side --------------------------------------------------------------------
+    def reserve(self, request: Request) -> int:
+        """Hold blocks for a whole prompt whose KV another worker computes.
+
+        Returns how many leading prompt tokens are already cached here (their KV need not be
+        sent). Raises NoCapacityError when there is no room now.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            raise NoCapacityError(f"{self.config.max_num_seqs} sequences already running")
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = len(request.token_ids) - num_hit_tokens
+        if not self.kv.allocate_slots(request, num_new, hits, cache=False):
+            raise NoCapacityError(f"no free KV blocks for {len(request.token_ids)} prompt tokens")
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return num_hit_tokens
+
+    def activate(self, request_id: str, first: SampledToken) -> Request:
+        """The prompt's KV has been written: start decoding after the first token."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = len(request.token_ids)
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append(request, first)
         return request
 
     # -- one step --------------------------------------------------------------------------
@@ -170,18 +209,24 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prompt chunk that does not reach the end yet
-            request.append_token(token.token_id)
-            if token.logprobs is not None:
-                request.logprobs.append(token.logprobs)
             advanced.append(request)
-            status = self._check_stop(request, token.token_id)
-            if status is not None:
-                request.status = status
-                self.running.remove(request)
-                del self.requests[request.request_id]
-                self.kv.free(request)
+            if self._append(request, token):
                 finished.append(request)
         return advanced, finished
+
+    def _append(self, request: Request, token: SampledToken) -> bool:
+        """Append a sampled token; finish and release the request if it stops. True if so."""
+        request.append_token(token.token_id)
+        if token.logprobs is not None:
+            request.logprobs.append(token.logprobs)
+        status = self._check_stop(request, token.token_id)
+        if status is None:
+            return False
+        request.status = status
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        self.kv.free(request)
+        return True
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         # Same order as vLLM: a token that reaches the length limit reports "length" even if
@@ -203,8 +248,10 @@ class Scheduler:
         self.kv.check_integrity()
         running = set(map(id, self.running))
         waiting = {id(r) for _, r in self._waiting}
+        reserved = set(map(id, self.reserved.values()))
         assert not running & waiting, "a request is both running and waiting"
-        assert len(running) + len(waiting) == len(self.requests)
-        assert self.kv.num_requests <= len(self.running) + len(waiting)
+        assert not reserved & (running | waiting), "a reserved request is also queued"
+        assert len(running) + len(waiting) + len(reserved) == len(self.requests)
+        assert self.kv.num_requests <= len(self.requests)
         for r in self.running:
             assert 0 <= r.num_computed_tokens <= len(r.token_ids)
