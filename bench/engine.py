@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-from transformers.generation.streamers import BaseStreamer
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the
+# `engine` package.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from engine import LLM, SamplingParams
-from engine.make_model import ensure_model
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.make_model import ensure_model  # noqa: E402
 
 
 @dataclass
@@ -80,7 +86,12 @@ def hf_batch(model, batch: list[list[int]], new: int, batch_size: int) -> float:
     for i in range(0, len(batch), batch_size):
         x = torch.tensor(batch[i : i + batch_size])
         out = model.generate(
-            x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
         )
         produced += (out.shape[1] - x.shape[1]) * x.shape[0]
     return produced / (time.perf_counter() - t0)
