@@ -1,11 +1,29 @@
-"""`rtp-serve` command line: one sub-command per tool or service."""
+"""`rtp-serve` command line: one sub-command per tool or service.
+
+A service module `services/<name>/main.py` provides `add_arguments(parser)` and an async
+`serve(args)`; the sub-command runs it under `lifecycle.run_service` (uvloop, SIGTERM).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
+
+# sub-command -> module with add_arguments() and serve(); imported only when chosen, so a
+# service that needs no torch never loads it.
+SERVICES = {
+    "nameservice": "services.nameservice.main",
+    "master": "services.master.main",
+    "cache": "services.cache.main",
+    "prefill": "services.prefill.main",
+    "decode": "services.decode.main",
+    "fused": "services.decode.main",
+    "frontend": "services.frontend.main",
+    "up": "services.launcher.main",
+}
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -29,17 +47,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from engine.make_model import DEFAULT_PRESET, PRESETS
-
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtp-serve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a local HuggingFace-format test checkpoint")
-    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    p.add_argument("--preset", default="tiny-llama")
     p.add_argument("--out", required=True)
     p.add_argument("--max-shard-mib", type=int, default=256, help="shard weights above this size")
+    p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("generate", help="offline generation with the in-process engine")
@@ -50,12 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_generate)
+
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, module in SERVICES.items():
+        p = sub.add_parser(name, help=f"run the {name} service")
+        p.set_defaults(service=name, module=module)
+        if name == chosen:  # import only the service being started
+            importlib.import_module(module).add_arguments(p, name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    if getattr(args, "module", None):
+        from services.common.lifecycle import run_service, setup_logging
+
+        setup_logging(args.log_level, getattr(args, "log_format", "text"), args.service)
+        return run_service(importlib.import_module(args.module).serve(args))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

@@ -1,0 +1,38 @@
+"""Command-line flags shared by every service; each defaults from an RTP_* environment
+variable, so compose and Kubernetes configure services by environment alone."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """Value of RTP_<NAME> (upper-cased, dashes as underscores), else `default`."""
+    return os.environ.get("RTP_" + name.upper().replace("-", "_"), default)
+
+
+def add_common_flags(
+    p: argparse.ArgumentParser, *, nameservice: bool = True, nats: bool = True
+) -> None:
+    p.add_argument("--host", default=env("host", "127.0.0.1"), help="address to bind")
+    p.add_argument("--port", type=int, default=int(env("port", "0")), help="port (0: any free)")
+    p.add_argument(
+        "--advertise-host",
+        default=env("advertise_host"),
+        help="host others use to reach this instance (default: --host)",
+    )
+    p.add_argument("--metrics-port", type=int, default=int(env("metrics_port", "0")))
+    p.add_argument("--namespace", default=env("namespace", "default"))
+    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
+    if nameservice:
+        p.add_argument(
+            "--nameservice", default=env("nameservice"), help="host:port of the nameservice"
+        )
+    if nats:
+        p.add_argument("--nats-url", default=env("nats_url"), help="nats://host:port (optional)")
+
+
+def advertised(args: argparse.Namespace, port: int) -> str:
+    return f"{args.advertise_host or args.host}:{port}"

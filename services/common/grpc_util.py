@@ -1,0 +1,58 @@
+"""gRPC plumbing shared by every service: servers with health checking, and channels.
+
+KV blocks travel as raw bytes, so message size limits are raised well above gRPC's 4 MiB.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+MAX_MESSAGE_BYTES = 256 << 20
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def create_server(
+    bind: str = "127.0.0.1:0",
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A started-later aio server bound to `bind` (port 0: any free port), with the standard
+    health service registered. Returns (server, port, health servicer)."""
+    server = grpc.aio.server(options=_OPTIONS)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {bind}")
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, port, health_servicer
+
+
+async def set_serving(
+    health_servicer: health.aio.HealthServicer, service: str, serving: bool
+) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    await health_servicer.set(service, status)
+    await health_servicer.set("", status)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=_OPTIONS)
+
+
+async def check_health(address: str, timeout: float = 1.0) -> bool:
+    """True if the gRPC server at `address` answers SERVING."""
+    async with channel(address) as ch:
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
