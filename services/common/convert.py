@@ -1,0 +1,46 @@
+"""Protobuf <-> engine conversions for sampling parameters and logprobs (torch-free)."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from services.common.pb import common_pb2
+
+
+def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (naming the field) for invalid parameters."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_k=msg.top_k if msg.top_k != 0 else -1,
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def logprob_to_pb(token_id: int, logprob: float, top: dict[int, float]) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top.items()],
+    )

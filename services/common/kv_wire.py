@@ -1,0 +1,109 @@
+"""KV blocks on the wire: raw tensor bytes plus dtype/shape in rtp.v1.KVBlock, never pickle.
+
+A block carries K and V of every layer for up to `block_size` consecutive token positions,
+each [layers, tokens, kv_heads, head_dim]. The receiver checks shapes, dtype and that the
+tokens it expects are covered, and (for full blocks) the hash key, before writing a byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.pb import common_pb2
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    # bfloat16 has no numpy dtype: move the raw bits as int16.
+    return (
+        t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
+    )
+
+
+def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}")
+    torch_dtype = _DTYPES[dtype]
+    raw = torch.frombuffer(
+        bytearray(data), dtype=torch.int16 if torch_dtype == torch.bfloat16 else torch_dtype
+    )
+    expected = 1
+    for n in shape:
+        expected *= n
+    if raw.numel() != expected:
+        raise ValueError(f"KV payload has {raw.numel()} elements, shape {shape} needs {expected}")
+    out = raw.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else raw
+    return out.view(*shape)
+
+
+def split_blocks(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    block_size: int,
+    block_hashes: list[bytes],
+) -> list[common_pb2.KVBlock]:
+    """Cut KV of prompt positions [start, start + n) into per-block messages.
+
+    `start` is a multiple of block_size; `block_hashes` are the prompt's full-block keys.
+    """
+    if start % block_size:
+        raise ValueError(f"start {start} is not a multiple of block_size {block_size}")
+    blocks = []
+    n = k.shape[1]
+    for offset in range(0, n, block_size):
+        index = (start + offset) // block_size
+        kb, vb = k[:, offset : offset + block_size], v[:, offset : offset + block_size]
+        blocks.append(
+            common_pb2.KVBlock(
+                block_hash=block_hashes[index] if index < len(block_hashes) else b"",
+                index=index,
+                num_tokens=kb.shape[1],
+                dtype=_NAMES[k.dtype],
+                shape=list(kb.shape),
+                k=tensor_bytes(kb),
+                v=tensor_bytes(vb),
+            )
+        )
+    return blocks
+
+
+def join_blocks(
+    blocks: list[common_pb2.KVBlock],
+    start: int,
+    end: int,
+    block_size: int,
+    block_hashes: list[bytes],
+    expected_shape: tuple[int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check and concatenate blocks covering positions [start, end) into K, V tensors.
+
+    `expected_shape` is (layers, kv_heads, head_dim). Raises ValueError on any mismatch.
+    """
+    blocks = sorted(blocks, key=lambda b: b.index)
+    ks, vs = [], []
+    pos = start
+    for block in blocks:
+        if block.index * block_size != pos:
+            raise ValueError(f"KV block {block.index} does not start at position {pos}")
+        layers, tokens, heads, dim = block.shape
+        if (layers, heads, dim) != expected_shape or tokens != block.num_tokens:
+            raise ValueError(f"KV block {block.index} has shape {list(block.shape)}")
+        full = tokens == block_size
+        if (
+            full
+            and block.index < len(block_hashes)
+            and block.block_hash != block_hashes[block.index]
+        ):
+            raise ValueError(f"KV block {block.index} hash does not match the prompt")
+        ks.append(tensor_from_bytes(block.k, block.dtype, list(block.shape)))
+        vs.append(tensor_from_bytes(block.v, block.dtype, list(block.shape)))
+        pos += tokens
+    if pos != end:
+        raise ValueError(f"KV covers positions [{start}, {pos}), expected [{start}, {end})")
+    if not ks:
+        raise ValueError("no KV blocks received")
+    return torch.cat(ks, dim=1), torch.cat(vs, dim=1)

@@ -1,0 +1,21 @@
+"""`rtp-serve decode` (PD decode worker) and `rtp-serve fused` (prefill and decode in one)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.pb import nameservice_pb2
+from services.common.worker import add_worker_arguments, serve_worker
+from services.decode.servicer import DecodeServicer
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    add_worker_arguments(p)
+    p.set_defaults(fused=name == "fused")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    role = nameservice_pb2.ROLE_FUSED if args.fused else nameservice_pb2.ROLE_DECODE
+    # A decode worker also serves fused requests if asked (e.g. when no prefill worker is
+    # left): degraded, but the request is served.
+    await serve_worker(args, role, lambda llm, _: DecodeServicer(llm, allow_fused=True))

@@ -1,0 +1,171 @@
+"""`rtp-serve up`: the whole cluster on one machine, each service its own process.
+
+Starts NATS and Redis from the pip-installed binaries (or uses --nats-url/--redis-url), then
+nameservice, master, cache, the workers and the frontend; waits until the frontend is
+ready, writes its URL to stdout, and on SIGTERM/SIGINT stops everything it started. Children
+also get SIGKILL from the kernel if the launcher itself dies (PR_SET_PDEATHSIG): no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common import servers
+from services.common.flags import env
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 180.0
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--model", default=env("model"), help="model directory (default: tiny-llama)")
+    p.add_argument(
+        "--port", type=int, default=int(env("port", "8000")), help="frontend HTTP port (0: any)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--fused", type=int, default=None, metavar="K", help="K fused workers (instead of PD)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (PD mode)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (PD mode)")
+    p.add_argument(
+        "--nats-url", default=env("nats_url"), help="use this NATS instead of starting one"
+    )
+    p.add_argument(
+        "--redis-url", default=env("redis_url"), help="use this Redis instead of starting one"
+    )
+    p.add_argument("--no-cache", action="store_true", help="run without the cache service tier")
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker (0: share the cores)"
+    )
+    p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
+    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGKILL this child when the launcher goes away, however it goes.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Cluster:
+    args: argparse.Namespace
+    data_dir: Path
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    infra: list[servers.ManagedProcess] = field(default_factory=list)
+
+    def spawn(self, name: str, *flags: str) -> subprocess.Popen:
+        common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
+        argv = [sys.executable, "-m", "services.cli", name, *common, *flags]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.procs.append((name, proc))
+        log.info("started %s pid=%d", name, proc.pid)
+        return proc
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", name, proc.pid)
+                proc.kill()
+                proc.wait()
+        for server in reversed(self.infra):
+            server.stop()
+
+
+def _worker_count(args: argparse.Namespace) -> int:
+    return args.fused if args.fused else args.prefill + args.decode
+
+
+def _start(cluster: Cluster, model: str) -> str:
+    args = cluster.args
+    nats_url = args.nats_url
+    if nats_url is None:
+        nats = servers.start_nats(cluster.data_dir / "nats")
+        cluster.infra.append(nats)
+        nats_url = nats.url
+    redis_url = args.redis_url
+    if redis_url is None and not args.no_cache:
+        redis = servers.start_redis(cluster.data_dir / "redis")
+        cluster.infra.append(redis)
+        redis_url = redis.url
+    ns_port = servers.free_port()
+    nameservice = f"127.0.0.1:{ns_port}"
+    cluster.spawn(
+        "nameservice", "--port", str(ns_port), "--ttl", str(args.ttl), "--nats-url", nats_url
+    )
+    common = ["--nameservice", nameservice, "--nats-url", nats_url]
+    cluster.spawn("master", *common, "--policy", args.policy)
+    if not args.no_cache:
+        cluster.spawn("cache", *common, "--redis-url", redis_url)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // _worker_count(args))
+    worker = [*common, "--model", model, "--dtype", args.dtype, "--threads", str(threads),
+              "--kv-cache-mib", str(args.kv_cache_mib)]  # fmt: skip
+    if args.fused:
+        for _ in range(args.fused):
+            cluster.spawn("fused", *worker)
+    else:
+        for _ in range(args.prefill):
+            cluster.spawn("prefill", *worker)
+        for _ in range(args.decode):
+            cluster.spawn("decode", *worker)
+    port = args.port or servers.free_port()
+    cluster.spawn("frontend", *common, "--model", model, "--host", args.host, "--port", str(port))
+    return f"http://{args.host}:{port}"
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+async def serve(args: argparse.Namespace) -> None:
+    model = args.model
+    if model is None:
+        from engine.make_model import ensure_model
+
+        model = str(await asyncio.to_thread(ensure_model))
+    with tempfile.TemporaryDirectory(prefix="rtp-serve-") as tmp:
+        cluster = Cluster(args, Path(tmp))
+        try:
+            url = await asyncio.to_thread(_start, cluster, model)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not await asyncio.to_thread(_ready, url):
+                dead = [(n, p.returncode) for n, p in cluster.procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"cluster process exited during start-up: {dead}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"frontend {url} not ready after {READY_TIMEOUT_S:.0f} s")
+                await asyncio.sleep(0.2)
+            sys.stdout.write(f"rtp-serve is up: {url}/v1 (model {model})\n")
+            sys.stdout.flush()
+            while True:  # a dead child degrades the cluster; say so, keep serving
+                await asyncio.sleep(1.0)
+                for name, proc in cluster.procs:
+                    if proc.returncode is None and proc.poll() is not None:
+                        log.error("%s (pid %d) exited with %s", name, proc.pid, proc.returncode)
+        finally:
+            await asyncio.to_thread(cluster.stop)

@@ -1,0 +1,135 @@
+"""Worker processes over real gRPC: fused Generate, and PD (decode asks prefill for KV)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine import SamplingParams
+from services.common import grpc_util
+from services.common.convert import params_to_pb
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from tests.procs import grpc_service
+
+WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "16")
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir):
+    model = str(model_dir("tiny-llama"))
+    flags = ("--model", model, *WORKER_FLAGS)
+    with (
+        grpc_service("fused", *flags) as (fused, _),
+        grpc_service("prefill", *flags) as (prefill, _),
+        grpc_service("decode", *flags) as (decode, _),
+    ):
+        yield {"fused": fused, "prefill": prefill, "decode": decode}
+
+
+async def _generate(address: str, prompt, params, prefill: str = "", rid: str = "r"):
+    async with grpc_util.channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        request = worker_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            params=params_to_pb(params),
+            prefill_address=prefill,
+        )
+        return [msg async for msg in stub.Generate(request, timeout=30)]
+
+
+async def _stats(address: str) -> worker_pb2.WorkerStats:
+    async with grpc_util.channel(address) as ch:
+        return await worker_pb2_grpc.WorkerStub(ch).Stats(
+            worker_pb2.WorkerStatsRequest(), timeout=10
+        )
+
+
+def _tokens(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def test_fused_and_pd_match_hf(workers, prompts, hf_greedy):
+    async def main():
+        fused = await asyncio.gather(
+            *(_generate(workers["fused"], p, GREEDY, rid=f"f{i}") for i, p in enumerate(prompts))
+        )
+        pd = await asyncio.gather(
+            *(
+                _generate(workers["decode"], p, GREEDY, workers["prefill"], rid=f"p{i}")
+                for i, p in enumerate(prompts)
+            )
+        )
+        return fused, pd
+
+    fused, pd = asyncio.run(main())
+    for prompt, f, p in zip(prompts, fused, pd, strict=True):
+        expected = hf_greedy("tiny-llama", prompt, 10)[0]
+        assert _tokens(f) == expected
+        assert _tokens(p) == expected
+        assert f[-1].finished and p[-1].finished and p[-1].finish_reason == "length"
+        assert p[0].token_ids == expected[:1]  # the first token arrives on its own, first
+    for name in ("fused", "prefill", "decode"):
+        stats = asyncio.run(_stats(workers[name]))
+        assert stats.integrity_ok, stats.integrity_error
+        assert stats.held_blocks == 0
+
+
+def test_pd_repeated_prompt_reports_cached_tokens(workers, corpus_ids):
+    prompt = corpus_ids[:70]
+    first = asyncio.run(_generate(workers["decode"], prompt, GREEDY, workers["prefill"], rid="c1"))
+    again = asyncio.run(_generate(workers["decode"], prompt, GREEDY, workers["prefill"], rid="c2"))
+    assert _tokens(first) == _tokens(again)
+    assert first[-1].num_cached_tokens == 0
+    assert again[-1].num_cached_tokens == 64
+
+
+def test_pd_max_tokens_one_finishes_with_first_token(workers, prompts):
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    msgs = asyncio.run(_generate(workers["decode"], prompts[2], one, workers["prefill"], rid="one"))
+    assert len(_tokens(msgs)) == 1 and msgs[-1].finished and msgs[-1].finish_reason == "length"
+    assert asyncio.run(_stats(workers["decode"])).held_blocks == 0
+
+
+def test_bad_input_is_invalid_argument_and_cancel_frees_blocks(workers, prompts):
+    bad = worker_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[10**6])
+    bad.params.max_tokens = 4
+
+    async def call_bad(address):
+        async with grpc_util.channel(address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in worker_pb2_grpc.WorkerStub(ch).Generate(bad, timeout=10):
+                    pass
+            return err.value.code()
+
+    assert asyncio.run(call_bad(workers["fused"])) == grpc.StatusCode.INVALID_ARGUMENT
+
+    async def cancel_midway(address, prefill):
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        async with grpc_util.channel(address) as ch:
+            request = worker_pb2.GenerateRequest(
+                request_id="cancel",
+                prompt_token_ids=prompts[4],
+                params=params_to_pb(long),
+                prefill_address=prefill,
+            )
+            call = worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=30)
+            seen = 0
+            async for msg in call:
+                seen += len(msg.token_ids)
+                if seen >= 3:
+                    call.cancel()
+                    break
+        for _ in range(100):  # the worker notices the cancellation asynchronously
+            stats = await _stats(address)
+            if stats.held_blocks == 0 and stats.num_running == 0:
+                return stats
+            await asyncio.sleep(0.05)
+        return stats
+
+    for address, prefill in ((workers["fused"], ""), (workers["decode"], workers["prefill"])):
+        stats = asyncio.run(cancel_midway(address, prefill))
+        assert stats.held_blocks == 0 and stats.integrity_ok
