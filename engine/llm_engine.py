@@ -125,6 +125,39 @@ class LLMEngine:
         k, v = self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
         return PromptKV(start, k, v)
 
+    # -- tiers below the device pool ---------------------------------------------------------
+    def num_cached_prefix(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of these keys the device pool holds right now."""
+        n = 0
+        for h in block_hashes:
+            if self.pool.get_cached(h) is None:
+                break
+            n += 1
+        return n
+
+    def import_blocks(self, block_hashes: list[bytes], k, v) -> int:
+        """Put KV fetched from a lower tier into the pool as cached, unreferenced blocks.
+
+        k/v are [layers, len(block_hashes) * block_size, kv_heads, D]. A request submitted
+        next hits them like any prefix-cache block (they join the back of the eviction
+        queue). Blocks already cached are skipped; returns how many were imported.
+        """
+        bs = self.config.block_size
+        imported = 0
+        for i, h in enumerate(block_hashes):
+            if self.pool.get_cached(h) is not None:
+                continue
+            if self.pool.num_free_blocks == 0:
+                break
+            (block,) = self.pool.allocate(1)
+            self.runner.write_kv(
+                [block.block_id], 0, k[:, i * bs : (i + 1) * bs], v[:, i * bs : (i + 1) * bs]
+            )
+            self.pool.cache_block(block, h)
+            self.pool.free([block])
+            imported += 1
+        return imported
+
     # -- PD decode side --------------------------------------------------------------------
     def reserve(self, request: Request) -> int:
         """Hold blocks for a prompt computed elsewhere; returns prompt tokens cached here."""

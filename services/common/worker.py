@@ -73,6 +73,9 @@ class StatsServicer(worker_pb2_grpc.WorkerServicer):
 
     llm: AsyncLLM
 
+    async def background(self, names: NameClient | None) -> None:
+        """Work a role runs beside its RPCs for the worker's lifetime (cancelled at exit)."""
+
     async def Stats(
         self, request: worker_pb2.WorkerStatsRequest, context
     ) -> worker_pb2.WorkerStats:
@@ -137,7 +140,7 @@ async def publish_events(llm: AsyncLLM, bus: Bus, worker_id: str, namespace: str
 async def serve_worker(
     args: argparse.Namespace,
     role: int,
-    make_servicer: Callable[[AsyncLLM, argparse.Namespace], worker_pb2_grpc.WorkerServicer],
+    make_servicer: Callable[[AsyncLLM, argparse.Namespace], StatsServicer],
 ) -> None:
     """Run one worker until cancelled: engine, gRPC server, registration, event publishing."""
     llm = await asyncio.to_thread(build_llm, args)
@@ -149,6 +152,7 @@ async def serve_worker(
     bus = await Bus.connect(args.nats_url, member.id)
     names = NameClient(args.nameservice) if args.nameservice else None
     publisher = asyncio.create_task(publish_events(llm, bus, member.id, args.namespace))
+    background = asyncio.create_task(servicer.background(names))
     await server.start()
     await grpc_util.set_serving(health, "rtp.v1.Worker", True)
     try:
@@ -168,6 +172,7 @@ async def serve_worker(
             with contextlib.suppress(Exception):
                 await names.close()
         publisher.cancel()
+        background.cancel()
         await server.stop(grace=2.0)
         await bus.close()
         llm.shutdown()

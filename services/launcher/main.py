@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -35,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "--port", type=int, default=int(env("port", "8000")), help="frontend HTTP port (0: any)"
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--fused", type=int, default=None, metavar="K", help="K fused workers (instead of PD)")
+    p.add_argument(
+        "--fused", type=int, default=None, metavar="K", help="K fused workers (instead of PD)"
+    )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (PD mode)")
     p.add_argument(
@@ -52,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "--threads", type=int, default=0, help="torch threads per worker (0: share the cores)"
     )
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
+    p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
 
@@ -68,6 +72,14 @@ class Cluster:
     data_dir: Path
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     infra: list[servers.ManagedProcess] = field(default_factory=list)
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def info(self) -> dict:
+        return {
+            **self.addresses,
+            "pids": [{"name": n, "pid": p.pid} for n, p in self.procs]
+            + [{"name": s.name, "pid": s.pid} for s in self.infra],
+        }
 
     def spawn(self, name: str, *flags: str) -> subprocess.Popen:
         common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
@@ -111,6 +123,7 @@ def _start(cluster: Cluster, model: str) -> str:
         redis_url = redis.url
     ns_port = servers.free_port()
     nameservice = f"127.0.0.1:{ns_port}"
+    cluster.addresses.update(nats=nats_url, redis=redis_url or "", nameservice=nameservice)
     cluster.spawn(
         "nameservice", "--port", str(ns_port), "--ttl", str(args.ttl), "--nats-url", nats_url
     )
@@ -131,7 +144,8 @@ def _start(cluster: Cluster, model: str) -> str:
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
     cluster.spawn("frontend", *common, "--model", model, "--host", args.host, "--port", str(port))
-    return f"http://{args.host}:{port}"
+    cluster.addresses["frontend"] = f"http://{args.host}:{port}"
+    return cluster.addresses["frontend"]
 
 
 def _ready(url: str) -> bool:
@@ -160,6 +174,8 @@ async def serve(args: argparse.Namespace) -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"frontend {url} not ready after {READY_TIMEOUT_S:.0f} s")
                 await asyncio.sleep(0.2)
+            if args.info_file:
+                Path(args.info_file).write_text(json.dumps(cluster.info(), indent=2))
             sys.stdout.write(f"rtp-serve is up: {url}/v1 (model {model})\n")
             sys.stdout.flush()
             while True:  # a dead child degrades the cluster; say so, keep serving

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.cache.client import CacheClient
 from services.common.pb import nameservice_pb2
 from services.common.worker import add_worker_arguments, serve_worker
 from services.prefill.servicer import PrefillServicer
@@ -11,7 +12,16 @@ from services.prefill.servicer import PrefillServicer
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     add_worker_arguments(p)
+    p.add_argument(
+        "--no-remote-cache",
+        action="store_true",
+        help="do not use the cache service tier (found through the nameservice)",
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
-    await serve_worker(args, nameservice_pb2.ROLE_PREFILL, lambda llm, _: PrefillServicer(llm))
+    def make(llm, args):
+        cache = None if args.no_remote_cache else CacheClient([])
+        return PrefillServicer(llm, cache)
+
+    await serve_worker(args, nameservice_pb2.ROLE_PREFILL, make)

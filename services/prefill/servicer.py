@@ -1,30 +1,65 @@
 """The prefill worker's Prefill RPC: compute a prompt, stream its first token at once, then
-the prompt's KV blocks (those the decode side does not already cache)."""
+the prompt's KV blocks (those the decode side does not already cache).
+
+Each prompt block is resolved through the tiers first (Algorithm 1 of the paper): found in
+the device pool, it is reused; else found in the remote tier (cache service, backed by
+Redis), it is fetched and imported into the pool; else it is computed. Full blocks computed
+here are written back to the remote tier off the request path.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 
 import grpc
 
 from engine.async_llm import AsyncLLM
+from services.cache.client import CacheClient
 from services.common.block_hash import block_hash_keys
 from services.common.convert import logprob_to_pb, params_from_pb
-from services.common.kv_wire import split_blocks
-from services.common.pb import worker_pb2
+from services.common.kv_wire import join_blocks, split_blocks
+from services.common.naming import NameClient
+from services.common.pb import nameservice_pb2, worker_pb2
 from services.common.worker import StatsServicer, abort_status
 
 log = logging.getLogger(__name__)
+MAX_PENDING_PUTS = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierHits:
+    device: int  # leading blocks found in the device pool
+    remote: int  # further blocks fetched from the cache service
 
 
 class PrefillServicer(StatsServicer):
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: AsyncLLM, cache: CacheClient | None) -> None:
         self.llm = llm
+        self.cache = cache
         self.block_size = llm.engine.config.block_size
+        cfg = llm.engine.model_config
+        self.kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self._puts: set[asyncio.Task] = set()
+
+    async def background(self, names: NameClient | None) -> None:
+        """Follow the cache service instances in the nameservice."""
+        if names is None or self.cache is None:
+            return
+        members: dict[str, str] = {}
+        async for event in names.watch():
+            if event.member.role != nameservice_pb2.ROLE_CACHE:
+                continue
+            if event.kind == nameservice_pb2.MembershipEvent.KIND_LEFT:
+                members.pop(event.member.id, None)
+            else:
+                members[event.member.id] = event.member.address
+            self.cache.set_addresses(sorted(members.values()))
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
+        hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
         try:
             params = params_from_pb(request.params)
             # Only the first token is sampled here; the decode side applies every stop rule.
@@ -34,6 +69,7 @@ class PrefillServicer(StatsServicer):
             skip = request.skip_blocks * self.block_size
             if skip >= len(prompt):
                 raise ValueError(f"skip_blocks {request.skip_blocks} covers the whole prompt")
+            hits = await self._resolve(prompt, hashes)
             final = None
             async for out in self.llm.generate(
                 prompt, first_params, request.request_id, request.priority, export_kv_from=skip
@@ -43,20 +79,52 @@ class PrefillServicer(StatsServicer):
             code, message = abort_status(exc)
             await context.abort(code, message)
         assert final is not None and final.prompt_kv is not None
-        token = final.token_ids[0]
         logprobs = []
         if final.logprobs:
             lp = final.logprobs[0]
             logprobs.append(logprob_to_pb(lp.token_id, lp.logprob, lp.top))
         yield worker_pb2.PrefillResponse(
             first=worker_pb2.GenerateResponse(
-                token_ids=[token],
+                token_ids=final.token_ids[:1],
                 logprobs=logprobs,
                 num_prompt_tokens=len(prompt),
                 num_cached_tokens=final.num_cached_tokens,
             )
         )
-        hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
         kv = final.prompt_kv
-        for block in split_blocks(kv.k, kv.v, kv.start, self.block_size, hashes):
+        blocks = split_blocks(kv.k, kv.v, kv.start, self.block_size, hashes)
+        for block in blocks:
             yield worker_pb2.PrefillResponse(block=block)
+        log.debug(
+            "prefill %s: %d device + %d remote blocks", request.request_id, hits.device, hits.remote
+        )
+        self._write_back(
+            [b for b in blocks if b.block_hash and b.index >= hits.device + hits.remote]
+        )
+
+    async def _resolve(self, prompt: list[int], hashes: list[bytes]) -> TierHits:
+        # At least one prompt token is always computed: its logits give the first token.
+        usable = hashes[: (len(prompt) - 1) // self.block_size]
+        device = await self.llm.call(lambda engine: engine.num_cached_prefix(usable))
+        if self.cache is None or device == len(usable):
+            return TierHits(device, 0)
+        found = await self.cache.get_prefix(usable[device:])
+        if not found:
+            return TierHits(device, 0)
+        bs = self.block_size
+        end = device + len(found)
+        try:
+            k, v = join_blocks(found, device * bs, end * bs, bs, hashes, self.kv_shape)
+        except ValueError as exc:  # a bad remote block is a miss, not a failed request
+            log.warning("ignoring remote KV blocks: %s", exc)
+            return TierHits(device, 0)
+        imported = usable[device:end]
+        await self.llm.call(lambda engine: engine.import_blocks(imported, k, v))
+        return TierHits(device, len(found))
+
+    def _write_back(self, blocks: list) -> None:
+        if self.cache is None or not blocks or len(self._puts) >= MAX_PENDING_PUTS:
+            return
+        task = asyncio.create_task(self.cache.put(blocks))
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)

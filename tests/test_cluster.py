@@ -1,0 +1,251 @@
+"""The whole cluster, started by the launcher, through the official `openai` client.
+
+One PD cluster (2 prefill, 1 decode) and one fused cluster (2 workers); outputs are
+compared with the in-process engine on the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from services.common import grpc_util
+from services.common.pb import master_pb2, master_pb2_grpc, nameservice_pb2
+from tests.cluster import launch
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\nclass Config:",
+    "The quick brown fox",
+    "for i in range(10):\n    print(i)\n",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> str:
+    return str(model_dir("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy outputs of the in-process engine: token ids and text per prompt string."""
+    llm = LLM(model, num_kv_blocks=256)
+    cache: dict[str, tuple[list[int], str, str]] = {}
+
+    def get(prompt: str | list[int], max_tokens: int = MAX_TOKENS):
+        key = (str(prompt), max_tokens)
+        if key not in cache:
+            out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+            cache[key] = (out.token_ids, out.text, out.finish_reason)
+        return cache[key]
+
+    get.tokenizer = llm.tokenizer
+    return get
+
+
+@pytest.fixture(scope="module", params=["pd", "fused"])
+def cluster(request, model, tmp_path_factory):
+    flags = ("--prefill", "2", "--decode", "1") if request.param == "pd" else ("--fused", "2")
+    with launch(model, tmp_path_factory.mktemp(request.param), *flags) as c:
+        c.mode = request.param
+        yield c
+    assert c.info["left_running"] == [], "stopping the launcher left processes running"
+
+
+def _client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _model_id(cluster) -> str:
+    return _client(cluster).models.list().data[0].id
+
+
+def test_completions_match_engine(cluster, reference):
+    client, model_id = _client(cluster), _model_id(cluster)
+    for prompt in PROMPTS:
+        ids, text, reason = reference(prompt)
+        out = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert out.choices[0].text == text
+        assert out.choices[0].finish_reason == reason
+        assert out.usage.completion_tokens == len(ids)
+        assert out.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+        streamed = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(streamed)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_token_id_prompt_and_cached_tokens(cluster, reference):
+    client, model_id = _client(cluster), _model_id(cluster)
+    prompt_ids = reference.tokenizer.encode("\n".join(PROMPTS) * 3)[:80]
+    ids, text, _ = reference(prompt_ids)
+    first = client.completions.create(
+        model=model_id, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0
+    )
+    again = client.completions.create(
+        model=model_id, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert first.choices[0].text == again.choices[0].text == text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_matches_engine_with_template(cluster, reference):
+    client, model_id = _client(cluster), _model_id(cluster)
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Sort a list."},
+    ]
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids, text, reason = reference(prompt)
+    out = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert out.choices[0].message.content == text
+    assert out.choices[0].finish_reason == reason
+    assert out.usage.completion_tokens == len(ids)
+    stream = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_32_concurrent_streams_then_pools_are_clean(cluster, reference):
+    model_id = _model_id(cluster)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} # variant {i}" for i in range(32)]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        client = openai.AsyncOpenAI(
+            base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120
+        )
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(main())
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text == reference(prompt)[1]
+    for worker_id, stats in cluster.wait_idle().items():
+        assert stats.integrity_ok, (worker_id, stats.integrity_error)
+        assert stats.held_blocks == 0, (worker_id, stats)
+
+
+ERRORS = [
+    # (body, status, param or message fragment)
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "n": 1000}, 400, "n"),
+    ({"max_tokens": 5}, 400, "prompt"),
+    ({"prompt": [10**7], "max_tokens": 5}, 400, "prompt"),
+]
+
+
+def test_error_table(cluster):
+    model_id = _model_id(cluster)
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        for body, status, needle in ERRORS:
+            reply = http.post("/v1/completions", json={"model": model_id, **body})
+            assert reply.status_code == status, (body, reply.text)
+            error = reply.json()["error"]
+            assert needle in (error.get("param") or "") + error["message"], (body, error)
+        reply = http.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 400 and reply.json()["error"]["message"]
+        reply = http.post(
+            "/v1/completions",
+            content=b'{"prompt": "\xff\xfe"}',
+            headers={"content-type": "application/json"},
+        )
+        assert reply.status_code == 400
+        reply = http.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
+        assert reply.status_code == 404 and reply.json()["error"]
+        too_long = "x " * 5000
+        reply = http.post(
+            "/v1/completions", json={"model": model_id, "prompt": too_long, "max_tokens": 4}
+        )
+        assert reply.status_code == 400 and "2048" in reply.json()["error"]["message"]
+        # The cluster still serves a normal request afterwards.
+        ok = http.post("/v1/completions", json={"model": model_id, "prompt": "hi", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_client_disconnect_frees_blocks(cluster):
+    model_id = _model_id(cluster)
+    body = {
+        "model": model_id,
+        "prompt": PROMPTS[1],
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(base_url=cluster.url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 6:
+                break  # leave mid-stream
+    stats = cluster.wait_idle()
+    for worker_id, s in stats.items():
+        assert s.held_blocks == 0 and s.num_running == 0, (worker_id, s)
+
+
+def _route(master: str, n: int) -> list[str]:
+    async def run():
+        async with grpc_util.channel(master) as ch:
+            stub = master_pb2_grpc.MasterStub(ch)
+            plans = [
+                await stub.Route(
+                    master_pb2.RouteRequest(request_id=f"probe{i}", num_prompt_tokens=8), timeout=5
+                )
+                for i in range(n)
+            ]
+        return [plan.decode.id for plan in plans]
+
+    return asyncio.run(run())
+
+
+def test_sigkill_worker_is_dropped_and_traffic_moves(cluster, reference):
+    """Last test of the module: it leaves the cluster one worker short."""
+    if cluster.mode != "fused":
+        pytest.skip("run once, on the fused cluster (two interchangeable workers)")
+    before = {m.id for m in cluster.workers()}
+    pid = next(p["pid"] for p in cluster.info["pids"] if p["name"] == "fused")
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while len(cluster.workers()) == len(before) and time.monotonic() - killed_at < 5.0:
+        time.sleep(0.05)
+    dropped_after = time.monotonic() - killed_at
+    survivors = {m.id for m in cluster.workers()}
+    assert len(survivors) == len(before) - 1
+    assert dropped_after <= 1.0 + 1.0 + 0.25  # TTL (1 s here) + 1 s, plus polling slack
+    master = cluster.members(nameservice_pb2.ROLE_MASTER)[0].address
+    assert set(_route(master, 8)) <= survivors
+    client, model_id = _client(cluster), _model_id(cluster)
+    for prompt in PROMPTS:
+        out = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert out.choices[0].text == reference(prompt)[1]
