@@ -4,13 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,23 +11,19 @@ from pathlib import Path
 
 from services.common import grpc_util
 from services.common.pb import nameservice_pb2, nameservice_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.servers import free_port
-
-UP_TIMEOUT_S = 240.0
+from services.launcher.process import LaunchedCluster
+from services.launcher.process import launch as launch_cluster
 
 
 @dataclass
-class Cluster:
-    url: str  # http://host:port
-    info: dict
-    proc: subprocess.Popen
+class Cluster(LaunchedCluster):
+    """A launched cluster plus the views tests need (membership, worker stats)."""
+
+    mode: str = ""
 
     @property
     def nameservice(self) -> str:
         return self.info["nameservice"]
-
-    def pids(self) -> list[int]:
-        return [p["pid"] for p in self.info["pids"]]
 
     def members(self, role: int = nameservice_pb2.ROLE_UNSPECIFIED) -> list[nameservice_pb2.Member]:
         async def run():
@@ -78,51 +67,10 @@ class Cluster:
             time.sleep(0.1)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has exited but is not yet reaped by its parent.
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-            return False
-    return True
-
-
 @contextlib.contextmanager
 def launch(model: str, tmp: Path, *flags: str) -> Iterator[Cluster]:
-    port = free_port()
-    info_file = tmp / "cluster.json"
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(port),
-            "--ttl", "1", "--info-file", str(info_file), *flags]  # fmt: skip
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    cluster = None
-    try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"launcher exited with {proc.returncode}")
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError("cluster did not come up") from None
-            if line.startswith("rtp-serve is up:"):
-                break
-        cluster = Cluster(f"http://127.0.0.1:{port}", json.loads(info_file.read_text()), proc)
+    """The launcher with a 1 s heartbeat TTL, so expiry tests run fast."""
+    with launch_cluster(model, tmp, "--ttl", "1", *flags) as c:
+        cluster = Cluster(c.url, c.info, c.proc)
         yield cluster
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if cluster is not None:
-            deadline = time.monotonic() + 10
-            while any(_alive(p) for p in cluster.pids()) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            cluster.info["left_running"] = [p for p in cluster.pids() if _alive(p)]
+    cluster.left_running = c.left_running

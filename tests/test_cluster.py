@@ -57,7 +57,7 @@ def cluster(request, model, tmp_path_factory):
     with launch(model, tmp_path_factory.mktemp(request.param), *flags) as c:
         c.mode = request.param
         yield c
-    assert c.info["left_running"] == [], "stopping the launcher left processes running"
+    assert c.left_running == [], "stopping the launcher left processes running"
 
 
 def _client(cluster) -> openai.OpenAI:

@@ -1,0 +1,84 @@
+"""Run `rtp-serve up` as a child process and wait until the cluster serves (for tests,
+benchmarks and scripts that need a whole cluster for a while)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.servers import free_port
+
+UP_TIMEOUT_S = 240.0
+
+
+@dataclass
+class LaunchedCluster:
+    url: str  # http://host:port of the frontend
+    info: dict  # what the launcher wrote to --info-file: addresses and pids
+    proc: subprocess.Popen
+    left_running: list[int] = field(default_factory=list)  # filled in after stopping
+
+    def pids(self) -> list[int]:
+        return [p["pid"] for p in self.info["pids"]]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie has exited, only not reaped yet
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z":
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def launch(model: str, work_dir: Path, *flags: str) -> Iterator[LaunchedCluster]:
+    """The cluster, up and ready, for the body; stopped with SIGTERM afterwards."""
+    port = free_port()
+    info_file = work_dir / "cluster.json"
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(port),
+            "--info-file", str(info_file), *flags]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    cluster = None
+    try:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"launcher exited with {proc.returncode}")
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("cluster did not come up") from None
+            if line.startswith("rtp-serve is up:"):
+                break
+        cluster = LaunchedCluster(
+            f"http://127.0.0.1:{port}", json.loads(info_file.read_text()), proc
+        )
+        yield cluster
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if cluster is not None:
+            deadline = time.monotonic() + 10
+            while any(alive(p) for p in cluster.pids()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            cluster.left_running = [p for p in cluster.pids() if alive(p)]
