@@ -1,0 +1,215 @@
+"""The master's view of the cluster: members by role, their latest load, and the prefix index.
+
+`ClusterView` itself is pure and synchronous (tests drive it with scripted events); `run`
+feeds it from the nameservice Watch stream and the NATS kv/load subjects.
+
+Membership follows the Watch stream. A Watch starts with one SNAPSHOT event per known
+member, and starts over after a reconnect; naming.NameClient then reports members that
+vanished meanwhile as LEFT. As a second line of defence, members we knew that a new
+snapshot does not confirm are dropped when the snapshot ends (at the first non-SNAPSHOT
+event); until then they stay routable. LEFT removes a member at once: it is never routed to
+again, and its prefix-index entries and load are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.pb import events_pb2, nameservice_pb2
+from services.master.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+Member = nameservice_pb2.Member
+MembershipEvent = nameservice_pb2.MembershipEvent
+_MAX_DEPARTED = 4096  # ids remembered so late NATS events of a gone worker are ignored
+# Charged work is forgotten this long after it started piling up, even without a LoadReport
+# (without NATS none ever comes): by then the worker has it, or has finished it.
+PENDING_TTL_S = 2.0
+
+
+class NameWatcher(Protocol):
+    """What `ClusterView.run` needs of services.common.naming.NameClient."""
+
+    def watch(self) -> AsyncIterator[MembershipEvent]: ...
+
+
+@dataclass(slots=True)
+class Pending:
+    """Work routed to a worker since its last LoadReport. Reports come a few times a second;
+    without this a burst of requests would all pile onto whichever worker looked idlest."""
+
+    since: float = 0.0  # clock() at the first charge
+    requests: int = 0
+    tokens: int = 0  # prompt tokens it must compute
+    blocks: int = 0  # KV blocks it must hold
+
+
+class ClusterView:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._members: dict[str, Member] = {}
+        self._loads: dict[str, events_pb2.LoadReport] = {}
+        self._pending: dict[str, Pending] = {}
+        self._unconfirmed: set[str] | None = None  # None: not inside a snapshot
+        self._departed: OrderedDict[str, None] = OrderedDict()
+        self.index = PrefixIndex()
+
+    # -- queries ---------------------------------------------------------------------------
+    def members(self, role: int | None = None) -> list[Member]:
+        """Current members (of `role`, if given), sorted by id so choices are deterministic."""
+        return sorted(
+            (m for m in self._members.values() if role is None or m.role == role),
+            key=lambda m: m.id,
+        )
+
+    def member(self, worker_id: str) -> Member | None:
+        return self._members.get(worker_id)
+
+    def load(self, worker_id: str) -> events_pb2.LoadReport | None:
+        return self._loads.get(worker_id)
+
+    def pending(self, worker_id: str) -> Pending:
+        pending = self._pending.get(worker_id)
+        if pending is None or self._clock() - pending.since > PENDING_TTL_S:
+            return Pending()
+        return pending
+
+    def charge(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> None:
+        """Count a request just routed to `worker_id` until its next LoadReport."""
+        if worker_id not in self._members:
+            return
+        pending = self.pending(worker_id)
+        if not pending.requests:
+            pending = self._pending[worker_id] = Pending(since=self._clock())
+        pending.requests += 1
+        pending.tokens += tokens
+        pending.blocks += blocks
+
+    @property
+    def in_snapshot(self) -> bool:
+        return self._unconfirmed is not None
+
+    # -- membership ------------------------------------------------------------------------
+    def apply_membership(self, event: MembershipEvent) -> None:
+        kind = event.kind
+        if kind == MembershipEvent.KIND_SNAPSHOT:
+            if self._unconfirmed is None:
+                self._unconfirmed = set(self._members)
+            if event.member.id:  # an empty member marks an empty snapshot
+                self._unconfirmed.discard(event.member.id)
+                self._add(event.member)
+            return
+        self.end_snapshot()
+        if kind == MembershipEvent.KIND_JOINED:
+            self._add(event.member)
+        elif kind == MembershipEvent.KIND_LEFT:
+            self._remove(event.member.id, event.reason or "left")
+        else:
+            log.warning("ignoring membership event of kind %d", kind)
+
+    def end_snapshot(self) -> None:
+        """Drop the members the latest snapshot did not confirm (no-op outside one)."""
+        if self._unconfirmed is None:
+            return
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
+        for worker_id in sorted(unconfirmed):
+            self._remove(worker_id, "absent from snapshot")
+        # Events of workers that never joined would otherwise stay forever.
+        for worker_id in set(self.index.workers()) | set(self._loads):
+            if worker_id not in self._members:
+                self._forget(worker_id)
+
+    def _add(self, member: Member) -> None:
+        if not member.id:
+            log.warning("ignoring member without id: %s", member)
+            return
+        self._departed.pop(member.id, None)
+        if member.id not in self._members:
+            log.info("member %s joined (%s at %s)", member.id, _role(member.role), member.address)
+        self._members[member.id] = member
+
+    def _remove(self, worker_id: str, reason: str) -> None:
+        if self._members.pop(worker_id, None) is not None:
+            log.info("member %s left (%s)", worker_id, reason)
+        if self._unconfirmed is not None:
+            self._unconfirmed.discard(worker_id)
+        self._forget(worker_id)
+        self._departed[worker_id] = None
+        self._departed.move_to_end(worker_id)
+        while len(self._departed) > _MAX_DEPARTED:
+            self._departed.popitem(last=False)
+
+    def _forget(self, worker_id: str) -> None:
+        self.index.drop_worker(worker_id)
+        self._loads.pop(worker_id, None)
+        self._pending.pop(worker_id, None)
+
+    # -- worker events ---------------------------------------------------------------------
+    def apply_kv_events(self, events: events_pb2.KVEvents) -> bool:
+        """Apply a worker's KV events; False if ignored (a gone worker, or stale seq)."""
+        if events.worker_id in self._departed:
+            return False
+        return self.index.apply(events)
+
+    def apply_load(self, report: events_pb2.LoadReport) -> bool:
+        if not report.worker_id or report.worker_id in self._departed:
+            return False
+        self._loads[report.worker_id] = report
+        self._pending.pop(report.worker_id, None)  # the report counts what we had routed
+        return True
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.index.check_integrity()
+        assert all(k == m.id for k, m in self._members.items()), "member keyed by wrong id"
+        assert not self._departed.keys() & self._members.keys(), "departed member still present"
+        assert not self._departed.keys() & self._loads.keys(), "load kept for departed member"
+        assert not self._departed.keys() & set(self.index.workers()), "index kept departed"
+        assert self._pending.keys() <= self._members.keys(), "pending work of a non-member"
+        if self._unconfirmed is not None:
+            assert self._unconfirmed <= self._members.keys(), "unconfirmed non-member"
+
+    # -- feeding ---------------------------------------------------------------------------
+    async def run(
+        self, name_client: NameWatcher, bus: Bus | None = None, namespace: str = "default"
+    ) -> None:
+        """Feed this view until cancelled: NATS kv/load events (if `bus`) and the
+        nameservice Watch stream of `name_client` (a services.common.naming.NameClient)."""
+        if bus is not None:
+            await self.subscribe(bus, namespace)
+        await self.follow(name_client.watch())
+
+    async def subscribe(self, bus: Bus, namespace: str = "default") -> None:
+        """Apply every worker's KV events and load reports from now on."""
+        await bus.subscribe(
+            subjects.kv_events_all(namespace), events_pb2.KVEvents, self._on_kv_events
+        )
+        await bus.subscribe(
+            subjects.load_report_all(namespace), events_pb2.LoadReport, self._on_load
+        )
+
+    async def follow(self, events: AsyncIterator[MembershipEvent]) -> None:
+        """Apply a membership stream until it ends (NameClient.watch never does)."""
+        async for event in events:
+            self.apply_membership(event)
+
+    async def _on_kv_events(self, msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
+        try:
+            self.apply_kv_events(msg)
+        except ValueError as e:
+            log.warning("bad kv events: %s", e)
+
+    async def _on_load(self, msg: events_pb2.LoadReport, headers: dict[str, str]) -> None:
+        self.apply_load(msg)
+
+
+def _role(role: int) -> str:
+    return nameservice_pb2.Role.Name(role) if role in nameservice_pb2.Role.values() else str(role)

@@ -1,0 +1,84 @@
+"""`rtp-serve master`: the global scheduler service (DESIGN "The request path", step 3).
+
+It follows the nameservice membership stream and, with --nats-url, every worker's KV events
+and load reports; Route answers from that view. Without NATS it still routes, by membership
+alone (no prefix or load information). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+
+from services.common import grpc_util
+from services.common.bus import Bus
+from services.common.flags import add_common_flags, advertised, env
+from services.common.naming import NameClient, make_member
+from services.common.pb import master_pb2_grpc, nameservice_pb2
+from services.master.cluster import ClusterView
+from services.master.policy import POLICIES, make_policy
+from services.master.servicer import MasterServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "rtp.v1.Master"
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "master") -> None:
+    add_common_flags(p)
+    p.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=env("policy", "cache_aware"),
+        help="routing policy",
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run the master until cancelled."""
+    view = ClusterView()
+    policy = make_policy(args.policy)
+    server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
+    master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(view, policy), server)
+    address = advertised(args, port)
+    member = make_member(nameservice_pb2.ROLE_MASTER, address)
+    bus = await Bus.connect(args.nats_url, member.id)
+    names = NameClient(args.nameservice) if args.nameservice else None
+    feeder: asyncio.Task[None] | None = None
+    try:
+        await server.start()
+        if bus.enabled:
+            await view.subscribe(bus, args.namespace)
+            await bus.flush()  # subscribed before anyone can find us
+        else:
+            log.warning("no --nats-url: routing by membership only (no prefix or load info)")
+        if names is None:
+            log.warning("no --nameservice: the master knows no workers and cannot route")
+        else:
+            feeder = asyncio.create_task(view.follow(names.watch()), name="cluster-view")
+            await names.register(member)
+        await grpc_util.set_serving(health, SERVICE_NAME, True)
+        log.info(
+            "master ready id=%s address=%s policy=%s pid=%d",
+            member.id,
+            address,
+            policy.name,
+            os.getpid(),
+        )
+        if feeder is not None:
+            await feeder  # runs until cancelled; an error here is fatal for the master
+        else:
+            await asyncio.Event().wait()
+    finally:
+        await grpc_util.set_serving(health, SERVICE_NAME, False)
+        if feeder is not None:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        if names is not None:
+            with contextlib.suppress(Exception):
+                await names.close()
+        await server.stop(grace=2.0)
+        await bus.close()

@@ -1,0 +1,205 @@
+"""Routing policies: given the cluster view and a request, pick the workers.
+
+A cluster runs PD-disaggregated (prefill + decode workers) or fused (one worker does both).
+If both kinds are present, PD wins while at least one prefill and one decode worker are
+available (after `exclude`); otherwise fused workers are used. A fused worker is returned
+as the plan's `decode`, with `prefill` unset.
+
+`cache_aware` (the default) estimates each candidate's time to first token in tokens:
+
+    cost = queued_tokens                     (its queue, from its latest LoadReport)
+         + pending tokens                     (routed to it since that report)
+         + num_prompt_tokens - matched_blocks * block_size   (what it must still compute)
+
+and picks the lowest. A long cached prefix lowers the last term, so it wins unless that
+worker's queue is longer than the prefill it saves. Ties: session affinity (a stable hash of
+session_id over the tied workers), else fewest running, else rotation. The decode side (PD)
+goes to the worker with the most free KV blocks (less those routed to it since its report),
+then fewest running, then rotation. Every choice is charged to the view (`charge`) until the
+worker's next LoadReport, so a burst of requests spreads out instead of piling up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from services.common.pb import master_pb2, nameservice_pb2
+from services.master.cluster import ClusterView, Member
+
+DEFAULT_BLOCK_SIZE = 16  # used until a worker's LoadReport says otherwise
+
+
+class NoWorkersError(Exception):
+    """No worker can take the request (none registered, or all excluded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    member: Member
+    matched_blocks: int = 0
+    reason: str = ""
+
+
+def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[list[Member], list[Member]]:
+    """(first, decode): PD mode -> (prefill workers, decode workers); fused -> (fused, [])."""
+    skip = set(exclude)
+    by_role = {
+        role: [m for m in view.members(role) if m.id not in skip]
+        for role in (nameservice_pb2.ROLE_PREFILL, nameservice_pb2.ROLE_DECODE)
+    }
+    prefill, decode = by_role[nameservice_pb2.ROLE_PREFILL], by_role[nameservice_pb2.ROLE_DECODE]
+    if prefill and decode:
+        return prefill, decode
+    fused = [m for m in view.members(nameservice_pb2.ROLE_FUSED) if m.id not in skip]
+    if fused:
+        return fused, []
+    raise NoWorkersError(
+        f"no workers available: {len(prefill)} prefill, {len(decode)} decode, 0 fused"
+        + (f" (excluded: {', '.join(sorted(skip))})" if skip else "")
+    )
+
+
+def session_slot(session_id: str, n: int) -> int:
+    """Stable (across processes and restarts) index in [0, n) for a session."""
+    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
+def _running(view: ClusterView, worker_id: str) -> int:
+    load = view.load(worker_id)
+    return (load.num_running if load is not None else 0) + view.pending(worker_id).requests
+
+
+def _block_size(view: ClusterView, worker_id: str) -> int:
+    load = view.load(worker_id)
+    return (load.block_size if load is not None else 0) or DEFAULT_BLOCK_SIZE
+
+
+def uncached_tokens(view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int) -> int:
+    return max(0, num_prompt_tokens - matched * _block_size(view, worker_id))
+
+
+class Policy(ABC):
+    name: str
+
+    def __init__(self) -> None:
+        # Separate turns for each side, so rotations never lock prefill and decode in step.
+        self._first_turn = itertools.count()
+        self._decode_turn = itertools.count()
+
+    def route(self, view: ClusterView, request: master_pb2.RouteRequest) -> master_pb2.RoutePlan:
+        """Raises NoWorkersError when no candidate is left."""
+        first, decode = candidates(view, request.exclude)
+        head = self._choose_first(view, request, first)
+        plan = master_pb2.RoutePlan(
+            matched_blocks=head.matched_blocks, policy=self.name, reason=head.reason
+        )
+        tokens = request.num_prompt_tokens
+        view.charge(
+            head.member.id, uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
+        )
+        if decode:
+            tail = self._choose_decode(view, decode)
+            view.charge(
+                tail.member.id, blocks=math.ceil(tokens / _block_size(view, tail.member.id))
+            )
+            plan.prefill.CopyFrom(head.member)
+            plan.decode.CopyFrom(tail.member)
+            plan.reason += f"; decode {tail.member.id}{tail.reason}"
+        else:
+            plan.decode.CopyFrom(head.member)
+        return plan
+
+    @abstractmethod
+    def _choose_first(
+        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
+    ) -> Choice:
+        """Choose the prefill (or fused) worker."""
+
+    @abstractmethod
+    def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+        """Choose the PD decode worker (its reason is a suffix)."""
+
+
+def _rotate(members: Sequence[Member], turn: Iterator[int]) -> Member:
+    return members[next(turn) % len(members)]
+
+
+class RoundRobin(Policy):
+    """Cycle through the candidates (sorted by id), ignoring cache and load."""
+
+    name = "round_robin"
+
+    def _choose_first(
+        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
+    ) -> Choice:
+        chosen = _rotate(first, self._first_turn)
+        matched = view.index.match(chosen.id, request.block_hashes)
+        return Choice(chosen, matched, f"next in turn {chosen.id}, prefix {matched} blocks")
+
+    def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+        return Choice(_rotate(decode, self._decode_turn))
+
+
+class CacheAware(Policy):
+    """Lowest predicted time to first token: queue + uncached prompt tokens."""
+
+    name = "cache_aware"
+
+    @staticmethod
+    def cost(view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int) -> int:
+        """Predicted time to first token, in tokens to compute before ours is done."""
+        load = view.load(worker_id)
+        queued = (load.queued_tokens if load is not None else 0) + view.pending(worker_id).tokens
+        return queued + uncached_tokens(view, worker_id, num_prompt_tokens, matched)
+
+    def _choose_first(
+        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
+    ) -> Choice:
+        matched = view.index.match_all(request.block_hashes, [m.id for m in first])
+        costs = {
+            m.id: self.cost(view, m.id, request.num_prompt_tokens, matched[m.id]) for m in first
+        }
+        best = min(costs.values())
+        tied = [m for m in first if costs[m.id] == best]
+        if len(tied) == 1:
+            chosen, tie = tied[0], ""
+        elif request.session_id:
+            chosen, tie = tied[session_slot(request.session_id, len(tied))], "session"
+        else:
+            fewest = min(_running(view, m.id) for m in tied)
+            idle = [m for m in tied if _running(view, m.id) == fewest]
+            chosen = _rotate(idle, self._first_turn)
+            tie = "fewest running" if len(idle) < len(tied) else "rotation"
+        n = matched[chosen.id]
+        reason = f"prefix {n} blocks on {chosen.id}, cost {best} tokens"
+        if tie:
+            reason += f" (tie of {len(tied)} broken by {tie})"
+        return Choice(chosen, n, reason)
+
+    def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+        # Workers that have not reported yet rank after those that have.
+        def key(m: Member) -> tuple[bool, int, int]:
+            load, pending = view.load(m.id), view.pending(m.id).blocks
+            free = load.free_blocks - pending if load is not None else -pending
+            return (load is None, -free, _running(view, m.id))
+
+        best = min(key(m) for m in decode)
+        chosen = _rotate([m for m in decode if key(m) == best], self._decode_turn)
+        unknown, free = best[0], -best[1]
+        return Choice(chosen, reason=" (no load report)" if unknown else f" (free {free} blocks)")
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (CacheAware, RoundRobin)}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None

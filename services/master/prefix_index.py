@@ -1,0 +1,160 @@
+"""The master's global prefix index: which workers hold which KV block hashes.
+
+Fed by every worker's rtp.v1.KVEvents. Keys are chained (DESIGN "KV cache"), so a worker
+that holds key_i normally holds key_0..key_{i-1} too; `match` still stops at the first
+miss, because a prefix with a hole in it is only reusable up to the hole.
+
+    holders:  hash -> {worker ids}      (what `match_all` walks, one dict lookup per block)
+    blocks:   worker id -> {hashes}     (what `drop_worker` / `cleared` walk)
+
+Both maps always describe the same set of (worker, hash) pairs; `check_integrity` says so.
+
+Within one KVEvents message `cleared` applies first, then `removed`, then `stored`;
+publishers should net each batch so that a hash appears in at most one list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from services.common.pb import events_pb2
+
+log = logging.getLogger(__name__)
+
+BLOCK_HASH_BYTES = 16
+
+
+@dataclass(slots=True)
+class IndexStats:
+    applied: int = 0  # KVEvents messages applied
+    stale: int = 0  # dropped: seq not newer than the last one applied
+    gaps: int = 0  # messages that skipped seq numbers (events were lost)
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[str]] = {}
+        self._blocks: dict[str, set[bytes]] = {}
+        self._last_seq: dict[str, int] = {}
+        self.stats = IndexStats()
+
+    # -- queries ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Number of (worker, hash) pairs."""
+        return sum(len(b) for b in self._blocks.values())
+
+    def workers(self) -> list[str]:
+        return sorted(self._blocks)
+
+    def num_blocks(self, worker_id: str) -> int:
+        return len(self._blocks.get(worker_id, ()))
+
+    def holds(self, worker_id: str, block_hash: bytes) -> bool:
+        return worker_id in self._holders.get(block_hash, ())
+
+    def match(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        """Number of leading `hashes` present on `worker_id` (stops at the first miss)."""
+        blocks = self._blocks.get(worker_id)
+        if not blocks:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def match_all(self, hashes: Sequence[bytes], worker_ids: Iterable[str]) -> dict[str, int]:
+        """`match` for every worker in `worker_ids`, in one pass over `hashes`."""
+        result = dict.fromkeys(worker_ids, 0)
+        alive = set(result)
+        for i, h in enumerate(hashes):
+            if not alive:
+                break
+            holders = self._holders.get(h)
+            still = alive & holders if holders else set()
+            for worker_id in alive - still:
+                result[worker_id] = i
+            alive = still
+        for worker_id in alive:  # matched every hash
+            result[worker_id] = len(hashes)
+        return result
+
+    # -- mutations -------------------------------------------------------------------------
+    def apply(self, events: events_pb2.KVEvents) -> bool:
+        """Apply one worker's event batch; False if it was stale (seq not newer) and ignored.
+
+        seq 0 means "unsequenced" and is always applied. A gap in seq means events were
+        lost; there is no resync message yet, so the batch is applied and the gap counted
+        (the index is a routing hint: a wrong entry costs a cache miss, never correctness).
+        """
+        worker_id = events.worker_id
+        if not worker_id:
+            raise ValueError("KVEvents without worker_id")
+        last = self._last_seq.get(worker_id)
+        if events.seq:
+            if last is not None and events.seq <= last and not events.cleared:
+                self.stats.stale += 1
+                return False
+            if last is not None and events.seq > last + 1 and not events.cleared:
+                self.stats.gaps += 1
+                log.warning(
+                    "kv events from %s skipped seq %d..%d", worker_id, last + 1, events.seq - 1
+                )
+            self._last_seq[worker_id] = events.seq
+        if events.cleared:
+            self._drop_blocks(worker_id)
+        self.remove(worker_id, events.removed)
+        self.store(worker_id, events.stored)
+        self.stats.applied += 1
+        return True
+
+    def store(self, worker_id: str, hashes: Iterable[bytes]) -> None:
+        blocks = self._blocks.get(worker_id)
+        for h in hashes:
+            if len(h) != BLOCK_HASH_BYTES:
+                log.warning("ignoring %d-byte block hash from %s", len(h), worker_id)
+                continue
+            if blocks is None:
+                blocks = self._blocks[worker_id] = set()
+            blocks.add(h)
+            self._holders.setdefault(h, set()).add(worker_id)
+
+    def remove(self, worker_id: str, hashes: Iterable[bytes]) -> None:
+        blocks = self._blocks.get(worker_id)
+        if not blocks:
+            return
+        for h in hashes:
+            if h not in blocks:
+                continue
+            blocks.discard(h)
+            self._unhold(h, worker_id)
+        if not blocks:
+            del self._blocks[worker_id]
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Forget everything about a worker (it left the cluster)."""
+        self._drop_blocks(worker_id)
+        self._last_seq.pop(worker_id, None)
+
+    def _drop_blocks(self, worker_id: str) -> None:
+        for h in self._blocks.pop(worker_id, ()):
+            self._unhold(h, worker_id)
+
+    def _unhold(self, h: bytes, worker_id: str) -> None:
+        holders = self._holders[h]
+        holders.discard(worker_id)
+        if not holders:
+            del self._holders[h]
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Both maps hold the same (worker, hash) pairs, and no set is empty."""
+        forward = {(w, h) for w, hs in self._blocks.items() for h in hs}
+        backward = {(w, h) for h, ws in self._holders.items() for w in ws}
+        assert forward == backward, f"index maps disagree: {forward ^ backward}"
+        assert all(self._blocks.values()), "empty block set kept for a worker"
+        assert all(self._holders.values()), "empty holder set kept for a hash"
+        assert all(len(h) == BLOCK_HASH_BYTES for h in self._holders), "malformed hash"

@@ -1,0 +1,299 @@
+"""The master: prefix index, cluster view, policies (exact, scripted); the service on NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from services.common import grpc_util, subjects
+from services.common.pb import events_pb2, master_pb2, master_pb2_grpc
+from services.common.pb import nameservice_pb2 as ns
+from services.master.cluster import ClusterView
+from services.master.policy import CacheAware, NoWorkersError, RoundRobin, session_slot
+from services.master.prefix_index import PrefixIndex
+
+H = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(16)]
+Ev = ns.MembershipEvent
+P, D, F = ns.ROLE_PREFILL, ns.ROLE_DECODE, ns.ROLE_FUSED
+
+
+def member(worker_id: str, role: int) -> ns.Member:
+    return ns.Member(id=worker_id, role=role, address=f"{worker_id}.local:50051")
+
+
+def kv(worker_id: str, seq: int = 0, stored=(), **fields) -> events_pb2.KVEvents:
+    return events_pb2.KVEvents(worker_id=worker_id, seq=seq, stored=stored, **fields)
+
+
+def load(worker_id: str, queued=0, running=0, free=100, block_size=16) -> events_pb2.LoadReport:
+    fields = dict(queued_tokens=queued, num_running=running, free_blocks=free, total_blocks=100)
+    return events_pb2.LoadReport(worker_id=worker_id, block_size=block_size, **fields)
+
+
+def cluster(*members: ns.Member, cached=None, loads=(), clock=time.monotonic) -> ClusterView:
+    view = ClusterView(clock)
+    for m in members:
+        view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=m))
+    for worker_id, hashes in (cached or {}).items():
+        assert view.apply_kv_events(kv(worker_id, stored=hashes))
+    for report in loads:
+        assert view.apply_load(report)
+    view.check_integrity()
+    return view
+
+
+def route(policy, view, tokens=100, hashes=H[:6], session="", exclude=()) -> master_pb2.RoutePlan:
+    req = master_pb2.RouteRequest(
+        request_id="r", block_hashes=hashes, num_prompt_tokens=tokens, session_id=session
+    )
+    req.exclude.extend(exclude)
+    plan = policy.route(view, req)
+    view.check_integrity()
+    return plan
+
+
+# -- prefix index ------------------------------------------------------------------------
+def test_prefix_index_scripted():
+    idx = PrefixIndex()
+    assert idx.apply(kv("a", 1, stored=H[:4]))
+    assert idx.apply(kv("b", 1, stored=[H[0], H[1], H[3]]))
+    idx.check_integrity()
+    assert idx.match("a", H[:6]) == 4
+    assert idx.match("b", H[:6]) == 2  # stops at the first miss (H[2])
+    assert idx.match_all(H[:6], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
+    assert idx.match_all(H[:2], ["a", "b"]) == {"a": 2, "b": 2}
+    assert idx.match_all([], ["a"]) == {"a": 0}
+    assert idx.apply(kv("a", 2, removed=[H[1]]))
+    assert idx.match_all(H[:6], ["a", "b"]) == {"a": 1, "b": 2}
+    assert not idx.apply(kv("a", 2, stored=[H[1]]))  # stale seq: ignored
+    assert idx.stats.stale == 1 and idx.match("a", H) == 1
+    assert idx.apply(kv("a", 5, stored=[H[1]]))  # gap: applied and counted
+    assert idx.stats.gaps == 1 and idx.match("a", H) == 4
+    assert idx.apply(kv("a", 1, stored=[H[9]], cleared=True))  # cleared resets, seq too
+    assert idx.match("a", H) == 0 and idx.holds("a", H[9]) and len(idx) == 4
+    idx.check_integrity()
+    idx.drop_worker("b")
+    assert idx.workers() == ["a"] and idx.match("b", H) == 0
+    idx.remove("a", [H[9], H[10]])
+    assert len(idx) == 0 and idx.workers() == []
+    idx.store("a", [b"short"])  # malformed hashes never enter
+    assert len(idx) == 0 and idx.check_integrity() is None
+    with pytest.raises(ValueError):
+        idx.apply(kv(""))
+
+
+# -- cluster view ------------------------------------------------------------------------
+def test_left_member_is_forgotten_and_late_events_ignored():
+    view = cluster(member("p1", P), member("p2", P), cached={"p2": H[:3]}, loads=[load("p2")])
+    view.apply_membership(Ev(kind=Ev.KIND_LEFT, member=member("p2", P), reason="expired"))
+    view.check_integrity()
+    assert [m.id for m in view.members(P)] == ["p1"]
+    assert view.index.workers() == [] and view.load("p2") is None
+    assert not view.apply_kv_events(kv("p2", stored=H[:3]))  # late NATS traffic
+    assert not view.apply_load(load("p2"))
+    view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("p2", P)))  # back again
+    assert view.apply_kv_events(kv("p2", stored=H[:1]))
+    assert view.index.match("p2", H) == 1
+    view.check_integrity()
+
+
+def test_snapshot_after_reconnect_drops_unconfirmed_members():
+    view = cluster(member("p1", P), member("p2", P), cached={"p1": H[:2], "p2": H[:2]})
+    view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member("p1", P)))
+    view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member("d1", D)))
+    assert view.in_snapshot and [m.id for m in view.members()] == ["d1", "p1", "p2"]
+    view.check_integrity()
+    view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("p3", P)))  # snapshot over
+    assert not view.in_snapshot
+    assert [m.id for m in view.members()] == ["d1", "p1", "p3"]
+    assert view.index.workers() == ["p1"]  # the confirmed member keeps its prefix entries
+    view.check_integrity()
+
+
+# -- policies ----------------------------------------------------------------------------
+PD3 = (member("p1", P), member("p2", P), member("p3", P), member("d1", D), member("d2", D))
+CACHED = {"p1": H[:2], "p2": H[:5]}
+
+
+def test_longest_prefix_wins():
+    plan = route(CacheAware(), cluster(*PD3, cached=CACHED))
+    assert (plan.prefill.id, plan.matched_blocks, plan.policy) == ("p2", 5, "cache_aware")
+    assert plan.reason.startswith("prefix 5 blocks on p2, cost 20 tokens")  # 100 - 5 * 16
+
+
+def test_clearly_more_loaded_worker_loses_its_prefix():
+    busy = cluster(*PD3, cached=CACHED, loads=[load("p2", queued=500)])
+    plan = route(CacheAware(), busy)
+    assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)  # 68 < 520 < 100
+    slightly = cluster(*PD3, cached=CACHED, loads=[load("p2", queued=40)])
+    assert route(CacheAware(), slightly).prefill.id == "p2"  # 60 < 68
+    big_blocks = cluster(*PD3, cached=CACHED, loads=[load("p1", block_size=64)])
+    assert route(CacheAware(), big_blocks).prefill.id == "p1"  # 2 * 64 covers the prompt
+
+
+def test_ties_session_affinity_then_fewest_running():
+    for session in ("alice", "bob", "carol"):  # an idle cluster: a three-way tie
+        expected = PD3[session_slot(session, 3)].id
+        picks = {route(CacheAware(), cluster(*PD3), session=session).prefill.id for _ in range(3)}
+        assert picks == {expected}
+    spread = {route(CacheAware(), cluster(*PD3), session=f"s{i}").prefill.id for i in range(20)}
+    assert spread == {"p1", "p2", "p3"}
+    assert "tie of 3 broken by session" in route(CacheAware(), cluster(*PD3), session="x").reason
+    loaded = cluster(*PD3, loads=[load("p1", running=3), load("p2", running=1)])
+    plan = route(CacheAware(), loaded)  # p3 has no report yet: 0 running
+    assert plan.prefill.id == "p3" and "(tie of 3 broken by fewest running)" in plan.reason
+    even = cluster(*PD3, loads=[load(w, running=1) for w in ("p1", "p2", "p3")])
+    plan = route(CacheAware(), even)
+    assert plan.prefill.id == "p1" and "(tie of 3 broken by rotation)" in plan.reason
+
+
+def test_burst_is_charged_until_the_next_load_report():
+    now = [0.0]
+    view, policy = cluster(*PD3, cached=CACHED, clock=lambda: now[0]), CacheAware()
+    plans = [route(policy, view) for _ in range(6)]
+    # costs start p1 68, p2 20, p3 100; each pick adds its uncached tokens to that worker
+    assert [p.prefill.id for p in plans] == ["p2", "p2", "p2", "p1", "p2", "p3"]
+    assert [p.decode.id for p in plans] == ["d1", "d2", "d1", "d2", "d1", "d2"]
+    assert view.pending("p2").tokens == 80 and view.pending("d1").blocks == 21
+    view.apply_load(load("p2"))  # the report includes what was routed there
+    assert view.pending("p2").requests == 0
+    assert route(policy, view).prefill.id == "p2"
+    now[0] = 60.0  # no report ever came: charges expire
+    assert view.pending("p1").requests == 0 and route(policy, view).prefill.id == "p2"
+
+
+def test_decode_most_free_blocks_then_fewest_running():
+    loads = [load("d1", free=10), load("d2", free=50)]
+    assert route(CacheAware(), cluster(*PD3, loads=loads)).decode.id == "d2"
+    loads = [load("d1", free=50, running=2), load("d2", free=50, running=1)]
+    plan = route(CacheAware(), cluster(*PD3, loads=loads))
+    assert plan.decode.id == "d2" and plan.reason.endswith("; decode d2 (free 50 blocks)")
+    assert route(CacheAware(), cluster(*PD3, loads=[load("d2", free=0)])).decode.id == "d2"
+
+
+def test_round_robin_cycles_each_side():
+    policy, view = RoundRobin(), cluster(*PD3, cached=CACHED)
+    plans = [route(policy, view) for _ in range(4)]
+    assert [p.prefill.id for p in plans] == ["p1", "p2", "p3", "p1"]
+    assert [p.decode.id for p in plans] == ["d1", "d2", "d1", "d2"]
+    assert [p.matched_blocks for p in plans] == [2, 5, 0, 2]
+    assert {p.policy for p in plans} == {"round_robin"}
+
+
+def test_modes_exclude_and_no_workers():
+    fused = (member("f1", F), member("f2", F))
+    view = cluster(*PD3, *fused, cached={"f2": H[:3], "p2": H[:1]})
+    plan = route(CacheAware(), view)
+    assert (plan.prefill.id, plan.decode.id) == ("p2", "d1")  # PD preferred
+    plan = route(CacheAware(), view, exclude=["p1", "p2", "p3"])  # no prefill left: fused
+    assert not plan.HasField("prefill") and (plan.decode.id, plan.matched_blocks) == ("f2", 3)
+    assert route(CacheAware(), view, exclude=["d1", "d2", "f2"]).decode.id == "f1"
+    assert route(CacheAware(), view, exclude=["p2"]).prefill.id == "p1"
+    with pytest.raises(NoWorkersError, match="0 fused .excluded: d1, d2, f1, f2"):
+        route(CacheAware(), view, exclude=["d1", "d2", "f1", "f2"])
+    with pytest.raises(NoWorkersError):
+        route(RoundRobin(), cluster(member("d1", D)))
+
+
+def test_left_and_expired_members_never_chosen():
+    view = cluster(*PD3, cached=CACHED)
+    view.apply_membership(Ev(kind=Ev.KIND_LEFT, member=member("p2", P), reason="expired"))
+    view.apply_membership(Ev(kind=Ev.KIND_LEFT, member=member("d2", D), reason="deregistered"))
+    assert route(CacheAware(), view).prefill.id == "p1"  # p2's longer prefix went with it
+    policy = RoundRobin()
+    plans = [route(policy, view) for _ in range(3)]
+    assert [p.prefill.id + p.decode.id for p in plans] == ["p1d1", "p3d1", "p1d1"]
+
+
+# -- service -----------------------------------------------------------------------------
+def test_import_is_torch_free():
+    code = "import sys, services.master.main; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_master_service_routes_by_nats_events(nats_server: str):
+    """Real nats-server, nameservice and master; fake workers register and publish events."""
+    NS = "master-test"  # the NATS server is shared by the session
+    import argparse
+
+    from services.common.bus import Bus
+    from services.common.naming import NameClient
+    from services.common.servers import free_port
+    from services.master import main as master_main
+    from services.nameservice import main as ns_main
+
+    def args_for(module, *argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser, "test")
+        return parser.parse_args(list(argv))
+
+    async def until(predicate, what: str):
+        deadline = time.monotonic() + 10
+        while not (result := await predicate()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+        return result
+
+    async def main(nats_url: str):
+        ns_address = f"127.0.0.1:{free_port()}"
+        ns_args = args_for(ns_main, "--port", ns_address.rsplit(":")[1], "--ttl", "5")
+        tasks = [asyncio.create_task(ns_main.serve(ns_args))]
+        workers = [NameClient(ns_address) for _ in PD3]
+        bus = await Bus.connect(nats_url, "workers")
+        try:
+            await until(lambda: grpc_util.check_health(ns_address), "nameservice")
+            flags = ("--nameservice", ns_address, "--nats-url", nats_url, "--namespace", NS)
+            tasks.append(asyncio.create_task(master_main.serve(args_for(master_main, *flags))))
+            masters = await until(lambda: workers[0].list(ns.ROLE_MASTER), "the master")
+            for client, m in zip(workers, PD3, strict=True):
+                await client.register(m)
+            for report in (load("d1", free=5), load("d2", free=50)):
+                await bus.publish(subjects.load_report(report.worker_id, NS), report)
+            await bus.publish(subjects.kv_events("p3", NS), kv("p3", 1, stored=H[:4]))
+            req = master_pb2.RouteRequest(block_hashes=H[:6], num_prompt_tokens=100)
+            async with grpc_util.channel(masters[0].address) as ch:
+                stub = master_pb2_grpc.MasterStub(ch)
+
+                async def routed_to_cache():
+                    with contextlib.suppress(grpc.aio.AioRpcError):  # no members yet
+                        plan = await stub.Route(req, timeout=5)
+                        # Loads and KV events are handled by separate subscriptions.
+                        return plan if (plan.matched_blocks, plan.decode.id) == (4, "d2") else None
+
+                plan = await until(routed_to_cache, "KV events and loads to reach the master")
+                assert (plan.prefill.id, plan.decode.id, plan.policy) == ("p3", "d2", "cache_aware")
+                assert plan.prefill.address == PD3[2].address
+
+                await workers[2].close()  # p3 deregisters: it must never be chosen again
+
+                async def p3_gone():
+                    return (await stub.Route(req, timeout=5)).prefill.id != "p3"
+
+                await until(p3_gone, "p3 to leave")
+                picks = {(await stub.Route(req, timeout=5)).prefill.id for _ in range(4)}
+                assert picks == {"p1", "p2"}  # spread by the charged work
+
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Route(master_pb2.RouteRequest(block_hashes=[b"x"]), timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "block_hashes[0] is 1 bytes" in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Route(master_pb2.RouteRequest(exclude=["d1", "d2"]), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no workers available" in err.value.details()
+        finally:
+            for client in workers:
+                await client.close()
+            for task in reversed(tasks):  # master first, then the nameservice
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+
+    asyncio.run(main(nats_server))
