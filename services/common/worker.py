@@ -111,12 +111,15 @@ async def publish_events(llm: AsyncLLM, bus: Bus, worker_id: str, namespace: str
         await asyncio.sleep(EVENT_INTERVAL_S)
         events = await llm.call(lambda engine: engine.pool.take_events())
         if events:
+            # Net the batch: only each hash's last event counts (stored then evicted = gone).
+            last = {event.block_hash: event.kind for event in events}
             seq += 1
-            msg = events_pb2.KVEvents(worker_id=worker_id, seq=seq)
-            for event in events:
-                (msg.stored if event.kind == KVEventKind.STORED else msg.removed).append(
-                    event.block_hash
-                )
+            msg = events_pb2.KVEvents(
+                worker_id=worker_id,
+                seq=seq,
+                stored=[h for h, kind in last.items() if kind == KVEventKind.STORED],
+                removed=[h for h, kind in last.items() if kind == KVEventKind.REMOVED],
+            )
             await bus.publish(kv_subject, msg)
         now = time.monotonic()
         if now - last_load >= LOAD_INTERVAL_S:
