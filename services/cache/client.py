@@ -1,0 +1,230 @@
+"""`CacheClient`: how prefill workers use the remote KV tier (the cache service instances).
+
+Keys are sharded across instances by rendezvous (highest-random-weight) hashing: each key
+goes to the instance whose `mix(key, instance)` weight is highest. Unlike hash-mod-N, a
+membership change moves only the keys of the instance that joined or left (about 1/N of
+them), so the other instances' LRUs stay warm; unlike a hash ring it needs no virtual nodes
+to balance and no state beyond the address list. N is small, so O(N) per key is cheap.
+
+The remote tier is an optimisation: every call has a short deadline and any failure
+(instance down, slow, bad reply) reads as "not cached", so the caller recomputes.
+
+    keys   k0 k1 k2 k3 k4 k5          (one request's chained block keys, in order)
+    shard   A  B  A  A  B  B
+    A.Get(k0 k2 k3) -> k0 k2          B.Get(k1 k4 k5) -> k1 k4 k5
+    prefix  k0 k1 k2 | k3 missing on A, so the answer stops there (k4, k5 are dropped)
+
+Each instance gets one concurrent call with its keys in order, and answers with the longest
+prefix of those it holds; the global prefix is where the first key is missing. Fetching
+speculatively past it costs little: for a chained prefix cache, misses are nearly always
+a suffix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from services.cache import MAX_KEYS
+from services.common import grpc_util
+from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+# Put batches are split below gRPC's message limit, and to at most this many blocks.
+_MAX_PUT_BYTES = 64 << 20
+_MAX_PUT_BLOCKS = 4096
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a cheap, well-distributed 64-bit permutation."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+class CacheClient:
+    def __init__(
+        self,
+        addresses: Sequence[str] = (),
+        *,
+        timeout_s: float = 1.0,
+        warn_interval_s: float = 30.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.warn_interval_s = warn_interval_s
+        self._addresses: list[str] = []
+        self._seeds: list[int] = []
+        self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._last_warning: dict[str, float] = {}
+        self.set_addresses(addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Follow membership: shard over `addresses` from now on; close dropped channels."""
+        self._addresses = sorted(set(addresses))
+        self._seeds = [
+            int.from_bytes(hashlib.blake2b(a.encode(), digest_size=8).digest(), "little")
+            for a in self._addresses
+        ]
+        for address in [a for a in self._channels if a not in self._addresses]:
+            channel = self._channels.pop(address)
+            del self._stubs[address]
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop: nothing can be in flight on it either
+                continue
+            task = loop.create_task(channel.close(grace=self.timeout_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def shard(self, block_hash: bytes) -> str:
+        """The address responsible for `block_hash` (there must be at least one)."""
+        return self._addresses[self._shard_index(block_hash)]
+
+    async def put(self, blocks: Sequence[common_pb2.KVBlock]) -> int:
+        """Store full blocks on their shards; returns how many were stored (0 on any error).
+
+        Blocks without a block_hash (partial tail blocks) are skipped.
+        """
+        groups: dict[int, list[common_pb2.KVBlock]] = {}
+        if self._addresses:
+            for block in blocks:
+                if block.block_hash:
+                    groups.setdefault(self._shard_index(block.block_hash), []).append(block)
+        calls = [
+            self._put(self._addresses[i], batch)
+            for i, shard_blocks in groups.items()
+            for batch in _batches(shard_blocks)
+        ]
+        return sum(await asyncio.gather(*calls))
+
+    async def get_prefix(self, hashes: Sequence[bytes]) -> list[common_pb2.KVBlock]:
+        """The blocks of the longest prefix of `hashes` held across the shards, in order."""
+        hashes = list(hashes[:MAX_KEYS])
+        groups = self._group(hashes)
+        replies = await asyncio.gather(
+            *(self._get(self._addresses[i], [hashes[p] for p in ps]) for i, ps in groups.items())
+        )
+        found: dict[int, common_pb2.KVBlock] = {}
+        for positions, blocks in zip(groups.values(), replies, strict=True):
+            for p, block in zip(positions, blocks, strict=False):
+                if block.block_hash != hashes[p]:
+                    break  # a misbehaving shard: trust none of the rest of its reply
+                found[p] = block
+        prefix: list[common_pb2.KVBlock] = []
+        while len(prefix) in found:
+            prefix.append(found[len(prefix)])
+        return prefix
+
+    async def exists_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading `hashes` are held across the shards (0 on any error)."""
+        hashes = list(hashes[:MAX_KEYS])
+        groups = self._group(hashes)
+        counts = await asyncio.gather(
+            *(self._exists(self._addresses[i], [hashes[p] for p in ps]) for i, ps in groups.items())
+        )
+        present: set[int] = set()
+        for positions, n in zip(groups.values(), counts, strict=True):
+            present.update(positions[:n])
+        n = 0
+        while n in present:
+            n += 1
+        return n
+
+    async def __aenter__(self) -> CacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        await asyncio.gather(*(c.close() for c in channels), *self._closing)
+
+    def _shard_index(self, block_hash: bytes) -> int:
+        if len(self._seeds) == 1:
+            return 0
+        key = int.from_bytes(block_hash[:8], "little")
+        weights = [_mix(key ^ seed) for seed in self._seeds]
+        return weights.index(max(weights))
+
+    def _group(self, hashes: list[bytes]) -> dict[int, list[int]]:
+        """shard index -> positions in `hashes` it owns, ascending."""
+        groups: dict[int, list[int]] = {}
+        if self._addresses:
+            for p, h in enumerate(hashes):
+                groups.setdefault(self._shard_index(h), []).append(p)
+        return groups
+
+    def _stub(self, address: str) -> cache_pb2_grpc.CacheStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            self._channels[address] = channel = grpc_util.channel(address)
+            self._stubs[address] = stub = cache_pb2_grpc.CacheStub(channel)
+        return stub
+
+    async def _put(self, address: str, blocks: list[common_pb2.KVBlock]) -> int:
+        try:
+            reply = await self._stub(address).Put(
+                cache_pb2.PutRequest(blocks=blocks), timeout=self.timeout_s
+            )
+        except Exception as e:  # down, slow, closed or bad reply: all read as a miss
+            self._warn(address, "Put", e)
+            return 0
+        return reply.stored
+
+    async def _get(self, address: str, hashes: list[bytes]) -> list[common_pb2.KVBlock]:
+        try:
+            reply = await self._stub(address).Get(
+                cache_pb2.GetRequest(block_hashes=hashes), timeout=self.timeout_s
+            )
+        except Exception as e:  # down, slow, closed or bad reply: all read as a miss
+            self._warn(address, "Get", e)
+            return []
+        return list(reply.blocks)
+
+    async def _exists(self, address: str, hashes: list[bytes]) -> int:
+        try:
+            reply = await self._stub(address).Exists(
+                cache_pb2.ExistsRequest(block_hashes=hashes), timeout=self.timeout_s
+            )
+        except Exception as e:  # down, slow, closed or bad reply: all read as a miss
+            self._warn(address, "Exists", e)
+            return 0
+        return min(reply.num_prefix, len(hashes))
+
+    def _warn(self, address: str, method: str, error: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_warning.get(address, float("-inf")) < self.warn_interval_s:
+            return
+        self._last_warning[address] = now
+        detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else repr(error)
+        log.warning("cache %s %s failed (%s); treating as a miss", address, method, detail)
+
+
+def _batches(blocks: list[common_pb2.KVBlock]) -> list[list[common_pb2.KVBlock]]:
+    """Split into Put requests of at most _MAX_PUT_BLOCKS blocks and ~_MAX_PUT_BYTES."""
+    batches: list[list[common_pb2.KVBlock]] = [[]]
+    size = 0
+    for block in blocks:
+        n = block.ByteSize()
+        if batches[-1] and (size + n > _MAX_PUT_BYTES or len(batches[-1]) >= _MAX_PUT_BLOCKS):
+            batches.append([])
+            size = 0
+        batches[-1].append(block)
+        size += n
+    return batches if batches[-1] else []

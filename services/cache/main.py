@@ -1,0 +1,90 @@
+"""`rtp-serve cache`: one cache service instance (remote-memory KV tier, optionally over Redis).
+
+Must stay importable without torch: it runs on CPU-only nodes next to Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from services.cache.lru import ByteLRU
+from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
+from services.cache.servicer import CacheServicer
+from services.common import grpc_util
+from services.common.flags import add_common_flags, advertised, env
+from services.common.pb import cache_pb2, cache_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "cache") -> None:
+    add_common_flags(p)
+    p.add_argument(
+        "--capacity-mib",
+        type=int,
+        default=int(env("cache_capacity_mib", "512")),
+        help="bytes of KV blocks held in memory, in MiB",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=env("redis_url"),
+        help="redis://host:port of the storage tier (optional; without it: memory only)",
+    )
+    p.add_argument(
+        "--redis-ttl-s",
+        type=int,
+        default=int(env("redis_ttl_s", str(DEFAULT_TTL_S))),
+        help="seconds a block lives in Redis after it was written",
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    if args.capacity_mib <= 0:
+        raise ValueError(f"--capacity-mib must be positive, got {args.capacity_mib}")
+    redis = (
+        RedisTier(args.redis_url, args.namespace, ttl_s=args.redis_ttl_s)
+        if args.redis_url
+        else None
+    )
+    servicer = CacheServicer(ByteLRU(args.capacity_mib << 20), redis)
+    server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
+    cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
+    address = advertised(args, port)
+    names = None
+    try:
+        await server.start()
+        await grpc_util.set_serving(health, SERVICE_NAME, True)
+        log.info(
+            "cache serving on %s: %d MiB in memory, redis %s",
+            address,
+            args.capacity_mib,
+            args.redis_url or "off",
+        )
+        if args.nameservice:
+            # Imported here: the nameservice is optional, and so is its client module.
+            from services.common.naming import NameClient, make_member
+            from services.common.pb import nameservice_pb2
+
+            names = NameClient(args.nameservice)
+            await names.register(make_member(nameservice_pb2.ROLE_CACHE, address))
+        await server.wait_for_termination()
+    finally:
+        await grpc_util.set_serving(health, SERVICE_NAME, False)
+        if names is not None:
+            await names.close()
+        await server.stop(grace=1.0)
+        await servicer.close()
+        if redis is not None:
+            await redis.close()
+        lru = servicer.lru
+        log.info(
+            "cache stopped: %d blocks, %d hits, %d misses, %d evictions, %d promoted",
+            len(lru),
+            lru.stats.hits,
+            lru.stats.misses,
+            lru.stats.evictions,
+            servicer.promoted,
+        )
