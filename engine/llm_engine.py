@@ -14,6 +14,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_limits
 from engine.outputs import PromptKV, RequestOutput
 from engine.request import Request
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
@@ -173,6 +174,7 @@ class LLMEngine:
         """Every prompt block is written: decode on from the prefill side's first token."""
         if not 0 <= first.token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first.token_id} out of range")
+        Sampler.replay_draw(self.scheduler.reserved[request_id], self.model_config.vocab_size)
         return RequestOutput.from_request(self.scheduler.activate(request_id, first), 1)
 
     # -- introspection ---------------------------------------------------------------------

@@ -67,6 +67,18 @@ class Sampler:
         gen = request.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=gen))
 
+    @staticmethod
+    def replay_draw(request: Request, vocab_size: int) -> None:
+        """Advance a seeded request's generator past a token sampled on another worker.
+
+        PD: the prefill worker samples the first token with its own copy of the seed; the
+        decode worker must continue the same random stream, so that a seeded request gives
+        the same tokens disaggregated or fused. multinomial consumes the same amount of
+        generator state for any distribution of the same size.
+        """
+        if request.generator is not None and not request.params.greedy:
+            torch.multinomial(torch.ones(vocab_size), 1, generator=request.generator)
+
 
 def _logprobs(row: torch.Tensor, token: int, n: int) -> TokenLogprobs:
     lp = row.log_softmax(-1)

@@ -133,3 +133,15 @@ def test_bad_input_is_invalid_argument_and_cancel_frees_blocks(workers, prompts)
     for address, prefill in ((workers["fused"], ""), (workers["decode"], workers["prefill"])):
         stats = asyncio.run(cancel_midway(address, prefill))
         assert stats.held_blocks == 0 and stats.integrity_ok
+
+
+def test_seeded_sampling_is_the_same_fused_and_pd(workers, prompts):
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+
+    async def main():
+        fused = await _generate(workers["fused"], prompts[5], seeded, rid="s-f")
+        pd = await _generate(workers["decode"], prompts[5], seeded, workers["prefill"], rid="s-p")
+        return _tokens(fused), _tokens(pd)
+
+    fused, pd = asyncio.run(main())
+    assert fused == pd and len(fused) == 10

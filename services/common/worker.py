@@ -181,10 +181,16 @@ async def serve_worker(
         llm.shutdown()
 
 
+class PeerUnavailableError(RuntimeError):
+    """Another worker this request depends on (the prefill side) failed or went away."""
+
+
 def abort_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an engine-side refusal."""
     from engine.scheduler import NoCapacityError
 
+    if isinstance(exc, PeerUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)  # the caller may route elsewhere
     if isinstance(exc, NoCapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, ValueError):

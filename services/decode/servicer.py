@@ -21,7 +21,7 @@ from services.common.block_hash import block_hash_keys
 from services.common.convert import logprob_to_pb, params_from_pb
 from services.common.kv_wire import join_blocks
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.worker import StatsServicer, abort_status
+from services.common.worker import PeerUnavailableError, StatsServicer, abort_status
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class DecodeServicer(StatsServicer):
                 else:
                     blocks.append(msg.block)
             if first is None:
-                raise RuntimeError("prefill worker sent no first token")
+                raise PeerUnavailableError("prefill worker sent no first token")
             hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
             k, v = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, self.kv_shape)
             lp = first.logprobs[0] if first.logprobs else None
@@ -139,7 +139,7 @@ class DecodeServicer(StatsServicer):
                 msg.num_cached_tokens = first.num_cached_tokens
                 yield msg
         except grpc.aio.AioRpcError as exc:
-            raise RuntimeError(
+            raise PeerUnavailableError(
                 f"prefill worker {request.prefill_address} failed: {exc.code().name} {exc.details()}"
             ) from exc
         finally:

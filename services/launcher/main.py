@@ -143,7 +143,8 @@ def _start(cluster: Cluster, model: str) -> str:
         for _ in range(args.decode):
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
-    cluster.spawn("frontend", *common, "--model", model, "--host", args.host, "--port", str(port))
+    cluster.spawn("frontend", *common, "--model", model, "--kv-dtype", args.dtype,
+                  "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
 

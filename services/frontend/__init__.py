@@ -1,0 +1,1 @@
+"""The frontend service: OpenAI-compatible HTTP API and gRPC ingress (no torch)."""

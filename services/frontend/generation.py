@@ -1,0 +1,223 @@
+"""One request's path through the frontend, shared by the HTTP and the gRPC ingress.
+
+1. prepare: check the prompt ids against the model (vocabulary, context length), validate
+   the sampling parameters, fan `n` out into one GenerateInput per choice;
+2. start: prompt block hash keys -> route (master, or local fallback) -> Worker.Generate on
+   the chosen decode/fused worker; returns once the first tokens arrived, so a request
+   that cannot be served fails before any response has gone out;
+3. stream: detokenize incrementally, apply stop strings, yield Deltas.
+
+A worker that fails before its first token is swapped for another (excluded from the next
+route); one that fails later is resumed elsewhere from prompt + tokens so far, so the
+client sees one uninterrupted stream. Closing a stream cancels its worker call, which makes
+the worker abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from engine.tokenizer import Tokenizer
+from services.common.block_hash import block_hash_keys
+from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
+from services.frontend.detokenizer import TextStream, TokenText
+from services.frontend.errors import RETRYABLE, ErrorKind, FrontendError, from_rpc_error
+from services.frontend.inputs import GenerateInput, Options, prepare
+from services.frontend.model_info import Admission, ModelInfo
+from services.frontend.router_client import Router
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # worker streams opened per request: the first and two retries
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New output of one sequence: text (complete characters, stop strings cut) and the
+    tokens it came from. `finish_reason` is set on the last Delta only."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int  # so far, this sequence
+    cached_tokens: int
+
+
+class DeltaStream:
+    """The Deltas of one started sequence. `aclose()` (or `contextlib.aclosing`) ends it and
+    cancels its worker call, whether or not it was iterated."""
+
+    def __init__(
+        self,
+        deltas: AsyncGenerator[Delta, None],
+        messages: AsyncGenerator[worker_pb2.GenerateResponse, None],
+    ) -> None:
+        self._deltas = deltas
+        self._messages = messages
+
+    def __aiter__(self) -> AsyncGenerator[Delta, None]:
+        return self._deltas
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+        await self._messages.aclose()
+
+
+class Generator:
+    def __init__(
+        self,
+        model: ModelInfo,
+        tokenizer: Tokenizer,
+        router: Router,
+        max_concurrent: int = 256,
+        max_n: int = 8,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.router = router
+        self.admission = Admission(max_concurrent)
+        self.max_n = max_n
+        self.token_text = TokenText(tokenizer, model.byte_level)
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        opts: Options,
+        default_max_tokens: int | None,
+        prompt_param: str = "prompt",
+    ) -> list[GenerateInput]:
+        """Step 1: validate and fan out (see inputs.prepare)."""
+        args = (request_id, prompt_ids, opts, default_max_tokens, prompt_param)
+        return prepare(self.model, self.max_n, *args)
+
+    async def start(self, inp: GenerateInput) -> DeltaStream:
+        """Route and open the worker stream; returns once the first output arrived.
+        The caller must `aclose()` the stream (contextlib.aclosing)."""
+        messages = self._worker_messages(inp)
+        first = await anext(messages, None)
+        if first is None:
+            raise FrontendError(ErrorKind.INTERNAL, "the worker sent no output")
+        return DeltaStream(self._deltas(inp, first, messages), messages)
+
+    async def _worker_messages(
+        self, inp: GenerateInput
+    ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+        produced: list[int] = []  # output tokens so far, over every attempt
+        exclude: list[str] = []
+        last_error: FrontendError | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            prompt = inp.prompt_token_ids + produced
+            try:
+                route = await self.router.route(
+                    master_pb2.RouteRequest(
+                        request_id=inp.request_id,
+                        block_hashes=block_hash_keys(
+                            prompt, self.model.block_size, self.model.hash_extra
+                        ),
+                        num_prompt_tokens=len(prompt),
+                        session_id=inp.session_id,
+                        priority=inp.priority,
+                        exclude=exclude,
+                    )
+                )
+            except FrontendError:
+                if last_error is not None:  # what the failed worker said is the better reason
+                    raise last_error from None
+                raise
+            request = worker_pb2.GenerateRequest(
+                request_id=inp.request_id if attempt == 0 else f"{inp.request_id}-r{attempt}",
+                prompt_token_ids=prompt,
+                params=_continued(inp.params, len(produced)),
+                priority=inp.priority,
+                prefill_address=route.prefill_address,
+            )
+            stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
+            call = stub.Generate(request)
+            who = f"worker {route.decode.id or route.decode.address}"
+            try:
+                async for msg in call:
+                    produced.extend(msg.token_ids)
+                    yield msg
+                    if msg.finished:
+                        return
+                last_error = FrontendError(ErrorKind.INTERNAL, f"{who} ended the stream early")
+            except grpc.aio.AioRpcError as exc:
+                last_error = from_rpc_error(exc, who)
+                if exc.code() not in RETRYABLE:
+                    raise last_error from exc
+            finally:
+                call.cancel()  # no-op when done; else the worker aborts and frees the blocks
+            log.warning(
+                "request %s: %s (attempt %d, %d tokens so far)",
+                inp.request_id,
+                last_error.message,
+                attempt + 1,
+                len(produced),
+            )
+            exclude.append(route.decode.id)
+        assert last_error is not None
+        raise last_error
+
+    # -- 3. stream -------------------------------------------------------------------------
+    async def _deltas(
+        self,
+        inp: GenerateInput,
+        first: worker_pb2.GenerateResponse,
+        messages: AsyncGenerator[worker_pb2.GenerateResponse, None],
+    ) -> AsyncGenerator[Delta, None]:
+        text = TextStream(self.tokenizer, inp.stop)
+        ids: list[int] = []
+        logprobs: list[common_pb2.TokenLogprob] = []
+        pending = ""
+        completion = cached = 0
+        msg: worker_pb2.GenerateResponse | None = first
+        try:
+            while msg is not None:
+                cached = max(cached, msg.num_cached_tokens)
+                new = list(msg.token_ids)
+                # A stop token ends the text without appearing in it.
+                stop_token = (
+                    msg.HasField("stop_reason") and bool(new) and new[-1] == msg.stop_reason
+                )
+                for j, token in enumerate(new):
+                    completion += 1
+                    ids.append(token)
+                    if j < len(msg.logprobs):
+                        logprobs.append(msg.logprobs[j])
+                    if not (stop_token and j == len(new) - 1):
+                        pending += text.push([token])
+                    if text.stopped:
+                        break
+                finish = (msg.finish_reason or "stop") if msg.finished else None
+                if finish is not None and not text.stopped:
+                    pending += text.finish()
+                if text.stopped:
+                    finish = "stop"
+                if pending or finish is not None:
+                    prompt_tokens = len(inp.prompt_token_ids)
+                    yield Delta(pending, ids, logprobs, finish, prompt_tokens, completion, cached)
+                    pending, ids, logprobs = "", [], []
+                if finish is not None:
+                    return
+                msg = await anext(messages, None)
+            raise FrontendError(ErrorKind.INTERNAL, "the worker stream ended unfinished")
+        finally:
+            await messages.aclose()
+
+
+def _continued(params: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:
+    """The parameters for the rest of a sequence that already has `done` output tokens."""
+    if done == 0:
+        return params
+    rest = common_pb2.SamplingParams()
+    rest.CopyFrom(params)
+    rest.max_tokens = params.max_tokens - done
+    rest.min_tokens = max(0, params.min_tokens - done)
+    return rest

@@ -1,0 +1,71 @@
+"""rtp.v1.Frontend over gRPC: the same request path as the HTTP API (generation.py), as a
+server stream. Refusals map to gRPC status codes (errors.ErrorKind)."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.pb import frontend_pb2, frontend_pb2_grpc
+from services.frontend.errors import FrontendError, invalid
+from services.frontend.generation import Generator
+from services.frontend.inputs import Options
+
+DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens left at 0
+
+
+def options_from_pb(request: frontend_pb2.FrontendGenerateRequest) -> Options:
+    """Proto3 zeros mean "unset": max_tokens 0 -> default, top_k 0 -> off, top_p 0 -> 1."""
+    p = request.params
+    return Options(
+        max_tokens=p.max_tokens or None,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k or -1,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        session_id=request.session_id,
+        priority=request.priority,
+    )
+
+
+class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+
+    async def Generate(
+        self, request: frontend_pb2.FrontendGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[frontend_pb2.FrontendGenerateResponse]:
+        gen = self.generator
+        request_id = "fe-" + secrets.token_hex(12)
+        try:
+            with gen.admission.admit():
+                kind = request.WhichOneof("prompt")
+                if kind == "text":
+                    ids = gen.tokenizer.encode(request.text)
+                elif kind == "token_ids":
+                    ids = list(request.token_ids.ids)
+                else:
+                    raise invalid("prompt is required (text or token_ids)", "prompt")
+                (inp,) = gen.prepare(request_id, ids, options_from_pb(request), DEFAULT_MAX_TOKENS)
+                stream = await gen.start(inp)
+                async with contextlib.aclosing(stream):
+                    async for delta in stream:
+                        yield frontend_pb2.FrontendGenerateResponse(
+                            text=delta.text,
+                            token_ids=delta.token_ids,
+                            finished=delta.finish_reason is not None,
+                            finish_reason=delta.finish_reason or "",
+                            prompt_tokens=delta.prompt_tokens,
+                            completion_tokens=delta.completion_tokens,
+                            cached_tokens=delta.cached_tokens,
+                        )
+        except FrontendError as exc:
+            await context.abort(exc.kind.grpc_code, exc.message)

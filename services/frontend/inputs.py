@@ -1,0 +1,116 @@
+"""Step 1 of a request: what the client asked for (`Options`, from either ingress) checked
+against the model and turned into one wire-ready `GenerateInput` per choice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from engine.sampling_params import SamplingParams
+from services.common.convert import params_to_pb
+from services.common.pb import common_pb2
+from services.frontend.errors import invalid
+from services.frontend.model_info import ModelInfo
+
+MAX_LOGPROBS = 20
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What a client asks for, whichever ingress it came through."""
+
+    max_tokens: int | None = None  # None: the ingress's default, capped by the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
+    n: int = 1
+    session_id: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """One sequence to generate: validated, ready for the wire."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+    session_id: str = ""
+    priority: int = 0
+
+
+def prepare(
+    model: ModelInfo,
+    max_n: int,
+    request_id: str,
+    prompt_ids: Sequence[int],
+    opts: Options,
+    default_max_tokens: int | None,
+    prompt_param: str = "prompt",
+) -> list[GenerateInput]:
+    """One GenerateInput per choice; raises FrontendError(INVALID) naming the parameter.
+    `default_max_tokens` None: as many as the context leaves room for."""
+    vocab, limit, n_prompt = model.vocab_size, model.context_len, len(prompt_ids)
+    if not prompt_ids:
+        raise invalid("the prompt must not be empty", prompt_param)
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", prompt_param)
+    if n_prompt >= limit:
+        raise invalid(
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{n_prompt} tokens (it must be shorter, to leave room for the output)",
+            prompt_param,
+        )
+    room = limit - n_prompt
+    max_tokens = opts.max_tokens
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens > room:
+        raise invalid(
+            f"This model's maximum context length is {limit} tokens, but {n_prompt + max_tokens}"
+            f" were requested ({n_prompt} in the prompt, {max_tokens} for the completion)",
+            "max_tokens",
+        )
+    if not 1 <= opts.n <= max_n:
+        raise invalid(f"n must be between 1 and {max_n}, got {opts.n}", "n")
+    if opts.logprobs is not None and not 0 <= opts.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {opts.logprobs}", "logprobs")
+    if opts.seed is not None and not _INT64[0] <= opts.seed <= _INT64[1] - opts.n:
+        raise invalid(f"seed must be a 64-bit integer, got {opts.seed}", "seed")
+    bad = [t for t in opts.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=opts.temperature,
+            top_k=opts.top_k,
+            top_p=opts.top_p,
+            seed=opts.seed,
+            stop_token_ids=opts.stop_token_ids,
+            ignore_eos=opts.ignore_eos,
+            min_tokens=opts.min_tokens,
+            logprobs=opts.logprobs,
+        )
+    except ValueError as exc:  # its messages start with the field's name
+        raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+    inputs = []
+    for i in range(opts.n):
+        # n choices with one seed would be n copies: choice i samples with seed + i.
+        p = params if params.seed is None else replace(params, seed=params.seed + i)
+        rid = request_id if opts.n == 1 else f"{request_id}-{i}"
+        inputs.append(
+            GenerateInput(
+                rid, list(prompt_ids), params_to_pb(p), opts.stop, opts.session_id, opts.priority
+            )
+        )
+    return inputs

@@ -1,0 +1,123 @@
+"""`rtp-serve frontend`: the OpenAI HTTP API plus the gRPC Frontend service.
+
+Never imports torch: it only tokenizes, hashes, routes and streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+
+from aiohttp import web
+
+from engine.tokenizer import Tokenizer
+from services.common import grpc_util
+from services.common.flags import add_common_flags, advertised, env
+from services.common.naming import NameClient, make_member
+from services.common.pb import frontend_pb2_grpc
+from services.common.pb import nameservice_pb2 as ns_pb2
+from services.frontend.generation import Generator
+from services.frontend.grpc_api import FrontendServicer
+from services.frontend.http_api import build_app
+from services.frontend.model_info import ModelInfo
+from services.frontend.router_client import Router
+
+log = logging.getLogger(__name__)
+
+GRPC_SERVICE = "rtp.v1.Frontend"
+SHUTDOWN_TIMEOUT_S = 5.0  # streams still running at SIGTERM get this long to finish
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    add_common_flags(p)  # --port is the HTTP port
+    p.add_argument("--grpc-port", type=int, default=int(env("grpc_port", "0")))
+    p.add_argument(
+        "--model",
+        default=env("model"),
+        required=env("model") is None,
+        help="model directory, exactly as the workers get it (it salts the block hashes)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=env("served_model_name"),
+        help="the model's name in the API (default: the model directory's name)",
+    )
+    p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
+    p.add_argument(
+        "--kv-dtype",
+        default=env("kv_dtype", env("dtype", "float32")),
+        help="the workers' KV dtype (part of the block hash salt)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_int_or_none(env("max_model_len")),
+        help="context length (default: max_position_embeddings of config.json)",
+    )
+    p.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=int(env("max_concurrent", "256")),
+        help="requests in flight; more are refused with 429",
+    )
+    p.add_argument("--max-n", type=int, default=int(env("max_n", "8")), help="largest n")
+    p.add_argument(
+        "--master",
+        default=env("master"),
+        help="host:port of the master (default: the one the nameservice knows)",
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    model = ModelInfo.load(
+        args.model, args.served_model_name, args.block_size, args.kv_dtype, args.max_model_len
+    )
+    tokenizer = await asyncio.to_thread(Tokenizer, args.model)
+    names = NameClient(args.nameservice) if args.nameservice else None
+    router = Router(args.master, names.watch if names is not None else None)
+    generator = Generator(model, tokenizer, router, args.max_concurrent, args.max_n)
+    runner = web.AppRunner(
+        build_app(generator),
+        handler_cancellation=True,  # a client that goes away cancels its worker calls
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    server, grpc_port, health = grpc_util.create_server(f"{args.host}:{args.grpc_port}")
+    frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(generator), server)
+    await router.start()
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        http_port = runner.addresses[0][1]
+        await server.start()
+        await grpc_util.set_serving(health, GRPC_SERVICE, True)
+        grpc_address = advertised(args, grpc_port)
+        member = make_member(ns_pb2.ROLE_FRONTEND, grpc_address, model=model.served_name)
+        if names is not None:
+            await names.register(member)
+        url = f"http://{advertised(args, http_port)}"
+        log.info(
+            "frontend ready url=%s grpc=%s model=%s id=%s pid=%d",
+            url,
+            grpc_address,
+            model.served_name,
+            member.id,
+            os.getpid(),
+        )
+        await asyncio.Event().wait()  # until cancelled (SIGTERM)
+    finally:
+        await grpc_util.set_serving(health, GRPC_SERVICE, False)
+        if names is not None:
+            with contextlib.suppress(Exception):
+                await names.close()
+        await runner.cleanup()
+        await server.stop(grace=2.0)
+        await router.close()

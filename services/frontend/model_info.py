@@ -1,0 +1,80 @@
+"""What the frontend knows about the served model, read once at start-up (torch-free)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import ModelConfig
+from services.common.block_hash import hash_extra
+from services.frontend.errors import ErrorKind, FrontendError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    path: str  # exactly as the workers are given it: it is part of the block hash salt
+    served_name: str
+    vocab_size: int
+    context_len: int
+    block_size: int
+    hash_extra: bytes  # must equal the workers' LLMEngine.hash_extra
+    byte_level: bool  # the tokenizer is a byte-level BPE (token bytes are recoverable)
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        served_name: str | None = None,
+        block_size: int = 16,
+        kv_dtype: str = "float32",
+        max_model_len: int | None = None,
+    ) -> ModelInfo:
+        cfg = ModelConfig.from_dir(path)
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        return cls(
+            path=path,
+            served_name=served_name or Path(path).name,
+            vocab_size=cfg.vocab_size,
+            context_len=max_model_len or cfg.max_position_embeddings,
+            block_size=block_size,
+            # The same salt as engine/llm_engine.py: architecture + ":" + model dir, KV dtype.
+            hash_extra=hash_extra(cfg.architecture + ":" + path, kv_dtype),
+            byte_level=_byte_level_decoder(Path(path) / "tokenizer.json"),
+        )
+
+
+def _byte_level_decoder(tokenizer_json: Path) -> bool:
+    try:
+        decoder = json.loads(tokenizer_json.read_text()).get("decoder") or {}
+    except (OSError, ValueError):
+        return False
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(d.get("type") == "ByteLevel" for d in parts)
+
+
+class Admission:
+    """A bound on requests in flight: beyond it, refuse at once rather than queue."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"max concurrent requests must be positive, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.in_flight >= self.limit:
+            raise FrontendError(
+                ErrorKind.OVERLOADED,
+                f"the server is at its limit of {self.limit} concurrent requests; retry later",
+                code="rate_limit_exceeded",
+            )
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1

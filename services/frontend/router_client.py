@@ -1,0 +1,177 @@
+"""Where a request runs: ask the master; if it is out of reach, pick a worker ourselves.
+
+The master's plan is cache- and load-aware. Without it the frontend still serves: it keeps
+the membership the nameservice's watch reports and round-robins over fused workers, or
+over prefill + decode pairs (DESIGN: "the master being down degrades the service, it does
+not fail requests that could still be served").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.common import grpc_util
+from services.common.pb import master_pb2, master_pb2_grpc
+from services.common.pb import nameservice_pb2 as ns_pb2
+from services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
+
+log = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = 2.0
+# After the master timed out, route locally for this long instead of waiting on it again.
+MASTER_BACKOFF_S = 1.0
+_FALLBACK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+Watch = Callable[[], AsyncIterator[ns_pb2.MembershipEvent]]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    decode: ns_pb2.Member  # the worker whose Generate stream we open (decode or fused)
+    prefill: ns_pb2.Member | None  # PD mode: the worker that computes the prompt
+    source: str  # "master" or "fallback"
+
+    @property
+    def prefill_address(self) -> str:
+        return self.prefill.address if self.prefill is not None else ""
+
+
+class Membership:
+    """The cluster as the nameservice reports it: enough to route without the master."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, ns_pb2.Member] = {}
+        self._turn = itertools.count()
+
+    def apply(self, event: ns_pb2.MembershipEvent) -> None:
+        if event.kind == ns_pb2.MembershipEvent.KIND_LEFT:
+            self.members.pop(event.member.id, None)
+        elif event.member.id:
+            self.members[event.member.id] = event.member
+
+    def with_role(self, role: int, exclude: frozenset[str] = frozenset()) -> list[ns_pb2.Member]:
+        return sorted(
+            (m for m in self.members.values() if m.role == role and m.id not in exclude),
+            key=lambda m: m.id,
+        )
+
+    def has_route(self) -> bool:
+        roles = {m.role for m in self.members.values()}
+        return ns_pb2.ROLE_FUSED in roles or {ns_pb2.ROLE_PREFILL, ns_pb2.ROLE_DECODE} <= roles
+
+    def pick(self, exclude: frozenset[str] = frozenset()) -> Route | None:
+        """Round robin over fused workers, else over (prefill, decode) pairs."""
+        fused = self.with_role(ns_pb2.ROLE_FUSED, exclude)
+        if fused:
+            return Route(fused[next(self._turn) % len(fused)], None, "fallback")
+        prefill = self.with_role(ns_pb2.ROLE_PREFILL, exclude)
+        decode = self.with_role(ns_pb2.ROLE_DECODE, exclude)
+        if prefill and decode:
+            turn = next(self._turn)
+            return Route(decode[turn % len(decode)], prefill[turn % len(prefill)], "fallback")
+        return None
+
+
+class Router:
+    """Routes requests; also owns the gRPC channels to the master and the workers."""
+
+    def __init__(
+        self,
+        master: str | None = None,
+        watch: Watch | None = None,
+        route_timeout: float = ROUTE_TIMEOUT_S,
+    ) -> None:
+        self.master = master  # fixed address; None: the master the nameservice reports
+        self.membership = Membership()
+        self._watch = watch
+        self._route_timeout = route_timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._master_down_until = 0.0
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._watch is not None:
+            self._watch_task = asyncio.create_task(self._follow(self._watch), name="membership")
+        elif self.master is None:
+            log.warning("no master and no nameservice: no request can be routed")
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            await ch.close()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc_util.channel(address)
+        return ch
+
+    def master_address(self) -> str | None:
+        if self.master:
+            return self.master
+        masters = self.membership.with_role(ns_pb2.ROLE_MASTER)
+        return masters[0].address if masters else None
+
+    async def ready(self) -> bool:
+        """True when some request could be routed to a worker now."""
+        if self.membership.has_route():
+            return True
+        if self._watch is None and self.master:  # no membership view: trust the master
+            return await grpc_util.check_health(self.master, timeout=0.5)
+        return False
+
+    async def route(self, request: master_pb2.RouteRequest) -> Route:
+        """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it)."""
+        address = self.master_address()
+        if address is not None and time.monotonic() >= self._master_down_until:
+            route = await self._ask_master(address, request)
+            if route is not None:
+                return route
+        route = self.membership.pick(frozenset(request.exclude))
+        if route is None:
+            raise FrontendError(
+                ErrorKind.UNAVAILABLE, "no worker is available", code="service_unavailable"
+            )
+        log.debug("route %s -> %s (fallback)", request.request_id, route.decode.id)
+        return route
+
+    async def _ask_master(self, address: str, request: master_pb2.RouteRequest) -> Route | None:
+        """The master's plan; None if the master cannot answer (then route locally)."""
+        stub = master_pb2_grpc.MasterStub(self.channel(address))
+        try:
+            plan = await stub.Route(request, timeout=self._route_timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _FALLBACK_CODES:
+                raise from_rpc_error(exc, "master") from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._master_down_until = time.monotonic() + MASTER_BACKOFF_S
+            log.info("master %s: %s; routing locally", address, exc.details() or exc.code().name)
+            return None
+        if not plan.decode.address:
+            log.warning("master %s returned a plan without a worker: %s", address, plan)
+            return None
+        prefill = plan.prefill if plan.HasField("prefill") and plan.prefill.address else None
+        return Route(plan.decode, prefill, "master")
+
+    async def _follow(self, watch: Watch) -> None:
+        while True:  # the watch reconnects by itself; this guards against anything else
+            try:
+                async for event in watch():
+                    self.membership.apply(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("membership watch failed; restarting it")
+            await asyncio.sleep(1.0)

@@ -1,0 +1,193 @@
+"""Scripted gRPC workers and master, and a harness that serves the frontend's HTTP app over
+them: the frontend's own logic (routing, retries, detokenizing, SSE, cancellation) tested
+without a model. Real workers are exercised by the cluster tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from aiohttp.test_utils import TestClient, TestServer
+
+from engine.tokenizer import Tokenizer
+from services.common import grpc_util
+from services.common.pb import common_pb2, master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.pb import nameservice_pb2 as ns_pb2
+from services.frontend.generation import Generator
+from services.frontend.http_api import build_app
+from services.frontend.model_info import ModelInfo
+from services.frontend.router_client import Router
+
+TIMEOUT_S = 20.0
+CACHED = 16  # num_cached_tokens every fake worker reports
+
+
+def run(coro) -> object:
+    """Run a test coroutine on a fresh loop, bounded."""
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """Streams `script` one token per message, continuing it after the part of the script a
+    resumed prompt already holds (prompt = base prompt + script[:k]).
+
+    `fail`: status codes for successive calls, each raised after `fail_after` tokens.
+    `eos`: when the script runs out, finish with this stop token; else cycle to max_tokens.
+    """
+
+    def __init__(
+        self,
+        script: Sequence[int],
+        fail: Sequence[grpc.StatusCode] = (),
+        fail_after: int = 0,
+        eos: int | None = None,
+        delay: float = 0.0,
+        base_prompt_len: int | None = None,
+    ) -> None:
+        self.script = list(script)
+        self.fail = list(fail)
+        self.fail_after = fail_after
+        self.eos = eos
+        self.delay = delay
+        self.base_prompt_len = base_prompt_len
+        self.requests: list[worker_pb2.GenerateRequest] = []
+        self.cancelled = asyncio.Event()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        fail = self.fail.pop(0) if self.fail else None
+        params = request.params
+        start = 0
+        if self.base_prompt_len is not None:
+            start = len(request.prompt_token_ids) - self.base_prompt_len
+        try:
+            for i in range(params.max_tokens):
+                if fail is not None and i == self.fail_after:
+                    await context.abort(fail, "scripted failure")
+                pos = start + i
+                last = i == params.max_tokens - 1
+                if self.eos is not None and pos >= len(self.script):
+                    token, reason = self.eos, "stop"
+                else:
+                    token, reason = self.script[pos % len(self.script)], "length" if last else ""
+                msg = worker_pb2.GenerateResponse(
+                    token_ids=[token],
+                    finished=bool(reason),
+                    finish_reason=reason,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_cached_tokens=CACHED,
+                )
+                if reason == "stop":
+                    msg.stop_reason = token
+                if params.HasField("logprobs"):
+                    top = [
+                        common_pb2.TopLogprob(token_id=token + j, logprob=-1.0 - j)
+                        for j in range(params.logprobs)
+                    ]
+                    msg.logprobs.append(
+                        common_pb2.TokenLogprob(token_id=token, logprob=-0.5, top=top)
+                    )
+                yield msg
+                if reason:
+                    return
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+class FakeMaster(master_pb2_grpc.MasterServicer):
+    """Answers with the first of `routes` ((decode id, prefill id or None)) whose decode
+    worker is not excluded; the harness fills in `members`."""
+
+    def __init__(self, routes: Sequence[tuple[str, str | None]] = (), fail=None) -> None:
+        self.routes = list(routes)
+        self.fail = fail
+        self.members: dict[str, ns_pb2.Member] = {}
+        self.requests: list[master_pb2.RouteRequest] = []
+
+    async def Route(self, request, context):
+        self.requests.append(request)
+        if self.fail is not None:
+            await context.abort(self.fail, "scripted master failure")
+        for decode, prefill in self.routes:
+            if decode not in request.exclude:
+                plan = master_pb2.RoutePlan(decode=self.members[decode], policy="fake")
+                if prefill is not None:
+                    plan.prefill.CopyFrom(self.members[prefill])
+                return plan
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no workers")
+
+
+@dataclass
+class Harness:
+    client: TestClient
+    generator: Generator
+    members: dict[str, ns_pb2.Member] = field(default_factory=dict)
+    servers: list[grpc.aio.Server] = field(default_factory=list)
+
+
+async def serve_grpc(add, servicer) -> tuple[grpc.aio.Server, str]:
+    server, port, _ = grpc_util.create_server("127.0.0.1:0")
+    add(servicer, server)
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def frontend(
+    model_dir: Path,
+    workers: dict[str, tuple[int, FakeWorker]],  # id -> (role, worker)
+    master: FakeMaster | None = None,
+    master_address: str | None = None,
+    max_concurrent: int = 256,
+) -> AsyncIterator[Harness]:
+    """The HTTP app over fake workers (known from a fake nameservice watch) and master."""
+    servers, members = [], {}
+    try:
+        for wid, (role, worker) in workers.items():
+            server, address = await serve_grpc(worker_pb2_grpc.add_WorkerServicer_to_server, worker)
+            servers.append(server)
+            members[wid] = ns_pb2.Member(id=wid, role=role, address=address)
+        if master is not None:
+            master.members = members
+            server, master_address = await serve_grpc(
+                master_pb2_grpc.add_MasterServicer_to_server, master
+            )
+            servers.append(server)
+
+        async def watch() -> AsyncIterator[ns_pb2.MembershipEvent]:
+            for m in members.values():
+                yield ns_pb2.MembershipEvent(kind=ns_pb2.MembershipEvent.KIND_SNAPSHOT, member=m)
+            await asyncio.Event().wait()
+
+        router = Router(master_address, watch if members else None)
+        await router.start()
+        while len(router.membership.members) < len(members):
+            await asyncio.sleep(0)
+        model = ModelInfo.load(str(model_dir))
+        gen = Generator(model, Tokenizer(model_dir), router, max_concurrent=max_concurrent)
+        async with TestClient(TestServer(build_app(gen))) as client:
+            yield Harness(client, gen, members, servers)
+        await router.close()
+    finally:
+        for server in servers:
+            await server.stop(grace=None)
+
+
+async def sse_events(resp) -> list[object]:
+    """The data payloads of an SSE response, "[DONE]" included as a string."""
+    import json
+
+    events = []
+    async for line in resp.content:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -1,0 +1,186 @@
+"""Routing over scripted workers and master: block hash keys, PD plans, retries with
+exclusion, resuming a stream on another worker, local fallback, and the gRPC ingress."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from engine.tokenizer import Tokenizer
+from services.common.block_hash import block_hash_keys, hash_extra
+from services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
+from services.common.pb import nameservice_pb2 as ns_pb2
+from services.frontend.grpc_api import FrontendServicer
+from services.frontend.router_client import Membership
+from tests.frontend_fakes import FakeMaster, FakeWorker, frontend, run, serve_grpc, sse_events
+
+TEXT = "Routing tëst: ünïcode 🙂 and more words to stream along the way."
+FUSED, PREFILL, DECODE = ns_pb2.ROLE_FUSED, ns_pb2.ROLE_PREFILL, ns_pb2.ROLE_DECODE
+UNAVAILABLE, EXHAUSTED = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    return model_dir("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny) -> Tokenizer:
+    return Tokenizer(tiny)
+
+
+@pytest.fixture(scope="module")
+def script(tok) -> list[int]:
+    return tok.encode(TEXT)
+
+
+def complete(tiny, workers, body: dict, master: FakeMaster | None = None, **kw):
+    async def go():
+        async with frontend(tiny, workers, master, **kw) as h:
+            stream = body.get("stream", False)
+            payload = {"model": "tiny-llama", "max_tokens": 6} | body
+            async with h.client.post("/v1/completions", json=payload) as resp:
+                return resp.status, await (sse_events(resp) if stream else resp.json())
+
+    return run(go())
+
+
+def test_master_gets_the_workers_block_hashes(tiny, tok, script) -> None:
+    master = FakeMaster([("w1", None)])
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16
+    status, body = complete(tiny, {"w1": (FUSED, FakeWorker(script))}, {"prompt": prompt}, master)
+    assert status == 200, body
+    (req,) = master.requests
+    extra = hash_extra("LlamaForCausalLM:" + str(tiny), "float32")  # as LLMEngine computes it
+    assert list(req.block_hashes) == block_hash_keys(prompt, 16, extra)
+    assert len(req.block_hashes) == 2 and req.num_prompt_tokens == 40
+    assert list(req.exclude) == []
+
+
+def test_pd_plan_sends_the_prefill_address(tiny, script) -> None:
+    decode, prefill = FakeWorker(script), FakeWorker(script)
+    master = FakeMaster([("d1", "p1")])
+    workers = {"d1": (DECODE, decode), "p1": (PREFILL, prefill)}
+    status, body = complete(tiny, workers, {"prompt": "hi"}, master)
+    assert status == 200 and body["choices"][0]["text"] == Tokenizer(tiny).decode(script[:6])
+    (req,) = decode.requests
+    assert req.prefill_address and req.prefill_address == master.members["p1"].address
+    assert prefill.requests == []  # the decode worker talks to it, not the frontend
+
+
+def test_failed_worker_is_excluded_on_retry(tiny, script) -> None:
+    bad, good = FakeWorker(script, fail=[EXHAUSTED]), FakeWorker(script)
+    master = FakeMaster([("w1", None), ("w2", None)])
+    status, body = complete(
+        tiny, {"w1": (FUSED, bad), "w2": (FUSED, good)}, {"prompt": "x"}, master
+    )
+    assert status == 200, body
+    assert [list(r.exclude) for r in master.requests] == [[], ["w1"]]
+    assert len(bad.requests) == len(good.requests) == 1
+
+
+def test_fallback_routing_retries_another_worker(tiny, script) -> None:
+    # No master: round robin over the membership; w1 fails whenever it is picked.
+    bad, good = FakeWorker(script, fail=[UNAVAILABLE] * 4), FakeWorker(script)
+    workers = {"w1": (FUSED, bad), "w2": (FUSED, good)}
+
+    async def go():
+        async with frontend(tiny, workers) as h:
+            for _ in range(4):
+                body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 3}
+                async with h.client.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+
+    run(go())
+    assert len(good.requests) == 4 and len(bad.requests) >= 1
+
+
+def test_no_worker_left_reports_the_workers_refusal(tiny, script) -> None:
+    worker = FakeWorker(script, fail=[EXHAUSTED] * 3)
+    status, body = complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x"})
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    worker = FakeWorker(script, fail=[UNAVAILABLE] * 3)
+    assert complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x"})[0] == 503
+
+
+def test_worker_rejecting_the_request_is_400_without_retry(tiny, script) -> None:
+    worker = FakeWorker(script, fail=[grpc.StatusCode.INVALID_ARGUMENT])
+    status, body = complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x"})
+    assert status == 400 and "scripted failure" in body["error"]["message"]
+    assert len(worker.requests) == 1
+
+
+def test_unreachable_master_falls_back_to_membership(tiny, script) -> None:
+    worker = FakeWorker(script)
+    workers = {"w1": (FUSED, worker)}
+    status, _ = complete(tiny, workers, {"prompt": "x"}, master_address="127.0.0.1:1")
+    assert status == 200 and len(worker.requests) == 1
+
+
+def test_stream_resumes_on_another_worker_after_a_crash(tiny, tok, script) -> None:
+    prompt = tok.encode("resume me")
+    n = len(prompt)
+    first = FakeWorker(script, fail=[UNAVAILABLE], fail_after=3, base_prompt_len=n)
+    second = FakeWorker(script, base_prompt_len=n)
+    master = FakeMaster([("w1", None), ("w2", None)])
+    workers = {"w1": (FUSED, first), "w2": (FUSED, second)}
+    body = {"prompt": prompt, "max_tokens": 12, "stream": True}
+    status, events = complete(tiny, workers, body, master)
+    assert status == 200 and events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == tok.decode(script[:12])  # one uninterrupted stream
+    (resumed,) = second.requests
+    assert list(resumed.prompt_token_ids) == prompt + script[:3]
+    assert resumed.params.max_tokens == 9
+
+
+def test_membership_round_robin_and_leave() -> None:
+    def event(kind, mid, role):
+        member = ns_pb2.Member(id=mid, role=role, address=f"{mid}:1")
+        return ns_pb2.MembershipEvent(kind=kind, member=member)
+
+    m = Membership()
+    kinds = ns_pb2.MembershipEvent
+    for mid, role in [("p1", PREFILL), ("d1", DECODE), ("d2", DECODE), ("master", 2)]:
+        m.apply(event(kinds.KIND_SNAPSHOT, mid, role))
+    assert m.has_route()
+    picks = [m.pick() for _ in range(4)]
+    assert [(r.prefill.id, r.decode.id) for r in picks] == [("p1", "d1"), ("p1", "d2")] * 2
+    assert m.pick(frozenset({"d1"})).decode.id == "d2"
+    m.apply(event(kinds.KIND_LEFT, "p1", PREFILL))
+    assert not m.has_route() and m.pick() is None
+    m.apply(event(kinds.KIND_JOINED, "f1", FUSED))
+    assert m.pick().prefill is None and m.pick().decode.id == "f1"
+
+
+def test_grpc_frontend_generate(tiny, tok, script) -> None:
+    async def go():
+        async with frontend(tiny, {"w1": (FUSED, FakeWorker(script, eos=0))}) as h:
+            server, address = await serve_grpc(
+                frontend_pb2_grpc.add_FrontendServicer_to_server, FrontendServicer(h.generator)
+            )
+            try:
+                async with grpc.aio.insecure_channel(address) as ch:
+                    stub = frontend_pb2_grpc.FrontendStub(ch)
+                    request = frontend_pb2.FrontendGenerateRequest(
+                        text="hi", params=common_pb2.SamplingParams(max_tokens=100), stop=["🙂"]
+                    )
+                    out = [m async for m in stub.Generate(request)]
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await stub.Generate(frontend_pb2.FrontendGenerateRequest()).read()
+                    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    bad = frontend_pb2.FrontendGenerateRequest(
+                        text="hi", params=common_pb2.SamplingParams(top_p=2.0)
+                    )
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await stub.Generate(bad).read()
+                    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    return out
+            finally:
+                await server.stop(grace=None)
+
+    out = run(go())
+    assert "".join(m.text for m in out) == TEXT[: TEXT.index("🙂")]
+    assert out[-1].finished and out[-1].finish_reason == "stop"
+    assert not any(m.finished for m in out[:-1])
+    assert out[-1].prompt_tokens == len(tok.encode("hi")) and out[-1].cached_tokens == 16
