@@ -44,9 +44,11 @@ class Cluster(LaunchedCluster):
         return [m for m in self.members() if m.role in roles]
 
     def worker_stats(self) -> dict[str, worker_pb2.WorkerStats]:
+        workers = self.workers()
+
         async def run():
             out = {}
-            for m in self.workers():
+            for m in workers:
                 async with grpc_util.channel(m.address) as ch:
                     out[m.id] = await worker_pb2_grpc.WorkerStub(ch).Stats(
                         worker_pb2.WorkerStatsRequest(), timeout=10

@@ -7,7 +7,7 @@ the whole suite must stay fast. HF transformers is the reference, never the runt
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -129,3 +129,25 @@ def prompts(corpus_ids: list[int]) -> list[list[int]]:
     out = [corpus_ids[start : start + n] for start, n in spans]
     assert [len(p) for p in out] == [n for _, n in spans]
     return out
+
+
+# -- servers
+# Real nats-server / redis-server processes on free 127.0.0.1 ports, one each per session.
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (nats://127.0.0.1:PORT) of a nats-server shared by the session."""
+    from tests.servers import nats
+
+    with nats(tmp_path_factory.mktemp("nats")) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (redis://127.0.0.1:PORT) of a memory-only redis-server shared by the session."""
+    from tests.servers import redis
+
+    with redis(tmp_path_factory.mktemp("redis")) as proc:
+        yield proc.url

