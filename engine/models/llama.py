@@ -125,6 +125,9 @@ def rope_cache(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; same math as below
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Lower precision: normalise in float32, scale in the model dtype, exactly as HF does.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -156,6 +159,7 @@ class LlamaModel:
         self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
         self._q = cfg.num_heads * cfg.head_dim
         self._kv = cfg.num_kv_heads * cfg.head_dim
+        self._heads = cfg.num_heads + cfg.num_kv_heads
 
     @torch.inference_mode()
     def forward(
@@ -175,15 +179,15 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.w.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self._q, self._kv, self._kv], dim=-1)
-            q = apply_rope(q.view(-1, cfg.num_heads, d), cos, sin)
-            k = apply_rope(k.view(-1, cfg.num_kv_heads, d), cos, sin)
-            v = v.reshape(-1, cfg.num_kv_heads, d)
+            # RoPE on q and k together: one set of elementwise ops instead of two.
+            qk = apply_rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            x = x + linear(attn.view(-1, self._q), layer.o)
+            x = torch.addmm(x, attn.view(-1, self._q), layer.o)  # residual fused into the GEMM
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            x = torch.addmm(x, F.silu(gate) * up, layer.down)
         x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         head = self.w.lm_head
         return (F.linear(x, head) if self.w.tied else linear(x, head)).float()
