@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+
+# --advertise-host value meaning "this machine's own address": in a container that is the
+# container's address on its network, so every replica of a scaled service registers a
+# distinct, reachable address without per-replica configuration.
+AUTO_HOST = "auto"
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -20,7 +26,8 @@ def add_common_flags(
     p.add_argument(
         "--advertise-host",
         default=env("advertise_host"),
-        help="host others use to reach this instance (default: --host)",
+        help=f"host others use to reach this instance (default: --host; {AUTO_HOST!r}: "
+        "this machine's address, as its hostname resolves)",
     )
     p.add_argument("--metrics-port", type=int, default=int(env("metrics_port", "0")))
     p.add_argument("--namespace", default=env("namespace", "default"))
@@ -35,4 +42,7 @@ def add_common_flags(
 
 
 def advertised(args: argparse.Namespace, port: int) -> str:
-    return f"{args.advertise_host or args.host}:{port}"
+    host = args.advertise_host or args.host
+    if host == AUTO_HOST:
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
