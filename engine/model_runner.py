@@ -52,7 +52,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
-        weights = load_llama_weights(load_tensors(config.model), model_config, self.dtype)
+        tensors = load_tensors(config.model, device=str(self.device))
+        weights = load_llama_weights(tensors, model_config, self.dtype)
         attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
         self.model = LlamaModel(model_config, weights, attention, limits.max_model_len)
         slots = limits.num_kv_blocks * config.block_size
@@ -111,7 +112,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self._prepare(items, block_tables)
         samplers = [s.request for s in items if s.samples]
         if not samplers:
-            self.model.forward(input_ids, positions, self.kv_caches, meta, torch.tensor([0]))
+            no_rows = torch.tensor([0], device=self.device)
+            self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows)
             return {}
         logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows)
         tokens = self.sampler(logits, samplers)
@@ -146,19 +148,27 @@ class ModelRunner:
                 if start:
                     t = torch.tensor(table[: (start + n + bs - 1) // bs])
                     ctx_slots = (t[:, None] * bs + torch.arange(bs)).flatten()[: start + n]
+                    ctx_slots = ctx_slots.to(self.device)
                 prefills.append(PrefillChunk(q_start, n, start, ctx_slots))
 
         decode_tables_t = decode_lens_t = None
         if decode_tables:
             nblk = max(map(len, decode_tables))
-            decode_tables_t = torch.tensor([t + [0] * (nblk - len(t)) for t in decode_tables])
-            decode_lens_t = torch.tensor(decode_lens)
+            padded = [t + [0] * (nblk - len(t)) for t in decode_tables]
+            decode_tables_t = torch.tensor(padded, device=self.device)
+            decode_lens_t = torch.tensor(decode_lens, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping),
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
             block_size=bs,
             num_decodes=len(decode_tables),
             decode_block_tables=decode_tables_t,
             decode_seq_lens=decode_lens_t,
             prefills=prefills,
         )
-        return torch.tensor(ids), torch.tensor(pos), meta, torch.tensor(sample_rows)
+        dev = self.device
+        return (
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            meta,
+            torch.tensor(sample_rows, device=dev),
+        )

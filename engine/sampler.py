@@ -63,7 +63,7 @@ class Sampler:
             drop = (probs.cumsum(-1) - probs) >= params.top_p
             drop[0] = False
             x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        probs = x.softmax(-1)
+        probs = x.softmax(-1).cpu()  # the generators live on the CPU
         gen = request.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=gen))
 
