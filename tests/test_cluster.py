@@ -215,6 +215,21 @@ def test_client_disconnect_frees_blocks(cluster):
         assert s.held_blocks == 0 and s.num_running == 0, (worker_id, s)
 
 
+def test_remote_tier_down_degrades_not_fails(cluster, reference):
+    """Kill the cache service and Redis: PD requests still succeed (blocks are recomputed)."""
+    if cluster.mode != "pd":
+        pytest.skip("fused workers do not use the remote tier")
+    for entry in cluster.info["pids"]:
+        if entry["name"] in ("cache", "redis"):
+            os.kill(entry["pid"], signal.SIGKILL)
+    client, model_id = _client(cluster), _model_id(cluster)
+    for prompt in [*PROMPTS, "a prompt nobody has sent before, long enough " * 4]:
+        out = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert out.choices[0].text == reference(prompt)[1]
+
+
 def _route(master: str, n: int) -> list[str]:
     async def run():
         async with grpc_util.channel(master) as ch:
