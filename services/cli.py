@@ -83,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     if getattr(args, "module", None):
         from services.common.lifecycle import run_service, setup_logging
+        from services.common.tracing import default_instance_id, setup_tracing
 
         setup_logging(args.log_level, getattr(args, "log_format", "text"), args.service)
+        if args.service != "up":  # the launcher serves no requests
+            setup_tracing(args.service, default_instance_id())
         return run_service(importlib.import_module(args.module).serve(args))
     logging.basicConfig(
         level=args.log_level.upper(),

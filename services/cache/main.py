@@ -11,7 +11,7 @@ import logging
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
 from services.cache.servicer import CacheServicer
-from services.common import grpc_util
+from services.common import grpc_util, metrics
 from services.common.flags import add_common_flags, advertised, env
 from services.common.pb import cache_pb2, cache_pb2_grpc
 
@@ -53,6 +53,9 @@ async def serve(args: argparse.Namespace) -> None:
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
     address = advertised(args, port)
+    lru = servicer.lru
+    metrics.cache_service().watch_memory(lambda: lru.bytes_used, lambda: len(lru))
+    metrics_address = advertised(args, metrics.start_metrics_server(args.metrics_port, args.host))
     names = None
     try:
         await server.start()
@@ -69,7 +72,9 @@ async def serve(args: argparse.Namespace) -> None:
             from services.common.pb import nameservice_pb2
 
             names = NameClient(args.nameservice)
-            await names.register(make_member(nameservice_pb2.ROLE_CACHE, address))
+            await names.register(
+                make_member(nameservice_pb2.ROLE_CACHE, address, metrics_address=metrics_address)
+            )
         await server.wait_for_termination()
     finally:
         await grpc_util.set_serving(health, SERVICE_NAME, False)

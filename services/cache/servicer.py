@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
 from services.cache import MAX_KEYS
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import RedisTier
+from services.common import metrics
 from services.common.grpc_util import MAX_MESSAGE_BYTES
 from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
 
@@ -64,13 +67,16 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         stored = sum(self.lru.contains(key) for key, _ in items)
         if self._write_through(items):
             stored = len(items)
+        _trace(len(items), stored, (len(value) for _, value in items))
         return cache_pb2.PutReply(stored=stored)
 
     async def Get(
         self, request: cache_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> cache_pb2.GetReply:
         hashes = await self._check_hashes(request.block_hashes, context)
-        return cache_pb2.GetReply(blocks=await self.get_prefix(hashes))
+        blocks = await self.get_prefix(hashes)
+        _trace(len(hashes), len(blocks), (len(b.k) + len(b.v) for b in blocks))
+        return cache_pb2.GetReply(blocks=blocks)
 
     async def Exists(
         self, request: cache_pb2.ExistsRequest, context: grpc.aio.ServicerContext
@@ -88,10 +94,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 break
             budget -= len(value)
             if budget < 0:
+                _count_lookup(len(blocks), 0, None)
                 return blocks
             blocks.append(common_pb2.KVBlock.FromString(value))
         rest = hashes[len(blocks) :]
         if not rest or self.redis is None or not self.redis.available:
+            _count_lookup(len(blocks), 0, metrics.TIER_MEMORY if rest else None)
             return blocks
         # Later keys may still be in the LRU (Redis may have missed a write-through), so
         # only the keys the LRU lacks go to Redis.
@@ -99,12 +107,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         fetched = iter(
             await self.redis.get_many([h for h, v in zip(rest, local, strict=True) if v is None])
         )
+        promoted, ended_in = self.promoted, None
         for h, value in zip(rest, local, strict=True):
             from_redis = value is None
             if from_redis:
                 value = next(fetched)
             block = _parse(h, value)
             if block is None:
+                ended_in = metrics.TIER_REDIS if from_redis else metrics.TIER_MEMORY
                 break
             budget -= len(value)
             if budget < 0:
@@ -113,6 +123,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self.lru.put(h, value)
                 self.promoted += 1
             blocks.append(block)
+        via_redis = self.promoted - promoted
+        _count_lookup(len(blocks) - via_redis, via_redis, ended_in)
         return blocks
 
     async def exists_prefix(self, hashes: list[bytes]) -> int:
@@ -180,6 +192,33 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             if not h:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_hashes[{i}] is empty")
         return hashes
+
+
+def _trace(asked: int, answered: int, sizes: Iterable[int]) -> None:
+    """Put: blocks sent, stored; Get: keys asked, blocks found (a prefix); payload bytes
+    (summed only when the span records)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "rtp.cache.blocks_asked": asked,
+                "rtp.cache.blocks": answered,
+                "rtp.cache.bytes": sum(sizes),
+            }
+        )
+
+
+def _count_lookup(memory_hits: int, redis_hits: int, ended_in: str | None) -> None:
+    """Account one Get's prefix walk: each block served from memory is a memory hit; one
+    fetched from Redis a memory miss and a Redis hit; the key that ended the walk (not a
+    budget stop) a miss in every tier that was asked for it (`ended_in`: the last one)."""
+    ended = ended_in is not None
+    metrics.cache_service().lookup(
+        memory_hits,
+        redis_hits + ended,
+        redis_hits,
+        int(ended_in == metrics.TIER_REDIS),
+    )
 
 
 def _parse(block_hash: bytes, value: bytes | None) -> common_pb2.KVBlock | None:

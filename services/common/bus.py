@@ -9,7 +9,8 @@ degrade a service, never break it:
 - While disconnected, `publish` drops the message and counts it (`dropped`); it never raises.
 - nats-py replays subscriptions after a reconnect, so handlers keep receiving.
 
-Subject names come from `services.common.subjects` only.
+Subject names come from `services.common.subjects` only. A message published inside a
+trace carries its W3C context in NATS headers, and the subscriber's handler runs in it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Generic, TypeVar
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+
+from services.common import tracing
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class Bus:
         if not self._nc.is_connected:
             self.dropped += 1
             return
+        headers = tracing.inject_headers(headers)
         try:
             await self._nc.publish(subject, message.SerializeToString(), headers=headers)
         except Exception as e:  # a dead connection must not reach the caller
@@ -173,8 +177,10 @@ class Bus:
             except DecodeError:
                 log.warning("undecodable %s on %s", sub.message_type.__name__, msg.subject)
                 return
+            headers = dict(msg.headers or {})
             try:
-                await sub.handler(message, dict(msg.headers or {}))
+                with tracing.extracted(headers):
+                    await sub.handler(message, headers)
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
 

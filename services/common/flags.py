@@ -29,7 +29,13 @@ def add_common_flags(
         help=f"host others use to reach this instance (default: --host; {AUTO_HOST!r}: "
         "this machine's address, as its hostname resolves)",
     )
-    p.add_argument("--metrics-port", type=int, default=int(env("metrics_port", "0")))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("metrics_port", "0")),
+        help="Prometheus metrics port (0: any free; registered with the nameservice); the "
+        "frontend serves /metrics on its HTTP --port instead",
+    )
     p.add_argument("--namespace", default=env("namespace", "default"))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common import tracing
+
 MAX_MESSAGE_BYTES = 256 << 20
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -21,7 +23,7 @@ def create_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later aio server bound to `bind` (port 0: any free port), with the standard
     health service registered. Returns (server, port, health servicer)."""
-    server = grpc.aio.server(options=_OPTIONS)
+    server = grpc.aio.server(options=_OPTIONS, interceptors=tracing.server_interceptors())
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {bind}")
@@ -43,7 +45,8 @@ async def set_serving(
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=_OPTIONS)
+    interceptors = tracing.client_interceptors(address)  # trace context, when tracing is on
+    return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
 
 
 async def check_health(address: str, timeout: float = 1.0) -> bool:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from services.common import tracing
+
 log = logging.getLogger(__name__)
 
 # Set on a record by `logging.LoggerAdapter`s or `extra=` to tie lines to a request.
@@ -47,6 +49,7 @@ def setup_logging(
     level: str = "INFO", log_format: str = "text", service: str | None = None
 ) -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(tracing.TraceContextFilter())  # trace_id on lines logged in a span
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -69,13 +72,16 @@ def run_service(main: Coroutine[Any, Any, None]) -> int:
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:  # uvloop is optional on platforms without it
         runner = asyncio.Runner()
-    with runner:
-        loop = runner.get_loop()
-        task = loop.create_task(main)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            runner.run(_await(task))
+    try:
+        with runner:
+            loop = runner.get_loop()
+            task = loop.create_task(main)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, task.cancel)
+            with contextlib.suppress(asyncio.CancelledError):
+                runner.run(_await(task))
+    finally:
+        tracing.shutdown_tracing()  # export the last spans (bounded wait)
     log.info("stopped")
     return 0
 

@@ -20,7 +20,7 @@ import grpc
 from engine.async_llm import AsyncLLM
 from engine.block_pool import KVEventKind
 from engine.config import EngineConfig
-from services.common import grpc_util, subjects
+from services.common import grpc_util, metrics, subjects
 from services.common.bus import Bus
 from services.common.flags import add_common_flags, advertised, env
 from services.common.naming import NameClient, make_member
@@ -36,6 +36,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
     p.add_argument("--model", default=env("model"), help="model directory (default: tiny-llama)")
     p.add_argument("--dtype", default=env("dtype", "float32"))
+    p.add_argument("--device", default=env("device", "cpu"), help="cpu, cuda, cuda:1, ...")
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
     p.add_argument("--kv-cache-mib", type=int, default=int(env("kv_cache_mib", "256")))
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", "64")))
@@ -59,6 +60,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
     config = EngineConfig(
         model=model,
         dtype=args.dtype,
+        device=args.device,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
         max_num_seqs=args.max_num_seqs,
@@ -100,8 +102,15 @@ class StatsServicer(worker_pb2_grpc.WorkerServicer):
         return await self.llm.call(snapshot)
 
 
-async def publish_events(llm: AsyncLLM, bus: Bus, worker_id: str, namespace: str) -> None:
-    """Forward the engine's stored/removed block events and load, at a bounded rate."""
+async def publish_events(
+    llm: AsyncLLM,
+    bus: Bus,
+    worker_id: str,
+    namespace: str,
+    load_metrics: metrics.WorkerMetrics | None = None,
+) -> None:
+    """Forward the engine's stored/removed block events and load, at a bounded rate; the
+    load also goes to `load_metrics` (the Prometheus gauges)."""
     seq = 0
     last_load = 0.0
     kv_subject = subjects.kv_events(worker_id, namespace)
@@ -125,6 +134,10 @@ async def publish_events(llm: AsyncLLM, bus: Bus, worker_id: str, namespace: str
         if now - last_load >= LOAD_INTERVAL_S:
             last_load = now
             s = llm.stats()
+            if load_metrics is not None:
+                load_metrics.load(
+                    s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks
+                )
             await bus.publish(
                 load_subject,
                 events_pb2.LoadReport(
@@ -151,10 +164,20 @@ async def serve_worker(
     servicer = make_servicer(llm, args)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = advertised(args, port)
-    member = make_member(role, address, model=llm.engine.config.model, capacity=args.max_num_seqs)
+    metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
+    member = make_member(
+        role,
+        address,
+        model=llm.engine.config.model,
+        capacity=args.max_num_seqs,
+        metrics_address=advertised(args, metrics_port),
+    )
     bus = await Bus.connect(args.nats_url, member.id)
     names = NameClient(args.nameservice) if args.nameservice else None
-    publisher = asyncio.create_task(publish_events(llm, bus, member.id, args.namespace))
+    load_metrics = metrics.worker(role, llm.engine.config.model)
+    publisher = asyncio.create_task(
+        publish_events(llm, bus, member.id, args.namespace, load_metrics)
+    )
     background = asyncio.create_task(servicer.background(names))
     await server.start()
     await grpc_util.set_serving(health, "rtp.v1.Worker", True)

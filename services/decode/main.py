@@ -18,4 +18,4 @@ async def serve(args: argparse.Namespace) -> None:
     role = nameservice_pb2.ROLE_FUSED if args.fused else nameservice_pb2.ROLE_DECODE
     # A decode worker also serves fused requests if asked (e.g. when no prefill worker is
     # left): degraded, but the request is served.
-    await serve_worker(args, role, lambda llm, _: DecodeServicer(llm, allow_fused=True))
+    await serve_worker(args, role, lambda llm, _: DecodeServicer(llm, allow_fused=True, role=role))

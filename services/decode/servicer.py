@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 
 import grpc
+from opentelemetry import trace
 
 from engine.async_llm import AsyncLLM
 from engine.outputs import PromptKV, RequestOutput
 from engine.request import TokenLogprobs
 from engine.scheduler import SampledToken
-from services.common import grpc_util
+from services.common import grpc_util, metrics, tracing
 from services.common.block_hash import block_hash_keys
 from services.common.convert import logprob_to_pb, params_from_pb
 from services.common.kv_wire import join_blocks
-from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
 from services.common.worker import PeerUnavailableError, StatsServicer, abort_status
 
 log = logging.getLogger(__name__)
@@ -47,18 +48,22 @@ def _new_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
 
 
 class DecodeServicer(StatsServicer):
-    def __init__(self, llm: AsyncLLM, allow_fused: bool) -> None:
+    def __init__(
+        self, llm: AsyncLLM, allow_fused: bool, role: int = nameservice_pb2.ROLE_DECODE
+    ) -> None:
         self.llm = llm
         self.allow_fused = allow_fused
         self.block_size = llm.engine.config.block_size
         cfg = llm.engine.model_config
         self.kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.metrics = metrics.worker(role, llm.engine.config.model)
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         prompt = list(request.prompt_token_ids)
+        trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
             params = params_from_pb(request.params)
         except ValueError as exc:
@@ -79,7 +84,12 @@ class DecodeServicer(StatsServicer):
             await context.abort(code, message)
 
     async def _fused(self, request, prompt, params):
+        first = True
         async for out in self.llm.generate(prompt, params, request.request_id, request.priority):
+            if first:  # the prompt's prefix-cache hit is known once it has been computed
+                first = False
+                usable = (len(prompt) - 1) // self.block_size  # the engine's lookup limit
+                self.metrics.prefix_cache(usable, out.num_cached_tokens // self.block_size)
             yield _response(out, _new_logprobs(out))
 
     async def _pd(self, request, prompt, params, context):
@@ -87,6 +97,7 @@ class DecodeServicer(StatsServicer):
         cached = await self.llm.reserve(rid, prompt, params, request.priority)
         activated = False
         call = None
+        spans: list[trace.Span] = []  # kv_transfer, decode: ended however the call ends
         try:
             stub = worker_pb2_grpc.WorkerStub(self._channel(request.prefill_address))
             call = stub.Prefill(
@@ -104,6 +115,7 @@ class DecodeServicer(StatsServicer):
             async for msg in call:
                 if msg.HasField("first"):
                     first = msg.first
+                    spans.append(tracing.tracer.start_span("kv_transfer"))  # blocks follow
                     # The caller sees the first token before any KV has moved.
                     yield worker_pb2.GenerateResponse(
                         token_ids=first.token_ids,
@@ -112,11 +124,13 @@ class DecodeServicer(StatsServicer):
                         num_cached_tokens=first.num_cached_tokens,
                     )
                 else:
+                    self.metrics.kv_transfer(metrics.RECEIVED, msg.block.ByteSize())
                     blocks.append(msg.block)
             if first is None:
                 raise PeerUnavailableError("prefill worker sent no first token")
             hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
             k, v = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, self.kv_shape)
+            _end_kv_transfer(spans[0], blocks)
             lp = first.logprobs[0] if first.logprobs else None
             token = SampledToken(
                 first.token_ids[0],
@@ -126,7 +140,9 @@ class DecodeServicer(StatsServicer):
             )
             activated = True
             seen_first = False
+            spans.append(decode := tracing.tracer.start_span("decode"))
             async for out in self.llm.generate_prefilled(rid, [PromptKV(cached, k, v)], token):
+                decode.set_attribute("rtp.decode.tokens_generated", len(out.token_ids))
                 if not seen_first:
                     seen_first = True  # the first token went out already
                     if not out.finished:
@@ -143,6 +159,9 @@ class DecodeServicer(StatsServicer):
                 f"prefill worker {request.prefill_address} failed: {exc.code().name} {exc.details()}"
             ) from exc
         finally:
+            for span in spans:
+                if span.is_recording():  # not ended yet
+                    span.end()
             if call is not None:
                 call.cancel()
             if not activated:
@@ -153,3 +172,12 @@ class DecodeServicer(StatsServicer):
         if ch is None:
             ch = self._channels[address] = grpc_util.channel(address)
         return ch
+
+
+def _end_kv_transfer(span: trace.Span, blocks: list) -> None:
+    if span.is_recording():
+        nbytes = sum(len(b.k) + len(b.v) for b in blocks)
+        span.set_attributes(
+            {"rtp.kv.blocks_received": len(blocks), "rtp.kv.bytes_received": nbytes}
+        )
+        span.end()

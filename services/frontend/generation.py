@@ -20,8 +20,10 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from engine.tokenizer import Tokenizer
+from services.common import metrics
 from services.common.block_hash import block_hash_keys
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend.detokenizer import TextStream, TokenText
@@ -84,6 +86,7 @@ class Generator:
         self.admission = Admission(max_concurrent)
         self.max_n = max_n
         self.token_text = TokenText(tokenizer, model.byte_level)
+        self.metrics = metrics.frontend(model.served_name)
 
     def prepare(
         self,
@@ -100,14 +103,15 @@ class Generator:
     async def start(self, inp: GenerateInput) -> DeltaStream:
         """Route and open the worker stream; returns once the first output arrived.
         The caller must `aclose()` the stream (contextlib.aclosing)."""
-        messages = self._worker_messages(inp)
+        timer = self.metrics.sequence()
+        messages = self._worker_messages(inp, timer)
         first = await anext(messages, None)
         if first is None:
             raise FrontendError(ErrorKind.INTERNAL, "the worker sent no output")
-        return DeltaStream(self._deltas(inp, first, messages), messages)
+        return DeltaStream(self._deltas(inp, first, messages, timer), messages)
 
     async def _worker_messages(
-        self, inp: GenerateInput
+        self, inp: GenerateInput, timer: metrics.SequenceTimer
     ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         produced: list[int] = []  # output tokens so far, over every attempt
         exclude: list[str] = []
@@ -131,6 +135,15 @@ class Generator:
                 if last_error is not None:  # what the failed worker said is the better reason
                     raise last_error from None
                 raise
+            trace.get_current_span().add_event(
+                "route",
+                {
+                    "rtp.route.source": route.source,
+                    "rtp.route.decode": route.decode.id or route.decode.address,
+                    "rtp.route.prefill": route.prefill.id if route.prefill else "",
+                    "rtp.route.attempt": attempt,
+                },
+            )
             request = worker_pb2.GenerateRequest(
                 request_id=inp.request_id if attempt == 0 else f"{inp.request_id}-r{attempt}",
                 prompt_token_ids=prompt,
@@ -139,10 +152,12 @@ class Generator:
                 prefill_address=route.prefill_address,
             )
             stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
+            timer.started()
             call = stub.Generate(request)
             who = f"worker {route.decode.id or route.decode.address}"
             try:
                 async for msg in call:
+                    timer.tokens(len(msg.token_ids))
                     produced.extend(msg.token_ids)
                     yield msg
                     if msg.finished:
@@ -160,6 +175,7 @@ class Generator:
                 last_error.message,
                 attempt + 1,
                 len(produced),
+                extra={"request_id": inp.request_id},
             )
             exclude.append(route.decode.id)
         assert last_error is not None
@@ -171,6 +187,7 @@ class Generator:
         inp: GenerateInput,
         first: worker_pb2.GenerateResponse,
         messages: AsyncGenerator[worker_pb2.GenerateResponse, None],
+        timer: metrics.SequenceTimer,
     ) -> AsyncGenerator[Delta, None]:
         text = TextStream(self.tokenizer, inp.stop)
         ids: list[int] = []
@@ -200,6 +217,8 @@ class Generator:
                     pending += text.finish()
                 if text.stopped:
                     finish = "stop"
+                if finish is not None:
+                    timer.finished(finish, len(inp.prompt_token_ids), completion)
                 if pending or finish is not None:
                     prompt_tokens = len(inp.prompt_token_ids)
                     yield Delta(pending, ids, logprobs, finish, prompt_tokens, completion, cached)
@@ -209,6 +228,7 @@ class Generator:
                 msg = await anext(messages, None)
             raise FrontendError(ErrorKind.INTERNAL, "the worker stream ended unfinished")
         finally:
+            timer.closed()  # counted as aborted unless it finished
             await messages.aclose()
 
 

@@ -8,7 +8,9 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
+from services.common import tracing
 from services.common.pb import frontend_pb2, frontend_pb2_grpc
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.generation import Generator
@@ -45,6 +47,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     ) -> AsyncIterator[frontend_pb2.FrontendGenerateResponse]:
         gen = self.generator
         request_id = "fe-" + secrets.token_hex(12)
+        trace.get_current_span().set_attribute(tracing.REQUEST_ID, request_id)
         try:
             with gen.admission.admit():
                 kind = request.WhichOneof("prompt")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (aiohttp): /v1/models, /v1/completions,
-/v1/chat/completions (optionally as server-sent events), /health and /ready.
+/v1/chat/completions (optionally as server-sent events), /health, /ready and /metrics.
 
 Every refusal is an OpenAI error body; see errors.py for the status of each kind. Run the
 app with `handler_cancellation=True` (main.py does): a client that goes away then cancels
@@ -16,7 +16,10 @@ from typing import Any
 
 import jinja2
 from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
 
+from services.common import metrics, tracing
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import DeltaStream, Generator
@@ -37,13 +40,15 @@ _STARTED = int(time.time())
 
 
 def build_app(generator: Generator) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    middlewares = [metrics.http_middleware(), _traced, _errors]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[GENERATOR] = generator
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", metrics.handle_metrics)
     return app
 
 
@@ -97,7 +102,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(parse_json(await request.read()))
     _check_model(gen, req.model)
     with gen.admission.admit():
-        ids = gen.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        with tracing.tracer.start_as_current_span("tokenize"):
+            ids = gen.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
         builder = ResponseBuilder(
             False, req.model, gen.token_text, req.options.logprobs is not None
         )
@@ -110,11 +116,12 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     req = parse_chat(parse_json(await request.read()))
     _check_model(gen, req.model)
     with gen.admission.admit():
-        try:
-            text = gen.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
-        ids = gen.tokenizer.encode(text, add_special_tokens=False)
+        with tracing.tracer.start_as_current_span("tokenize"):
+            try:
+                text = gen.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            except (ValueError, TypeError, jinja2.TemplateError) as exc:
+                raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
+            ids = gen.tokenizer.encode(text, add_special_tokens=False)
         builder = ResponseBuilder(True, req.model, gen.token_text, req.options.logprobs is not None)
         inputs = gen.prepare(builder.id, ids, req.options, None, prompt_param="messages")
         return await _respond(request, gen, builder, inputs, req.stream, req.include_usage)
@@ -141,7 +148,11 @@ async def _respond(
 ) -> web.StreamResponse:
     # Every choice is routed and has its first tokens before anything is sent, so a request
     # nobody can serve still gets a proper error status.
+    span = trace.get_current_span()
+    _trace_request(span, builder, inputs)
     streams = await start_all(gen, inputs)
+    if span.is_recording():
+        span.set_attribute(tracing.TIME_TO_FIRST_TOKEN, tracing.seconds_since_start(span) or 0.0)
     choices = [Choice() for _ in inputs]
     try:
         if not stream:
@@ -151,6 +162,7 @@ async def _respond(
             return web.json_response(builder.response(choices))
         return await _stream_sse(request, builder, streams, choices, include_usage)
     finally:
+        _trace_usage(span, choices)
         for s in streams:
             await s.aclose()
 
@@ -178,17 +190,69 @@ async def _stream_sse(
             if include_usage:
                 await _send(resp, builder.usage_chunk(choices))
         except FrontendError as exc:  # the status line is gone: report in the stream
-            log.warning("request %s failed mid-stream: %s", builder.id, exc.message)
+            log.warning(
+                "request %s failed mid-stream: %s",
+                builder.id,
+                exc.message,
+                extra={"request_id": builder.id},
+            )
             await _send(resp, exc.body())
         except Exception:
-            log.exception("request %s failed mid-stream", builder.id)
+            log.exception(
+                "request %s failed mid-stream", builder.id, extra={"request_id": builder.id}
+            )
             await _send(resp, FrontendError(ErrorKind.INTERNAL, "internal server error").body())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:
-        log.info("request %s: client went away", builder.id)
+        log.info("request %s: client went away", builder.id, extra={"request_id": builder.id})
     return resp
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+
+# -- tracing -------------------------------------------------------------------------------
+@web.middleware
+async def _traced(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A request's SERVER span (vLLM's `llm_request`), child of an incoming `traceparent`."""
+    if request.method != "POST" or not tracing.enabled():
+        return await handler(request)
+    attributes = {"http.request.method": request.method, "url.path": request.path}
+    with tracing.http_server_span("llm_request", request.headers, attributes) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(StatusCode.ERROR)
+        return response
+
+
+def _trace_request(span: Span, builder: ResponseBuilder, inputs: list[GenerateInput]) -> None:
+    if not span.is_recording():
+        return
+    params = inputs[0].params
+    span.set_attributes(
+        {
+            tracing.REQUEST_ID: builder.id,
+            tracing.REQUEST_MODEL: builder.model,
+            tracing.REQUEST_N: len(inputs),
+            tracing.REQUEST_MAX_TOKENS: params.max_tokens,
+            tracing.REQUEST_TEMPERATURE: params.temperature,
+            tracing.REQUEST_TOP_P: params.top_p,
+            tracing.PROMPT_TOKENS: len(inputs[0].prompt_token_ids),
+        }
+    )
+
+
+def _trace_usage(span: Span, choices: list[Choice]) -> None:
+    if not span.is_recording():
+        return
+    span.set_attributes(
+        {
+            tracing.COMPLETION_TOKENS: sum(c.completion_tokens for c in choices),
+            tracing.CACHED_TOKENS: max(c.cached_tokens for c in choices),
+            tracing.FINISH_REASONS: [c.finish_reason or "" for c in choices],
+            tracing.E2E_LATENCY: tracing.seconds_since_start(span) or 0.0,
+        }
+    )

@@ -100,7 +100,12 @@ async def serve(args: argparse.Namespace) -> None:
         await server.start()
         await grpc_util.set_serving(health, GRPC_SERVICE, True)
         grpc_address = advertised(args, grpc_port)
-        member = make_member(ns_pb2.ROLE_FRONTEND, grpc_address, model=model.served_name)
+        member = make_member(
+            ns_pb2.ROLE_FRONTEND,
+            grpc_address,
+            model=model.served_name,
+            metrics_address=advertised(args, http_port),  # GET /metrics on the HTTP port
+        )
         if names is not None:
             await names.register(member)
         url = f"http://{advertised(args, http_port)}"

@@ -144,7 +144,12 @@ class Router:
             raise FrontendError(
                 ErrorKind.UNAVAILABLE, "no worker is available", code="service_unavailable"
             )
-        log.debug("route %s -> %s (fallback)", request.request_id, route.decode.id)
+        log.debug(
+            "route %s -> %s (fallback)",
+            request.request_id,
+            route.decode.id,
+            extra={"request_id": request.request_id},
+        )
         return route
 
     async def _ask_master(self, address: str, request: master_pb2.RouteRequest) -> Route | None:
@@ -157,7 +162,12 @@ class Router:
                 raise from_rpc_error(exc, "master") from exc
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._master_down_until = time.monotonic() + MASTER_BACKOFF_S
-            log.info("master %s: %s; routing locally", address, exc.details() or exc.code().name)
+            log.info(
+                "master %s: %s; routing locally",
+                address,
+                exc.details() or exc.code().name,
+                extra={"request_id": request.request_id},
+            )
             return None
         if not plan.decode.address:
             log.warning("master %s returned a plan without a worker: %s", address, plan)

@@ -121,12 +121,13 @@ def _start(cluster: Cluster, model: str) -> str:
         redis = servers.start_redis(cluster.data_dir / "redis")
         cluster.infra.append(redis)
         redis_url = redis.url
-    ns_port = servers.free_port()
+    ns_port, ns_metrics_port = servers.free_port(), servers.free_port()
     nameservice = f"127.0.0.1:{ns_port}"
     cluster.addresses.update(nats=nats_url, redis=redis_url or "", nameservice=nameservice)
-    cluster.spawn(
-        "nameservice", "--port", str(ns_port), "--ttl", str(args.ttl), "--nats-url", nats_url
-    )
+    # The nameservice is no member of itself, so its metrics address is only known here.
+    cluster.addresses["nameservice_metrics"] = f"127.0.0.1:{ns_metrics_port}"
+    cluster.spawn("nameservice", "--port", str(ns_port), "--ttl", str(args.ttl),
+                  "--nats-url", nats_url, "--metrics-port", str(ns_metrics_port))  # fmt: skip
     common = ["--nameservice", nameservice, "--nats-url", nats_url]
     cluster.spawn("master", *common, "--policy", args.policy)
     if not args.no_cache:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 
-from services.common import grpc_util
+from services.common import grpc_util, metrics
 from services.common.bus import Bus
 from services.common.flags import add_common_flags, advertised, env
 from services.common.naming import NameClient, make_member
@@ -44,7 +44,10 @@ async def serve(args: argparse.Namespace) -> None:
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(view, policy), server)
     address = advertised(args, port)
-    member = make_member(nameservice_pb2.ROLE_MASTER, address)
+    metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
+    member = make_member(
+        nameservice_pb2.ROLE_MASTER, address, metrics_address=advertised(args, metrics_port)
+    )
     bus = await Bus.connect(args.nats_url, member.id)
     names = NameClient(args.nameservice) if args.nameservice else None
     feeder: asyncio.Task[None] | None = None

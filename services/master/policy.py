@@ -21,6 +21,7 @@ worker's next LoadReport, so a burst of requests spreads out instead of piling u
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import math
@@ -38,11 +39,29 @@ class NoWorkersError(Exception):
     """No worker can take the request (none registered, or all excluded)."""
 
 
+class RouteReason(enum.StrEnum):
+    """Why the first (prefill or fused) worker was chosen, in a few words (a metric label;
+    the plan's free-text `reason` has the details)."""
+
+    PREFIX_HIT = "prefix_hit"  # it holds part of the prompt, and that made it cheapest
+    LEAST_LOADED = "least_loaded"  # lowest predicted cost without a prefix hit
+    AFFINITY = "affinity"  # a tie broken by the session id
+    ROUND_ROBIN = "round_robin"  # its turn
+    NO_WORKERS = "no_workers"  # no route (NoWorkersError)
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     member: Member
     matched_blocks: int = 0
     reason: str = ""
+    why: RouteReason = RouteReason.LEAST_LOADED
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    plan: master_pb2.RoutePlan
+    reason: RouteReason
 
 
 def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[list[Member], list[Member]]:
@@ -94,6 +113,10 @@ class Policy(ABC):
 
     def route(self, view: ClusterView, request: master_pb2.RouteRequest) -> master_pb2.RoutePlan:
         """Raises NoWorkersError when no candidate is left."""
+        return self.decide(view, request).plan
+
+    def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
+        """The plan and why; raises NoWorkersError when no candidate is left."""
         first, decode = candidates(view, request.exclude)
         head = self._choose_first(view, request, first)
         plan = master_pb2.RoutePlan(
@@ -113,7 +136,7 @@ class Policy(ABC):
             plan.reason += f"; decode {tail.member.id}{tail.reason}"
         else:
             plan.decode.CopyFrom(head.member)
-        return plan
+        return Decision(plan, head.why)
 
     @abstractmethod
     def _choose_first(
@@ -140,7 +163,8 @@ class RoundRobin(Policy):
     ) -> Choice:
         chosen = _rotate(first, self._first_turn)
         matched = view.index.match(chosen.id, request.block_hashes)
-        return Choice(chosen, matched, f"next in turn {chosen.id}, prefix {matched} blocks")
+        reason = f"next in turn {chosen.id}, prefix {matched} blocks"
+        return Choice(chosen, matched, reason, RouteReason.ROUND_ROBIN)
 
     def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
         return Choice(_rotate(decode, self._decode_turn))
@@ -180,7 +204,8 @@ class CacheAware(Policy):
         reason = f"prefix {n} blocks on {chosen.id}, cost {best} tokens"
         if tie:
             reason += f" (tie of {len(tied)} broken by {tie})"
-        return Choice(chosen, n, reason)
+        why = RouteReason.PREFIX_HIT if n else RouteReason.LEAST_LOADED
+        return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why)
 
     def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
         # Workers that have not reported yet rank after those that have.

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 
 import grpc
+from opentelemetry import trace
 
+from services.common import metrics, tracing
 from services.common.pb import master_pb2, master_pb2_grpc
 from services.master.cluster import ClusterView
-from services.master.policy import NoWorkersError, Policy
+from services.master.policy import NoWorkersError, Policy, RouteReason
 from services.master.prefix_index import BLOCK_HASH_BYTES
 
 log = logging.getLogger(__name__)
@@ -33,14 +35,31 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def Route(
         self, request: master_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RoutePlan:
+        span = trace.get_current_span()
+        span.set_attribute(tracing.REQUEST_ID, request.request_id)
+        extra = {"request_id": request.request_id}
         try:
             validate(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            plan = self.policy.route(self.view, request)
+            decision = self.policy.decide(self.view, request)
         except NoWorkersError as e:
-            log.warning("route %s: %s", request.request_id, e)
+            metrics.master().route(self.policy.name, RouteReason.NO_WORKERS)
+            log.warning("route %s: %s", request.request_id, e, extra=extra)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        log.debug("route %s: %s", request.request_id, plan.reason)
+        plan = decision.plan
+        metrics.master().route(plan.policy, decision.reason)
+        log.debug("route %s: %s", request.request_id, plan.reason, extra=extra)
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "rtp.route.policy": plan.policy,
+                    "rtp.route.reason": plan.reason,
+                    "rtp.route.prefill": plan.prefill.id,
+                    "rtp.route.decode": plan.decode.id,
+                    "rtp.route.matched_blocks": plan.matched_blocks,
+                    "rtp.route.prompt_blocks": len(request.block_hashes),
+                }
+            )
         return plan

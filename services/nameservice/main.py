@@ -20,13 +20,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common import grpc_util, subjects
+from services.common import grpc_util, metrics, subjects
 from services.common.bus import Bus
 from services.common.flags import add_common_flags, advertised, env
 from services.common.naming import SNAPSHOT_SIZE_KEY
 from services.common.pb import nameservice_pb2 as pb
 from services.common.pb import nameservice_pb2_grpc as pb_grpc
-from services.nameservice.registry import Event, Registry, snapshot
+from services.nameservice.registry import REASON_EXPIRED, Event, Registry, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class NameService(pb_grpc.NameServiceServicer):
         return pb.RegisterReply(ttl_ms=int(self.registry.ttl * 1000))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext):
-        return pb.HeartbeatReply(known=self.registry.heartbeat(request.id))
+        known = self.registry.heartbeat(request.id)
+        metrics.nameservice().heartbeat(known)
+        return pb.HeartbeatReply(known=known)
 
     async def Deregister(self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext):
         await self._broadcast(self.registry.deregister(request.id))
@@ -92,6 +94,7 @@ class NameService(pb_grpc.NameServiceServicer):
 
     async def _broadcast(self, events: list[Event]) -> None:
         for event in events:
+            metrics.nameservice().membership(event, expired=event.reason == REASON_EXPIRED)
             m = event.member
             log.info(
                 "%s id=%s role=%s address=%s%s",
@@ -133,18 +136,21 @@ async def serve(args: argparse.Namespace) -> None:
     service = NameService(Registry(ttl=args.ttl), bus, args.namespace)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     pb_grpc.add_NameServiceServicer_to_server(service, server)
+    # Not a member of itself: its metrics address is only logged (and known to a launcher).
+    metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
     expiry: asyncio.Task[None] | None = None
     try:
         await server.start()
         expiry = asyncio.create_task(service.expire_forever(), name="expire")
         await grpc_util.set_serving(health, SERVICE_NAME, True)
         log.info(
-            "nameservice listening address=%s port=%d ttl=%.3gs namespace=%s nats=%s",
+            "nameservice listening address=%s port=%d ttl=%.3gs namespace=%s nats=%s metrics=%s",
             advertised(args, port),
             port,
             args.ttl,
             args.namespace,
             args.nats_url or "-",
+            advertised(args, metrics_port),
         )
         await server.wait_for_termination()
     finally:

@@ -14,9 +14,11 @@ import dataclasses
 import logging
 
 import grpc
+from opentelemetry import trace
 
 from engine.async_llm import AsyncLLM
 from services.cache.client import CacheClient
+from services.common import metrics, tracing
 from services.common.block_hash import block_hash_keys
 from services.common.convert import logprob_to_pb, params_from_pb
 from services.common.kv_wire import join_blocks, split_blocks
@@ -42,6 +44,7 @@ class PrefillServicer(StatsServicer):
         cfg = llm.engine.model_config
         self.kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self._puts: set[asyncio.Task] = set()
+        self.metrics = metrics.worker(nameservice_pb2.ROLE_PREFILL, llm.engine.config.model)
 
     async def background(self, names: NameClient | None) -> None:
         """Follow the cache service instances in the nameservice."""
@@ -60,6 +63,7 @@ class PrefillServicer(StatsServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
         hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
+        trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
             params = params_from_pb(request.params)
             # Only the first token is sampled here; the decode side applies every stop rule.
@@ -70,11 +74,14 @@ class PrefillServicer(StatsServicer):
             if skip >= len(prompt):
                 raise ValueError(f"skip_blocks {request.skip_blocks} covers the whole prompt")
             hits = await self._resolve(prompt, hashes)
+            self._count_hits(len(prompt), hits)
             final = None
-            async for out in self.llm.generate(
-                prompt, first_params, request.request_id, request.priority, export_kv_from=skip
-            ):
-                final = out
+            with tracing.tracer.start_as_current_span("prefill") as span:
+                async for out in self.llm.generate(
+                    prompt, first_params, request.request_id, request.priority, export_kv_from=skip
+                ):
+                    final = out
+                _trace_prefill(span, len(prompt), hits, final)
         except (ValueError, RuntimeError) as exc:
             code, message = abort_status(exc)
             await context.abort(code, message)
@@ -94,10 +101,16 @@ class PrefillServicer(StatsServicer):
         kv = final.prompt_kv
         blocks = split_blocks(kv.k, kv.v, kv.start, self.block_size, hashes)
         for block in blocks:
+            self.metrics.kv_transfer(metrics.SENT, block.ByteSize())
             yield worker_pb2.PrefillResponse(block=block)
         log.debug(
-            "prefill %s: %d device + %d remote blocks", request.request_id, hits.device, hits.remote
+            "prefill %s: %d device + %d remote blocks",
+            request.request_id,
+            hits.device,
+            hits.remote,
+            extra={"request_id": request.request_id},
         )
+        _trace_kv_sent(trace.get_current_span(), blocks)
         self._write_back(
             [b for b in blocks if b.block_hash and b.index >= hits.device + hits.remote]
         )
@@ -122,9 +135,32 @@ class PrefillServicer(StatsServicer):
         await self.llm.call(lambda engine: engine.import_blocks(imported, k, v))
         return TierHits(device, len(found))
 
+    def _count_hits(self, num_prompt_tokens: int, hits: TierHits) -> None:
+        usable = (num_prompt_tokens - 1) // self.block_size  # as _resolve looks them up
+        remote = usable - hits.device if self.cache is not None else 0
+        self.metrics.prefix_cache(usable, hits.device, remote, hits.remote)
+
     def _write_back(self, blocks: list) -> None:
         if self.cache is None or not blocks or len(self._puts) >= MAX_PENDING_PUTS:
             return
         task = asyncio.create_task(self.cache.put(blocks))
         self._puts.add(task)
         task.add_done_callback(self._puts.discard)
+
+
+def _trace_prefill(span: trace.Span, num_prompt_tokens: int, hits: TierHits, final) -> None:
+    if span.is_recording() and final is not None:
+        span.set_attributes(
+            {
+                "rtp.prefill.blocks_device": hits.device,
+                "rtp.prefill.blocks_remote": hits.remote,
+                "rtp.prefill.tokens_cached": final.num_cached_tokens,
+                "rtp.prefill.tokens_computed": num_prompt_tokens - final.num_cached_tokens,
+            }
+        )
+
+
+def _trace_kv_sent(span: trace.Span, blocks: list) -> None:
+    if span.is_recording():
+        nbytes = sum(len(b.k) + len(b.v) for b in blocks)
+        span.set_attributes({"rtp.kv.blocks_sent": len(blocks), "rtp.kv.bytes_sent": nbytes})
