@@ -16,6 +16,7 @@ from engine.sampler import Sampler
 from engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from engine.weights import load_tensors
 from kernels.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from kernels.linear import get_linear
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class ModelRunner:
         tensors = load_tensors(config.model, device=str(self.device))
         weights = load_llama_weights(tensors, model_config, self.dtype)
         attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
-        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len)
+        linear = get_linear(self.device, self.dtype)
+        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, linear)
         slots = limits.num_kv_blocks * config.block_size
         shape = (
             model_config.num_layers,

@@ -13,7 +13,9 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
-_SRC = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "small_gemm.cpp")
+]
 
 
 @functools.cache
@@ -25,7 +27,7 @@ def load() -> ModuleType | None:
 
         return build(
             name="rtp_cpu_kernels",
-            sources=[str(_SRC)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, RopeScaling
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.linear import Linear, torch_linear
 
 
 @dataclass(slots=True)
@@ -133,11 +134,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w [in, out] (+ bias)."""
-    return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos/sin [T, 1, D]."""
     half = x.shape[-1] // 2
@@ -152,10 +148,12 @@ class LlamaModel:
         weights: LlamaWeights,
         attention: AttentionBackend,
         max_len: int,
+        linear: Linear = torch_linear,
     ) -> None:
         self.cfg = cfg
         self.w = weights
         self.attention = attention
+        self.linear = linear
         self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
         self._q = cfg.num_heads * cfg.head_dim
         self._kv = cfg.num_kv_heads * cfg.head_dim
@@ -176,6 +174,7 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.w.embed[input_ids]
+        linear = self.linear
         for layer, (k_cache, v_cache) in zip(self.w.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
@@ -184,10 +183,10 @@ class LlamaModel:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            x = torch.addmm(x, attn.view(-1, self._q), layer.o)  # residual fused into the GEMM
+            x = linear(attn.view(-1, self._q), layer.o, None, x)  # residual fused into the GEMM
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, layer.down)
+            x = linear(F.silu(gate) * up, layer.down, None, x)
         x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         head = self.w.lm_head
         return (F.linear(x, head) if self.w.tied else linear(x, head)).float()
