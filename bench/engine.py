@@ -182,13 +182,19 @@ def main() -> None:
             f"{dtype}: ours decode = {a_us.decode_tok_s / roofline:.0%} of roofline "
             f"({roofline:.1f} tok/s at {weight_bytes / 2**20:.0f} MiB/token)"
         )
+        for row in rows[-4:]:
+            _print_row(*row)
         del hf, llm
         gc.collect()
 
     print()
     print(f"{'dtype':9} {'metric':44} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
-    for dtype, metric, ours, ref in rows:
-        print(f"{dtype:9} {metric:44} {ours:10.1f} {ref:10.1f} {ours / ref:8.2f}")
+    for row in rows:
+        _print_row(*row)
+
+
+def _print_row(dtype: str, metric: str, ours: float, ref: float) -> None:
+    print(f"{dtype:9} {metric:44} {ours:10.1f} {ref:10.1f} {ours / ref:8.2f}", flush=True)
 
 
 if __name__ == "__main__":
