@@ -25,7 +25,14 @@ def generate(out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     sources = sorted(p.name for p in PROTOS.glob("*.proto"))
-    args = ["protoc", f"-I{PROTOS}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", *sources]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *sources,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     modules = {p.removesuffix(".proto") + "_pb2" for p in sources}
@@ -34,10 +41,17 @@ def generate(out: Path) -> list[Path]:
     for path in sorted(out.glob("*_pb2*.py*")):
         text = pattern.sub(rf"from {PACKAGE} import \1 as", path.read_text())
         # .pyi files import siblings without an alias.
-        text = re.sub(rf"^import ({'|'.join(sorted(modules))})$", rf"from {PACKAGE} import \1", text, flags=re.MULTILINE)
+        text = re.sub(
+            rf"^import ({'|'.join(sorted(modules))})$",
+            rf"from {PACKAGE} import \1",
+            text,
+            flags=re.MULTILINE,
+        )
         path.write_text(text)
         written.append(path)
-    (out / "__init__.py").write_text('"""Generated protobuf and gRPC stubs (scripts/gen_protos.py); do not edit."""\n')
+    (out / "__init__.py").write_text(
+        '"""Generated protobuf and gRPC stubs (scripts/gen_protos.py); do not edit."""\n'
+    )
     return written
 
 
