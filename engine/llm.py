@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -48,6 +49,4 @@ class LLM:
         return [self._with_text(final[r.request_id]) for r in requests]
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
-        from dataclasses import replace
-
         return replace(out, text=self.tokenizer.decode(out.token_ids))

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.model_runner import TORCH_DTYPES
 from services.common.pb import common_pb2
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -24,9 +24,9 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
-    if dtype not in _DTYPES:
+    if dtype not in TORCH_DTYPES:
         raise ValueError(f"unsupported KV dtype {dtype!r}")
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     raw = torch.frombuffer(
         bytearray(data), dtype=torch.int16 if torch_dtype == torch.bfloat16 else torch_dtype
     )
