@@ -1,8 +1,13 @@
 """The async engine the workers wrap: `generate()` is an async iterator of outputs.
 
 The engine loop runs on its own thread and owns all engine state. Callers talk to it only
-through a command queue (add, abort, call), and outputs come back to each caller's event
-loop with `call_soon_threadsafe`, so the model's matmuls never block an asyncio loop.
+through a command queue (add, deliver KV, abort, call), and outputs come back to each
+caller's event loop with `call_soon_threadsafe`, so the model's matmuls never block an
+asyncio loop.
+
+This class is the whole interface between the workers and the engine: what a service needs
+(block size, KV layout, cache salt, KV events, tier lookups, stats and checks) is here, and
+no service reaches past it into `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import PromptKV, RequestOutput
+from engine.block_hash import BlockHash
+from engine.block_pool import KVEvent
+from engine.config import EngineConfig, KVLayout
+from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
+from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,11 +53,10 @@ class _Add:
 
 
 @dataclass(slots=True)
-class _Activate:
+class _DeliverKV:
     request_id: str
     kv: list[PromptKV]
     first: SampledToken
-    stream: _Stream
 
 
 @dataclass(slots=True)
@@ -68,8 +73,12 @@ class _Call:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
         self.engine = LLMEngine(config, record_kv_events=record_kv_events)
+        self.model = config.model
+        self.block_size = config.block_size
+        self.kv_layout: KVLayout = self.engine.kv_layout
+        self.cache_salt: bytes = self.engine.cache_salt
         self.tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _Activate | _Abort | _Call | None] = (
+        self._inbox: queue.SimpleQueue[_Add | _DeliverKV | _Abort | _Call | None] = (
             queue.SimpleQueue()
         )
         self._streams: dict[str, _Stream] = {}
@@ -85,38 +94,38 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        *,
         export_kv_from: int | None = None,
+        remote_prefill: bool = False,
+        block_hashes: list[BlockHash] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs until the request finishes. Closing the iterator aborts it.
+        """Stream output deltas until the request finishes. Closing the iterator aborts it.
 
-        With `export_kv_from` (PD prefill side) the final output carries the prompt's KV.
+        `export_kv_from` (PD prefill side): the final output carries the prompt's KV.
+        `remote_prefill` (PD decode side): once blocks are reserved, an output with
+        `waiting_for_kv` (and the prompt tokens cached here) comes first; the request then
+        waits for `deliver_kv`. `block_hashes`: the prompt's keys, when the caller has them.
+        Raises ValueError for bad input.
         """
         request_id = request_id or f"req-{next(self._ids)}"
-        request = self.engine.make_request(request_id, prompt, params, priority, export_kv_from)
+        request = self.engine.make_request(
+            request_id,
+            prompt,
+            params,
+            priority,
+            export_kv_from=export_kv_from,
+            remote_prefill=remote_prefill,
+            block_hashes=block_hashes,
+        )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(_Add(request, stream))
         async for out in self._consume(request_id, stream):
             yield out
 
-    async def reserve(
-        self, request_id: str, prompt: Sequence[int], params: SamplingParams, priority: int = 0
-    ) -> int:
-        """PD decode side: hold blocks for a prompt computed elsewhere.
-
-        Returns how many leading prompt tokens are cached here already. Raises ValueError
-        for bad input and engine.scheduler.NoCapacityError when there is no room.
-        """
-        request = self.engine.make_request(request_id, prompt, params, priority)
-        return await self.call(lambda engine: engine.reserve(request))
-
-    async def generate_prefilled(
-        self, request_id: str, kv: Sequence[PromptKV], first: SampledToken
-    ) -> AsyncIterator[RequestOutput]:
-        """Write a reserved request's prompt KV, then decode on from the first token."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(_Activate(request_id, list(kv), first, stream))
-        async for out in self._consume(request_id, stream):
-            yield out
+    def deliver_kv(self, request_id: str, kv: Sequence[PromptKV], first: SampledToken) -> None:
+        """Hand a `remote_prefill` request its prompt KV and first token; its stream goes on
+        (or ends with a ValueError if the KV does not fit the request)."""
+        self._inbox.put(_DeliverKV(request_id, list(kv), first))
 
     async def _consume(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -138,10 +147,26 @@ class AsyncLLM:
         self._inbox.put(_Abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps (integrity checks, stats)."""
+        """Run `fn(engine)` on the engine thread between steps (tests and tools)."""
         future: Future = Future()
         self._inbox.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
+
+    async def num_cached_prefix(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks of these keys the device pool holds now."""
+        return await self.call(lambda engine: engine.num_cached_prefix(block_hashes))
+
+    async def import_blocks(self, block_hashes: list[BlockHash], k, v) -> int:
+        """Put KV fetched from a lower tier into the pool (see LLMEngine.import_blocks)."""
+        return await self.call(lambda engine: engine.import_blocks(block_hashes, k, v))
+
+    async def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
+        return await self.call(lambda engine: engine.take_kv_events())
+
+    async def check(self) -> EngineCheck:
+        """Stats, held blocks and the integrity check, taken between steps."""
+        return await self.call(lambda engine: engine.check())
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (no locking needed to read it)."""
@@ -158,7 +183,7 @@ class AsyncLLM:
         while True:
             # Block for commands only when there is nothing to compute.
             try:
-                cmd = self._inbox.get(block=not engine.has_unfinished_requests())
+                cmd = self._inbox.get(block=not engine.has_schedulable_requests())
                 while True:
                     if cmd is None:
                         self._fail_all(RuntimeError("engine shut down"))
@@ -167,7 +192,7 @@ class AsyncLLM:
                     cmd = self._inbox.get_nowait()
             except queue.Empty:
                 pass
-            if not engine.has_unfinished_requests():
+            if not engine.has_schedulable_requests():
                 continue
             try:
                 outputs = engine.step()
@@ -183,7 +208,7 @@ class AsyncLLM:
                         del self._streams[out.request_id]
             self._stats = engine.stats()
 
-    def _handle(self, cmd: _Add | _Activate | _Abort | _Call) -> None:
+    def _handle(self, cmd: _Add | _DeliverKV | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(cmd.request)
@@ -191,18 +216,20 @@ class AsyncLLM:
                 cmd.stream.put(exc)
                 return
             self._streams[cmd.request.request_id] = cmd.stream
-        elif isinstance(cmd, _Activate):
+        elif isinstance(cmd, _DeliverKV):
+            stream = self._streams.get(cmd.request_id)
+            if stream is None:
+                return  # aborted meanwhile
             try:
-                for part in cmd.kv:
-                    self.engine.write_prompt_kv(cmd.request_id, part.start, part.k, part.v)
-                out = self.engine.activate(cmd.request_id, cmd.first)
-            except (KeyError, ValueError) as exc:
+                out = self.engine.write_remote_kv(cmd.request_id, cmd.kv, cmd.first)
+            except ValueError as exc:
                 self.engine.abort_request(cmd.request_id)
-                cmd.stream.put(ValueError(f"cannot activate {cmd.request_id}: {exc}"))
+                del self._streams[cmd.request_id]
+                stream.put(ValueError(f"cannot take the KV of {cmd.request_id}: {exc}"))
                 return
-            cmd.stream.put(out)
-            if not out.finished:
-                self._streams[cmd.request_id] = cmd.stream
+            stream.put(out)
+            if out.finished:
+                del self._streams[cmd.request_id]
         elif isinstance(cmd, _Abort):
             out = self.engine.abort_request(cmd.request_id)
             stream = self._streams.pop(cmd.request_id, None)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from services.common.block_hash import BlockHash
+from engine.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

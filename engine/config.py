@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.dtypes import DTYPES
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of one token's KV, as it crosses the wire: per layer, K and V of
+    [num_kv_heads, head_dim] in `dtype`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)

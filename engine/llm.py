@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, OutputCollector
 from engine.sampling_params import SamplingParams
 
 
@@ -26,7 +25,7 @@ class LLM:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]] | str,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[CompletionOutput]:
         """One finished output per prompt, in prompt order, with `.text` decoded."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -39,14 +38,14 @@ class LLM:
             self.engine.make_request(str(next(self._ids)), prompt, p)
             for prompt, p in zip(prompts, per_prompt, strict=True)
         ]
+        collectors = {
+            r.request_id: OutputCollector(r.request_id, r.prompt_token_ids) for r in requests
+        }
         for request in requests:
             self.engine.add_request(request)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(requests):
+        pending = len(requests)
+        while pending:
             for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [self._with_text(final[r.request_id]) for r in requests]
-
-    def _with_text(self, out: RequestOutput) -> RequestOutput:
-        return replace(out, text=self.tokenizer.decode(out.token_ids))
+                collectors[out.request_id].add(out)
+                pending -= out.finished
+        return [c.result(self.tokenizer.decode(c.token_ids)) for c in collectors.values()]

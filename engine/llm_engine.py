@@ -1,4 +1,4 @@
-"""The synchronous engine: add requests, step (schedule, run, update), read outputs."""
+"""The synchronous engine: add requests, step (schedule, run, update), read output deltas."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig
+from engine.block_hash import BlockHash, cache_salt
+from engine.block_pool import BlockPool, KVEvent
+from engine.config import EngineConfig, KVLayout, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_limits
-from engine.outputs import PromptKV, RequestOutput
-from engine.request import Request
+from engine.outputs import PromptKV, RequestOutput, SampledToken
+from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
-from services.common.block_hash import hash_extra
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,15 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_queued_tokens: int  # prompt/recompute tokens not yet computed
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCheck:
+    """A worker's answer to "is anything leaking?": stats, held blocks, integrity."""
+
+    stats: EngineStats
+    num_held_blocks: int  # blocks some request references right now
+    integrity_error: str  # empty when every invariant holds
 
 
 class LLMEngine:
@@ -52,9 +61,9 @@ class LLMEngine:
             self.kv,
             self.model_config.eos_token_ids,
         )
-        self.hash_extra = hash_extra(
-            self.model_config.architecture + ":" + config.model, config.dtype
-        )
+        self.cache_salt = cache_salt(config.model, config.dtype)
+        cfg = self.model_config
+        self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.dtype)
 
     # -- requests --------------------------------------------------------------------------
     def make_request(
@@ -63,9 +72,17 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         priority: int = 0,
+        *,
         export_kv_from: int | None = None,
+        remote_prefill: bool = False,
+        block_hashes: list[BlockHash] | None = None,
     ) -> Request:
-        """Validate and convert a prompt into an engine request (raises ValueError)."""
+        """Validate and convert a prompt into an engine request (raises ValueError).
+
+        `export_kv_from`: PD prefill side, the last output carries the prompt's KV from this
+        position on. `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
+        (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
+        """
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -87,9 +104,11 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             block_size=self.config.block_size,
-            hash_extra=self.hash_extra,
+            salt=self.cache_salt,
             priority=priority,
+            block_hashes=block_hashes or [],
             export_kv_from=export_kv_from,
+            remote_prefill=remote_prefill,
         )
 
     def add_request(self, request: Request) -> None:
@@ -97,16 +116,21 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
-        return None if request is None else RequestOutput.from_request(request, 0)
+        return None if request is None else _delta(request, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_schedulable_requests(self) -> bool:
+        """False when nothing can run until something arrives (a command, remote KV)."""
+        return self.scheduler.has_schedulable()
+
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        outputs = [_delta(r, None, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
-            return []
+            return outputs
         tables = {
             s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled
         }
@@ -117,7 +141,8 @@ class LLMEngine:
             for r in finished
             if r.export_kv_from is not None
         }
-        return [RequestOutput.from_request(r, 1, exports.get(r.request_id)) for r in advanced]
+        outputs += [_delta(r, sampled[r.request_id], exports.get(r.request_id)) for r in advanced]
+        return outputs
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV:
         # The blocks were released by this very step, but nothing can reuse them before the
@@ -160,27 +185,39 @@ class LLMEngine:
         return imported
 
     # -- PD decode side --------------------------------------------------------------------
-    def reserve(self, request: Request) -> int:
-        """Hold blocks for a prompt computed elsewhere; returns prompt tokens cached here."""
-        return self.scheduler.reserve(request)
-
-    def write_prompt_kv(self, request_id: str, start: int, k, v) -> None:
-        request = self.scheduler.reserved[request_id]
-        if start + k.shape[1] > request.num_prompt_tokens:
-            raise ValueError(f"KV for tokens [{start}, {start + k.shape[1]}) is past the prompt")
-        self.runner.write_kv(self.kv.block_ids(request_id), start, k, v)
-
-    def activate(self, request_id: str, first: SampledToken) -> RequestOutput:
-        """Every prompt block is written: decode on from the prefill side's first token."""
+    def write_remote_kv(
+        self, request_id: str, parts: Sequence[PromptKV], first: SampledToken
+    ) -> RequestOutput:
+        """A remote-prefill request's prompt KV and first token arrived: write the KV into its
+        blocks and decode on. `parts` must cover every prompt position not cached here."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
+        pos = request.num_computed_tokens
+        for part in sorted(parts, key=lambda p: p.start):
+            if part.start != pos:
+                raise ValueError(f"KV for positions from {part.start}, expected from {pos}")
+            pos += part.k.shape[1]
+        if pos != request.num_prompt_tokens:
+            raise ValueError(
+                f"KV ends at position {pos}, the prompt at {request.num_prompt_tokens}"
+            )
         if not 0 <= first.token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first.token_id} out of range")
-        Sampler.replay_draw(self.scheduler.reserved[request_id], self.model_config.vocab_size)
-        return RequestOutput.from_request(self.scheduler.activate(request_id, first), 1)
+        table = self.kv.block_ids(request_id)
+        for part in parts:
+            self.runner.write_kv(table, part.start, part.k, part.v)
+        Sampler.replay_draw(request, self.model_config.vocab_size)
+        return _delta(self.scheduler.kv_arrived(request_id, first), first)
 
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
-        queued = sum(len(r.token_ids) - r.num_computed_tokens for r in s.requests.values())
+        queued = sum(
+            len(r.token_ids) - r.num_computed_tokens
+            for r in s.requests.values()
+            if r.status != RequestStatus.WAITING_FOR_REMOTE_KV  # computed elsewhere
+        )
         return EngineStats(
             num_waiting=s.num_waiting,
             num_running=s.num_running,
@@ -189,5 +226,44 @@ class LLMEngine:
             num_queued_tokens=queued,
         )
 
+    def take_kv_events(self) -> list[KVEvent]:
+        """Blocks stored in / removed from the prefix cache since the previous call."""
+        return self.pool.take_events()
+
+    def check(self) -> EngineCheck:
+        error = ""
+        try:
+            self.check_integrity()
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+        held = sum(1 for b in self.pool.blocks if b.ref_cnt > 0)
+        return EngineCheck(self.stats(), held, error)
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _delta(
+    request: Request,
+    token: SampledToken | None,
+    prompt_kv: PromptKV | None = None,
+    waiting_for_kv: bool = False,
+) -> RequestOutput:
+    """The output of `request` after a step that added `token` (None: no token)."""
+    finished = request.status.finished
+    logprobs = None
+    if request.params.logprobs is not None:
+        logprobs = [token.logprobs] if token is not None and token.logprobs is not None else []
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[token.token_id] if token is not None else [],
+        new_logprobs=logprobs,
+        finished=finished,
+        finish_reason=request.status.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        stop_reason=request.stop_reason,
+        prompt_kv=prompt_kv,
+        waiting_for_kv=waiting_for_kv,
+    )

@@ -10,22 +10,21 @@ import logging
 import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
+from engine.dtypes import torch_dtype
 from engine.models.llama import LlamaModel, load_llama_weights
+from engine.outputs import SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import load_tensors
 from kernels.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from kernels.linear import get_linear
 
 log = logging.getLogger(__name__)
 
-# The one map from config dtype names to torch dtypes (KV on the wire uses it too).
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
-    itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+    itemsize = torch.empty((), dtype=torch_dtype(config.dtype)).element_size()
     bytes_per_block = (
         2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * itemsize
     )
@@ -53,7 +52,7 @@ class ModelRunner:
         self.cfg = model_config
         self.block_size = config.block_size
         self.device = torch.device(config.device)
-        self.dtype = TORCH_DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         tensors = load_tensors(config.model, device=str(self.device))
         weights = load_llama_weights(tensors, model_config, self.dtype)
         attention = get_attention_backend(self.device, model_config.head_dim**-0.5)

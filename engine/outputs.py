@@ -1,19 +1,38 @@
-"""What the engine reports for a request after a step (immutable; safe to hand to other threads)."""
+"""What the engine hands out: sampled tokens, per-step output deltas, whole offline results.
+
+Every output is immutable, so it is safe to hand to other threads. A step's `RequestOutput`
+carries only what is new for its request (vLLM's `new_token_ids`): streaming a request of n
+tokens copies O(n), not O(n^2). Whoever needs the whole sequence keeps it, for example with
+an `OutputCollector` (as `LLM.generate` does).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from engine.request import FINISH_REASONS, Request, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and the top-n alternatives (id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PromptKV:
-    """KV of prompt positions [start, start + n) of a finished prefill-only request."""
+    """KV of prompt positions [start, start + n) of a request."""
 
     start: int
     k: torch.Tensor  # [layers, n, kv_heads, head_dim]
@@ -22,33 +41,69 @@ class PromptKV:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
+    """What changed for one request in one step."""
+
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    new_token_ids: list[int]  # the ones added since the previous output for this request
-    logprobs: list[TokenLogprobs] | None
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None  # None: logprobs were not asked for
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int  # all output tokens so far, these included
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    stop_reason: int | None = None  # the stop token id that ended it
+    prompt_kv: PromptKV | None = None  # the last output of a request made with export_kv_from
+    # PD decode side: blocks are reserved (num_cached_tokens of them already hold this
+    # prompt's KV) and the request waits for the rest of the prompt's KV from a prefill worker.
+    waiting_for_kv: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """A whole finished request (offline `LLM.generate`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finished: bool
+    finish_reason: str | None
     num_cached_tokens: int
     stop_reason: int | None = None
     text: str = ""
-    prompt_kv: PromptKV | None = None  # only for requests made with export_kv_from
+    prompt_kv: PromptKV | None = None
 
-    @classmethod
-    def from_request(
-        cls, request: Request, num_new: int, prompt_kv: PromptKV | None = None
-    ) -> RequestOutput:
-        out = request.output_token_ids
-        finished = request.status.finished
-        return cls(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=out,
-            new_token_ids=out[len(out) - num_new :] if num_new else [],
-            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
-            finished=finished,
-            finish_reason=FINISH_REASONS.get(request.status) if finished else None,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            stop_reason=request.stop_reason,
-            prompt_kv=prompt_kv,
+
+@dataclass(slots=True)
+class OutputCollector:
+    """Joins one request's deltas back into its whole output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.new_logprobs)
+        self.last = out
+
+    def result(self, text: str = "") -> CompletionOutput:
+        last = self.last
+        assert last is not None, "no output collected"
+        return CompletionOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.token_ids),
+            logprobs=self.logprobs,
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            num_cached_tokens=last.num_cached_tokens,
+            stop_reason=last.stop_reason,
+            text=text,
+            prompt_kv=last.prompt_kv,
         )

@@ -3,6 +3,10 @@
 `num_computed_tokens` catches up with `len(token_ids)`: a prompt chunk, a prefix-cache hit,
 a decode step and a recompute after preemption are all the same rule. At a decode step the
 last token (just sampled) is the only one without KV, so num_computed = len(token_ids) - 1.
+
+A PD decode request (`remote_prefill`) is the same rule with one more state: admitted, it
+holds blocks for its whole prompt in WAITING_FOR_REMOTE_KV until another worker's KV and
+first token arrive, then runs like any other.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_hash import BlockHash, block_hash_keys
 from engine.sampling_params import SamplingParams
-from services.common.block_hash import BlockHash, block_hash_keys
 
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # holds its prompt's blocks; KV comes from elsewhere
     RUNNING = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
@@ -26,15 +31,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason of a finished status; None while unfinished."""
+        return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-}
-FINISH_REASONS = {
+_FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -43,40 +48,42 @@ FINISH_REASONS = {
 _arrival_counter = itertools.count()
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Log-probability of a sampled token and the top-n alternatives (id -> logprob)."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float]
-
-
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     block_size: int
-    hash_extra: bytes = b""
+    salt: bytes = b""  # engine.block_hash.cache_salt of the engine's model and KV dtype
     priority: int = 0  # lower runs first; FCFS within a level
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # Keys of the full blocks so far. Pass the prompt's keys when this process already has
+    # them (they are extended as output grows); else they are computed here.
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
     num_preemptions: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
     generator: torch.Generator | None = None
     stop_reason: int | None = None
     # PD prefill side: when the request finishes, hand back the KV of prompt positions from
     # here on (None: don't). Blocks the decode side already caches are skipped.
     export_kv_from: int | None = None
+    # PD decode side: the prompt is computed by another worker (see RequestStatus).
+    remote_prefill: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self._extend_hashes()
+        if not self.block_hashes:
+            self._extend_hashes()
+        elif len(self.block_hashes) != len(self.token_ids) // self.block_size:
+            raise ValueError(
+                f"{len(self.block_hashes)} block hashes given for "
+                f"{len(self.token_ids) // self.block_size} full prompt blocks"
+            )
+        else:
+            self.block_hashes = list(self.block_hashes)  # extended below: not the caller's
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
@@ -106,6 +113,6 @@ class Request:
         parent = self.block_hashes[-1] if done else None
         self.block_hashes.extend(
             block_hash_keys(
-                self.token_ids, self.block_size, self.hash_extra, parent, done * self.block_size
+                self.token_ids, self.block_size, self.salt, parent, done * self.block_size
             )
         )

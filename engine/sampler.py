@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request, TokenLogprobs
-from engine.scheduler import SampledToken
+from engine.outputs import SampledToken, TokenLogprobs
+from engine.request import Request
 
 
 class Sampler:

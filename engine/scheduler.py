@@ -5,6 +5,10 @@ There is no prefill or decode phase: every step each running request gets
 waiting requests are admitted in (priority, arrival) order. Chunked prefill is the budget cap,
 a prefix hit starts `num_computed_tokens` above zero, and preemption resets it to zero
 (recompute). When blocks run out, the lowest-priority, newest running request is preempted.
+
+A PD decode request (`remote_prefill`) queues like any other; admitted, it takes blocks for
+its whole prompt and waits in WAITING_FOR_REMOTE_KV (counted as running, never computed or
+preempted) until `kv_arrived` hands it the prefill worker's first token.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus, TokenLogprobs
+from engine.outputs import SampledToken
+from engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,20 +44,12 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Remote-prefill requests admitted this step: their blocks wait for KV from elsewhere.
+    waiting_for_kv: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-
-class NoCapacityError(RuntimeError):
-    """Not enough KV blocks or sequence slots right now (the caller may retry elsewhere)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None = None
 
 
 class Scheduler:
@@ -63,10 +60,11 @@ class Scheduler:
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.running: list[Request] = []
-        # PD decode side: requests holding blocks while their prompt KV comes from elsewhere.
-        self.reserved: dict[str, Request] = {}
+        self.running: list[Request] = []  # RUNNING and WAITING_FOR_REMOTE_KV
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
+        # The last schedule() did nothing: until a request arrives, leaves or gets its
+        # remote KV, another one would do nothing either.
+        self._stalled = False
 
     # -- queues ----------------------------------------------------------------------------
     @property
@@ -80,55 +78,43 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable(self) -> bool:
+        """Whether a step could do anything now (False: everything waits for remote KV, or
+        for blocks that only such requests can free)."""
+        if any(r.status == RequestStatus.RUNNING for r in self.running):
+            return True
+        return bool(self._waiting) and not self._stalled
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         heapq.heappush(self._waiting, (request.sort_key, request))
+        self._stalled = False
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.request_id in self.reserved:
-            del self.reserved[request.request_id]
-        else:
+        if request.status == RequestStatus.WAITING:
             self._waiting = [(k, r) for k, r in self._waiting if r is not request]
             heapq.heapify(self._waiting)
+        else:
+            self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
+        self._stalled = False
         return request
 
-    # -- PD decode side --------------------------------------------------------------------
-    def reserve(self, request: Request) -> int:
-        """Hold blocks for a whole prompt whose KV another worker computes.
-
-        Returns how many leading prompt tokens are already cached here (their KV need not be
-        sent). Raises NoCapacityError when there is no room now.
-        """
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
-            raise NoCapacityError(f"{self.config.max_num_seqs} sequences already running")
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-        num_new = len(request.token_ids) - num_hit_tokens
-        if not self.kv.allocate_slots(request, num_new, hits, cache=False):
-            raise NoCapacityError(f"no free KV blocks for {len(request.token_ids)} prompt tokens")
-        request.num_computed_tokens = num_hit_tokens
-        request.num_cached_tokens = num_hit_tokens
-        self.requests[request.request_id] = request
-        self.reserved[request.request_id] = request
-        return num_hit_tokens
-
-    def activate(self, request_id: str, first: SampledToken) -> Request:
-        """The prompt's KV has been written: start decoding after the first token."""
-        request = self.reserved.pop(request_id)
+    def kv_arrived(self, request_id: str, first: SampledToken) -> Request:
+        """A remote-prefill request's prompt KV has been written: decode on after `first`."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = len(request.token_ids)
         self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._stalled = False
         self._append(request, first)
         return request
 
@@ -142,10 +128,13 @@ class Scheduler:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this loop, or waiting for remote KV
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = max(self.running, key=lambda r: r.sort_key)
+                victim = max(
+                    (r for r in self.running if r.status == RequestStatus.RUNNING),
+                    key=lambda r: r.sort_key,
+                )
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     budget += undone.num_new_tokens
@@ -169,22 +158,32 @@ class Scheduler:
                 if request.num_computed_tokens == 0
                 else ([], 0)
             )
-            num_new = min(
-                len(request.token_ids) - request.num_computed_tokens - num_hit_tokens, budget
-            )
+            uncached = len(request.token_ids) - request.num_computed_tokens - num_hit_tokens
+            if request.remote_prefill:
+                # Blocks for the whole prompt, cached only once its KV is written; no compute.
+                if not self.kv.allocate_slots(request, uncached, hits, cache=False):
+                    break
+                self._admit(request, num_hit_tokens, RequestStatus.WAITING_FOR_REMOTE_KV)
+                out.waiting_for_kv.append(request)
+                continue
+            num_new = min(uncached, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
-            heapq.heappop(self._waiting)
-            request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._admit(request, num_hit_tokens, RequestStatus.RUNNING)
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
             budget -= num_new
 
         out.scheduled = list(scheduled.values())
+        self._stalled = not out.scheduled and not out.waiting_for_kv
         return out
+
+    def _admit(self, request: Request, num_hit_tokens: int, status: RequestStatus) -> None:
+        heapq.heappop(self._waiting)
+        request.num_computed_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = status
+        self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -217,8 +216,6 @@ class Scheduler:
     def _append(self, request: Request, token: SampledToken) -> bool:
         """Append a sampled token; finish and release the request if it stops. True if so."""
         request.append_token(token.token_id)
-        if token.logprobs is not None:
-            request.logprobs.append(token.logprobs)
         status = self._check_stop(request, token.token_id)
         if status is None:
             return False
@@ -248,10 +245,12 @@ class Scheduler:
         self.kv.check_integrity()
         running = set(map(id, self.running))
         waiting = {id(r) for _, r in self._waiting}
-        reserved = set(map(id, self.reserved.values()))
         assert not running & waiting, "a request is both running and waiting"
-        assert not reserved & (running | waiting), "a reserved request is also queued"
-        assert len(running) + len(waiting) + len(reserved) == len(self.requests)
+        assert len(running) + len(waiting) == len(self.requests)
         assert self.kv.num_requests <= len(self.requests)
+        assert len(self.running) <= self.config.max_num_seqs
         for r in self.running:
+            assert r.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV)
             assert 0 <= r.num_computed_tokens <= len(r.token_ids)
+        for _, r in self._waiting:
+            assert r.status == RequestStatus.WAITING

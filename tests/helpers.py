@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 from engine.request import Request
 
 PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
@@ -32,24 +32,35 @@ def drive(
     engine: LLMEngine,
     arrivals: Mapping[int, Sequence[Request]],
     max_steps: int = 2000,
-) -> tuple[dict[str, RequestOutput], dict[str, list[int]]]:
+) -> tuple[dict[str, CompletionOutput], dict[str, list[int]]]:
     """Add `arrivals[i]` before step i, step (checking integrity) until all finish.
 
-    Returns (final output per request id, streamed new_token_ids concatenated per id).
+    Returns (whole output per request id, joined from its deltas; streamed new_token_ids
+    concatenated per id).
     """
-    final: dict[str, RequestOutput] = {}
+    final: dict[str, CompletionOutput] = {}
     streamed: dict[str, list[int]] = {}
+    # Requests already in the engine keep the tokens they have so far.
+    collectors = {
+        rid: OutputCollector(rid, r.prompt_token_ids, list(r.output_token_ids))
+        for rid, r in engine.scheduler.requests.items()
+    }
     last_arrival = max(arrivals, default=0)
     for i in range(max_steps):
         for request in arrivals.get(i, ()):
             engine.add_request(request)
+            collectors[request.request_id] = OutputCollector(
+                request.request_id, request.prompt_token_ids
+            )
         if i >= last_arrival and not engine.has_unfinished_requests():
             return final, streamed
         for out in step_checked(engine):
             streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            collector = collectors[out.request_id]
+            collector.add(out)
             if out.finished:
                 assert out.request_id not in final, "a request finished twice"
-                final[out.request_id] = out
+                final[out.request_id] = collector.result()
     raise AssertionError(f"engine made no progress to completion in {max_steps} steps")
 
 

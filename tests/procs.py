@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 from services.common import grpc_util
-from services.common.servers import free_port
+from services.launcher.servers import free_port
 
 START_TIMEOUT_S = 60.0
 

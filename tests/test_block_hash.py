@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from services.common.block_hash import block_hash_keys, hash_block, hash_extra
+from engine.block_hash import block_hash_keys, hash_block, salt_of
 
 BS = 4
 
@@ -45,10 +45,10 @@ def test_different_extra_gives_disjoint_keys():
     tokens = list(range(12))
     extras = [
         b"",
-        hash_extra("llama", "bfloat16"),
-        hash_extra("llama", "float16"),
-        hash_extra("llama", "bfloat16", adapter="lora-a"),
-        hash_extra("qwen", "bfloat16"),
+        salt_of("llama", "bfloat16"),
+        salt_of("llama", "float16"),
+        salt_of("llama", "bfloat16", adapter="lora-a"),
+        salt_of("qwen", "bfloat16"),
     ]
     key_sets = [set(block_hash_keys(tokens, BS, extra)) for extra in extras]
     assert all(len(s) == 3 for s in key_sets)
@@ -56,9 +56,9 @@ def test_different_extra_gives_disjoint_keys():
     assert len(union) == 3 * len(extras)
 
 
-def test_hash_extra_is_deterministic():
-    assert hash_extra("m", "bfloat16") == hash_extra("m", "bfloat16")
-    assert len(hash_extra("m", "bfloat16")) == 16
+def test_salt_of_is_deterministic():
+    assert salt_of("m", "bfloat16") == salt_of("m", "bfloat16")
+    assert len(salt_of("m", "bfloat16")) == 16
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.parametrize(
-    "module", ["services.common.block_hash", "engine.tokenizer", "engine.sampling_params"]
+    "module", ["engine.block_hash", "engine.tokenizer", "engine.sampling_params"]
 )
 def test_module_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"

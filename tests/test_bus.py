@@ -13,7 +13,7 @@ import nats as nats_py
 from services.common import subjects
 from services.common.bus import Bus
 from services.common.pb import events_pb2
-from services.common.servers import free_port
+from services.launcher.servers import free_port
 from tests.servers import eventually, nats
 
 Report = events_pb2.LoadReport

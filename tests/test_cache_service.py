@@ -22,15 +22,15 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from engine.block_hash import block_hash_keys
 from services.cache.client import CacheClient
 from services.cache.lru import ByteLRU, LRUStats
 from services.cache.redis_tier import RedisTier
 from services.cache.servicer import CacheServicer
 from services.common import grpc_util
-from services.common.block_hash import block_hash_keys
 from services.common.naming import NameClient
 from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, nameservice_pb2
-from services.common.servers import ManagedProcess, free_port
+from services.launcher.servers import ManagedProcess, free_port
 from tests import procs, servers
 
 BLOCK_BYTES = 2 * 16 * 2 * 4 * 4  # [layers=2, tokens=16, kv_heads=2, head_dim=4] float32
@@ -52,7 +52,7 @@ def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., No
 
 
 def make_blocks(n: int, seed: int = 0) -> Blocks:
-    hashes = block_hash_keys(list(range(seed, seed + 16 * n)), 16, extra=b"test")
+    hashes = block_hash_keys(list(range(seed, seed + 16 * n)), 16, salt=b"test")
     kv = [bytes([(seed + i) % 256]) * BLOCK_BYTES for i in range(n + 1)]
     return [
         common_pb2.KVBlock(block_hash=h, index=i, num_tokens=16, dtype="float32",

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from services.cli import build_parser
-from services.common.servers import free_port
+from services.launcher.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, AsyncLLM, EngineConfig, SamplingParams
+from engine.outputs import OutputCollector
 from engine.request import RequestStatus
 from tests.helpers import (
     assert_pool_idle,
@@ -262,7 +263,8 @@ def test_abort_waiting_prefilling_and_decoding(llama_dir, prompts, greedy_ref):
     step_checked(engine)
     assert a.status == RequestStatus.RUNNING and 0 < a.num_computed_tokens < 70
     out = engine.abort_request("a")  # mid-prefill
-    assert (out.finished, out.finish_reason, out.token_ids) == (True, "abort", [])
+    assert (out.finished, out.finish_reason, out.new_token_ids) == (True, "abort", [])
+    assert a.output_token_ids == []
     engine.check_integrity()
 
     for _ in range(50):
@@ -272,7 +274,7 @@ def test_abort_waiting_prefilling_and_decoding(llama_dir, prompts, greedy_ref):
     assert b.status == RequestStatus.RUNNING and b.num_output_tokens >= 2
     out = engine.abort_request("b")  # mid-decode
     assert out.finish_reason == "abort"
-    assert out.token_ids == greedy_ref[2][: len(out.token_ids)]
+    assert b.output_token_ids == greedy_ref[2][: len(b.output_token_ids)]
     engine.check_integrity()
 
     final, _ = drive(engine, {})
@@ -323,12 +325,15 @@ def _async_llm(llama_dir: Path, **engine_args) -> AsyncLLM:
 
 
 async def _collect(llm: AsyncLLM, prompt, params, request_id=None):
+    """(the whole output joined from the deltas, the streamed token ids)"""
     streamed, last = [], None
+    collector = OutputCollector(request_id or "", [])
     async for out in llm.generate(prompt, params, request_id=request_id):
         assert not (last and last.finished), "output after the final one"
         streamed.extend(out.new_token_ids)
+        collector.add(out)
         last = out
-    return last, streamed
+    return collector.result(), streamed
 
 
 async def _idle_state(llm: AsyncLLM) -> tuple[bool, int, int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from engine.block_hash import block_hash_keys, cache_salt
 from engine.tokenizer import Tokenizer
-from services.common.block_hash import block_hash_keys, hash_extra
 from services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend.grpc_api import FrontendServicer
@@ -51,8 +51,8 @@ def test_master_gets_the_workers_block_hashes(tiny, tok, script) -> None:
     status, body = complete(tiny, {"w1": (FUSED, FakeWorker(script))}, {"prompt": prompt}, master)
     assert status == 200, body
     (req,) = master.requests
-    extra = hash_extra("LlamaForCausalLM:" + str(tiny), "float32")  # as LLMEngine computes it
-    assert list(req.block_hashes) == block_hash_keys(prompt, 16, extra)
+    salt = cache_salt(tiny, "float32")  # as LLMEngine computes it
+    assert list(req.block_hashes) == block_hash_keys(prompt, 16, salt)
     assert len(req.block_hashes) == 2 and req.num_prompt_tokens == 40
     assert list(req.exclude) == []
 

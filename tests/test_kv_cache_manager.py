@@ -1,10 +1,10 @@
 """KV cache manager: exact block tables, ref counts and prefix hits per scripted step."""
 
+from engine.block_hash import block_hash_keys
 from engine.block_pool import BlockPool, KVEvent, KVEventKind
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from services.common.block_hash import block_hash_keys
 
 BS = 4
 
@@ -14,7 +14,7 @@ def make(num_blocks: int = 8, **kw) -> KVCacheManager:
 
 
 def req(rid: str, tokens: list[int], extra: bytes = b"") -> Request:
-    return Request(rid, tokens, params=SamplingParams(), block_size=BS, hash_extra=extra)
+    return Request(rid, tokens, params=SamplingParams(), block_size=BS, salt=extra)
 
 
 def run(kv: KVCacheManager, r: Request, n: int) -> None:
@@ -94,7 +94,7 @@ def test_partial_block_is_never_shared():
     assert refs(kv) == [2, 1, 1, 1, 0, 0, 0, 0]
 
 
-def test_different_hash_extra_never_hits():
+def test_different_salt_never_hits():
     kv = make()
     admit(kv, req("a", A, extra=b"model-1"))
     assert kv.get_computed_blocks(req("b", A, extra=b"model-2")) == ([], 0)

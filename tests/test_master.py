@@ -225,7 +225,7 @@ def test_master_service_routes_by_nats_events(nats_server: str):
 
     from services.common.bus import Bus
     from services.common.naming import NameClient
-    from services.common.servers import free_port
+    from services.launcher.servers import free_port
     from services.master import main as master_main
     from services.nameservice import main as ns_main
 

@@ -19,13 +19,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from engine.block_hash import block_hash_keys
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import RedisTier
 from services.cache.servicer import CacheServicer
-from services.common import metrics
-from services.common.block_hash import block_hash_keys
 from services.common.pb import common_pb2
 from services.common.pb import nameservice_pb2 as ns_pb2
+from services.frontend import metrics
 from tests import servers
 from tests.cluster import Cluster, launch
 
@@ -93,7 +93,7 @@ def test_sequence_timer_counts_each_token_once():
 
 def test_cache_service_counts_a_get_per_tier(tmp_path):
     """memory holds b0 b1, Redis holds b2 (and b4), nobody b3: Get(b0..b4) answers b0 b1 b2."""
-    hashes = block_hash_keys(list(range(5 * 16)), 16, extra=b"metrics")
+    hashes = block_hash_keys(list(range(5 * 16)), 16, salt=b"metrics")
     blocks = [common_pb2.KVBlock(block_hash=h, index=i, k=bytes(64)) for i, h in enumerate(hashes)]
     value = {b.block_hash: b.SerializeToString() for b in blocks}
 

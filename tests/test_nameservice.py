@@ -17,7 +17,7 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.naming import NameClient, make_member
 from services.common.pb import nameservice_pb2 as pb
-from services.common.servers import free_port
+from services.launcher.servers import free_port
 from services.nameservice.registry import Registry
 from tests.procs import spawn, stop, wait_grpc
 from tests.servers import eventually
@@ -219,7 +219,7 @@ def test_client_outlives_a_dead_nameservice() -> None:
 def test_service_modules_do_not_import_torch() -> None:
     code = (
         "import sys, services.nameservice.main, services.common.naming, "
-        "services.common.bus, services.common.servers; "
+        "services.common.bus, services.launcher.servers; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,6 +1,7 @@
 """PD disaggregation inside the engine: one engine prefills and exports the prompt KV, a
-second reserves blocks, takes the KV and the first token, and decodes on. The tokens must
-equal a single engine's (and so HF's) greedy output."""
+second admits a remote-prefill request (blocks reserved, WAITING_FOR_REMOTE_KV), takes the
+KV and the first token, and decodes on. The tokens must equal a single engine's (and so
+HF's) greedy output."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import asyncio
 import pytest
 
 from engine import AsyncLLM, EngineConfig, SamplingParams
-from engine.scheduler import NoCapacityError, SampledToken
+from engine.outputs import OutputCollector, SampledToken
+from engine.request import RequestStatus
 from tests.helpers import assert_pool_idle, make_llm, poison_kv
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -25,31 +27,46 @@ def _prefill(engine, request_id, prompt, export_from=0):
                 return out
 
 
-def _decode_all(engine):
+def _reserve(engine, request_id, prompt, collectors=None) -> int:
+    """Admit a remote-prefill request (one step; other requests' outputs go to their
+    collectors); returns the prompt tokens cached here."""
+    request = engine.make_request(request_id, prompt, GREEDY, remote_prefill=True)
+    engine.add_request(request)
+    outs = {o.request_id: o for o in engine.step()}
+    engine.check_integrity()
+    out = outs.pop(request_id)
+    for other in outs.values():
+        collectors[other.request_id].add(other)
+    assert out.waiting_for_kv and not out.new_token_ids
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    return out.num_cached_tokens
+
+
+def _decode_all(engine, collectors):
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             engine.check_integrity()
+            collectors[out.request_id].add(out)
             if out.finished:
-                final[out.request_id] = out
+                final[out.request_id] = collectors[out.request_id].result()
     return final
 
 
 def test_prefill_export_then_decode_matches_single_engine(model_dir, prompts, hf_greedy):
     pre = make_llm(model_dir("tiny-llama")).engine
     dec = make_llm(model_dir("tiny-llama")).engine
+    collectors = {}
     for i, prompt in enumerate(prompts[:4]):
         first = _prefill(pre, f"r{i}", prompt)
         assert first.prompt_kv is not None and first.prompt_kv.start == 0
         assert first.prompt_kv.k.shape[1] == len(prompt)
-        req = dec.make_request(f"r{i}", prompt, GREEDY)
-        assert dec.reserve(req) == 0
-        dec.check_integrity()
-        kv = first.prompt_kv
-        dec.write_prompt_kv(f"r{i}", kv.start, kv.k, kv.v)
-        out = dec.activate(f"r{i}", SampledToken(first.token_ids[0]))
-        assert out.token_ids == first.token_ids
-    final = _decode_all(dec)
+        assert _reserve(dec, f"r{i}", prompt, collectors) == 0
+        out = dec.write_remote_kv(f"r{i}", [first.prompt_kv], SampledToken(first.new_token_ids[0]))
+        assert out.new_token_ids == first.new_token_ids
+        collectors[f"r{i}"] = OutputCollector(f"r{i}", prompt)
+        collectors[f"r{i}"].add(out)
+    final = _decode_all(dec, collectors)
     for i, prompt in enumerate(prompts[:4]):
         assert final[f"r{i}"].token_ids == hf_greedy("tiny-llama", prompt, 12)[0]
     assert_pool_idle(pre)
@@ -62,27 +79,47 @@ def test_decode_side_prefix_hit_skips_cached_blocks(model_dir, corpus_ids, hf_gr
     shared = corpus_ids[:48]
     a, b = shared + corpus_ids[100:110], shared + corpus_ids[120:127]
     for rid, prompt in (("a", a), ("b", b)):
-        req = dec.make_request(rid, prompt, GREEDY)
-        cached = dec.reserve(req)
+        cached = _reserve(dec, rid, prompt)
         assert cached == (48 if rid == "b" else 0)
         first = _prefill(pre, rid, prompt, export_from=cached)
         assert first.prompt_kv.start == cached
         assert first.prompt_kv.k.shape[1] == len(prompt) - cached
-        dec.write_prompt_kv(rid, cached, first.prompt_kv.k, first.prompt_kv.v)
-        dec.activate(rid, SampledToken(first.token_ids[0]))
-        final = _decode_all(dec)
+        collectors = {rid: OutputCollector(rid, prompt)}
+        out = dec.write_remote_kv(rid, [first.prompt_kv], SampledToken(first.new_token_ids[0]))
+        collectors[rid].add(out)
+        final = _decode_all(dec, collectors)
         assert final[rid].token_ids == hf_greedy("tiny-llama", prompt, 12)[0]
     assert_pool_idle(dec)
 
 
-def test_reservation_refused_when_full_and_freed_on_abort(model_dir, prompts):
+def test_reservation_waits_when_full_and_is_freed_on_abort(model_dir, prompts):
     dec = make_llm(model_dir("tiny-llama"), num_kv_blocks=4).engine
-    big = dec.make_request("big", prompts[7][:60], GREEDY)  # 4 blocks of 16
-    dec.reserve(big)
-    with pytest.raises(NoCapacityError):
-        dec.reserve(dec.make_request("more", prompts[0], GREEDY))
+    assert _reserve(dec, "big", prompts[7][:60]) == 0  # 4 blocks of 16
+    more = dec.make_request("more", prompts[0], GREEDY, remote_prefill=True)
+    dec.add_request(more)
+    assert dec.step() == []  # no room: it queues instead of failing
     dec.check_integrity()
+    assert more.status == RequestStatus.WAITING and not dec.has_schedulable_requests()
+    with pytest.raises(ValueError, match="not waiting for remote KV"):
+        dec.write_remote_kv("more", [], SampledToken(1))
     dec.abort_request("big")
+    (out,) = dec.step()  # the freed blocks admit it
+    assert out.request_id == "more" and out.waiting_for_kv
+    dec.abort_request("more")
+    assert_pool_idle(dec)
+
+
+def test_remote_kv_must_cover_the_uncached_prompt(model_dir, prompts):
+    pre = make_llm(model_dir("tiny-llama")).engine
+    dec = make_llm(model_dir("tiny-llama")).engine
+    prompt = prompts[2]
+    _reserve(dec, "r", prompt)
+    kv = _prefill(pre, "r", prompt).prompt_kv
+    short = type(kv)(kv.start, kv.k[:, :-1], kv.v[:, :-1])
+    with pytest.raises(ValueError, match="KV ends at position"):
+        dec.write_remote_kv("r", [short], SampledToken(1))
+    dec.check_integrity()
+    dec.abort_request("r")
     assert_pool_idle(dec)
 
 
@@ -95,16 +132,18 @@ def test_async_pd_path(model_dir, prompts, hf_greedy):
 
     async def one(i, prompt):
         rid = f"p{i}"
-        cached = await dec.reserve(rid, prompt, GREEDY)
+        outputs = dec.generate(prompt, GREEDY, rid, remote_prefill=True)
+        reserved = await anext(outputs)
+        assert reserved.waiting_for_kv
+        cached = reserved.num_cached_tokens
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         outs = [
             o async for o in pre.generate(prompt, params, request_id=rid, export_kv_from=cached)
         ]
         first = outs[-1]
+        dec.deliver_kv(rid, [first.prompt_kv], SampledToken(first.new_token_ids[0]))
         tokens = []
-        async for out in dec.generate_prefilled(
-            rid, [first.prompt_kv], SampledToken(first.token_ids[0])
-        ):
+        async for out in outputs:
             tokens.extend(out.new_token_ids)
         return tokens
 

@@ -6,9 +6,10 @@ import pytest
 
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.outputs import SampledToken
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 EOS = 0
@@ -74,7 +75,7 @@ def test_chunked_prefill_within_the_token_budget():
     assert step(s) == Step([("a", 1), ("b", 1)], [], ["a", "b"])
     assert a.output_token_ids == [1010, 1011, 1012]
     assert a.status == RequestStatus.FINISHED_LENGTH
-    assert FINISH_REASONS[a.status] == "length"
+    assert a.status.finish_reason == "length"
     assert_drained(s)
 
 
@@ -181,7 +182,7 @@ def test_finish_on_eos_unless_ignored():
         None,
         [EOS],
     )
-    assert FINISH_REASONS[a.status] == "stop"
+    assert a.status.finish_reason == "stop"
     assert step(s, {"b": EOS}).finished == ["b"]
     assert b.status == RequestStatus.FINISHED_LENGTH
     assert_drained(s)

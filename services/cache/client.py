@@ -62,8 +62,7 @@ class CacheClient:
         self._addresses: list[str] = []
         self._seeds: list[int] = []
         self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._channels = grpc_util.ChannelCache()
         self._last_warning: dict[str, float] = {}
         self.set_addresses(addresses)
 
@@ -78,16 +77,9 @@ class CacheClient:
             int.from_bytes(hashlib.blake2b(a.encode(), digest_size=8).digest(), "little")
             for a in self._addresses
         ]
-        for address in [a for a in self._channels if a not in self._addresses]:
-            channel = self._channels.pop(address)
+        for address in [a for a in self._stubs if a not in self._addresses]:
             del self._stubs[address]
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop: nothing can be in flight on it either
-                continue
-            task = loop.create_task(channel.close(grace=self.timeout_s))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._channels.drop(address, grace=self.timeout_s)
 
     def shard(self, block_hash: bytes) -> str:
         """The address responsible for `block_hash` (there must be at least one)."""
@@ -150,10 +142,8 @@ class CacheClient:
         await self.close()
 
     async def close(self) -> None:
-        channels = list(self._channels.values())
-        self._channels.clear()
         self._stubs.clear()
-        await asyncio.gather(*(c.close() for c in channels), *self._closing)
+        await self._channels.close()
 
     def _shard_index(self, block_hash: bytes) -> int:
         if len(self._seeds) == 1:
@@ -173,8 +163,7 @@ class CacheClient:
     def _stub(self, address: str) -> cache_pb2_grpc.CacheStub:
         stub = self._stubs.get(address)
         if stub is None:
-            self._channels[address] = channel = grpc_util.channel(address)
-            self._stubs[address] = stub = cache_pb2_grpc.CacheStub(channel)
+            self._stubs[address] = stub = cache_pb2_grpc.CacheStub(self._channels.get(address))
         return stub
 
     async def _put(self, address: str, blocks: list[common_pb2.KVBlock]) -> int:

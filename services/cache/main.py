@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from services.cache import metrics as cache_metrics
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
 from services.cache.servicer import CacheServicer
@@ -54,7 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
     cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
     address = advertised(args, port)
     lru = servicer.lru
-    metrics.cache_service().watch_memory(lambda: lru.bytes_used, lambda: len(lru))
+    cache_metrics.cache_service().watch_memory(lambda: lru.bytes_used, lambda: len(lru))
     metrics_address = advertised(args, metrics.start_metrics_server(args.metrics_port, args.host))
     names = None
     try:

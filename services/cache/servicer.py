@@ -17,11 +17,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from services.cache import MAX_KEYS
+from services.cache import MAX_KEYS, metrics
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import RedisTier
-from services.common import metrics
 from services.common.grpc_util import MAX_MESSAGE_BYTES
+from services.common.metrics import TIER_MEMORY, TIER_REDIS
 from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             blocks.append(common_pb2.KVBlock.FromString(value))
         rest = hashes[len(blocks) :]
         if not rest or self.redis is None or not self.redis.available:
-            _count_lookup(len(blocks), 0, metrics.TIER_MEMORY if rest else None)
+            _count_lookup(len(blocks), 0, TIER_MEMORY if rest else None)
             return blocks
         # Later keys may still be in the LRU (Redis may have missed a write-through), so
         # only the keys the LRU lacks go to Redis.
@@ -114,7 +114,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 value = next(fetched)
             block = _parse(h, value)
             if block is None:
-                ended_in = metrics.TIER_REDIS if from_redis else metrics.TIER_MEMORY
+                ended_in = TIER_REDIS if from_redis else TIER_MEMORY
                 break
             budget -= len(value)
             if budget < 0:
@@ -217,7 +217,7 @@ def _count_lookup(memory_hits: int, redis_hits: int, ended_in: str | None) -> No
         memory_hits,
         redis_hits + ended,
         redis_hits,
-        int(ended_in == metrics.TIER_REDIS),
+        int(ended_in == TIER_REDIS),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from services.common.pb import common_pb2
 
@@ -38,9 +39,13 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def logprob_to_pb(token_id: int, logprob: float, top: dict[int, float]) -> common_pb2.TokenLogprob:
+def logprob_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=token_id,
-        logprob=logprob,
-        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top.items()],
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top.items()],
     )
+
+
+def logprob_from_pb(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, {t.token_id: t.logprob for t in msg.top})

@@ -5,6 +5,8 @@ KV blocks travel as raw bytes, so message size limits are raised well above gRPC
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -47,6 +49,44 @@ async def set_serving(
 def channel(address: str) -> grpc.aio.Channel:
     interceptors = tracing.client_interceptors(address)  # trace context, when tracing is on
     return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
+
+
+class ChannelCache:
+    """One client channel per peer address, opened on first use; the one cache of them every
+    service keeps."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return ch
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._channels
+
+    def addresses(self) -> list[str]:
+        return list(self._channels)
+
+    def drop(self, address: str, grace: float | None = None) -> None:
+        """Forget a peer; its channel closes in the background (calls in flight get `grace`)."""
+        ch = self._channels.pop(address, None)
+        if ch is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: nothing can be in flight on it either
+            return
+        task = loop.create_task(ch.close(grace=grace))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(ch.close() for ch in channels), *self._closing)
 
 
 async def check_health(address: str, timeout: float = 1.0) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from services.common.pb import nameservice_pb2
-from services.common.worker import add_worker_arguments, serve_worker
 from services.decode.servicer import DecodeServicer
+from services.worker.config import add_worker_arguments
+from services.worker.serve import serve_worker
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:

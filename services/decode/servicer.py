@@ -1,8 +1,9 @@
 """The token stream of a request: the Generate RPC of decode and fused workers.
 
 Fused (no prefill_address): the local engine runs prefill and decode.
-PD: reserve KV blocks here, ask the prefill worker to fill them, forward its first token to
-the caller at once, write the received KV into the reserved blocks, and decode on.
+PD: reserve KV blocks here (the request waits for remote KV as a scheduler state), ask the
+prefill worker to fill them, forward its first token to the caller at once, hand the
+received KV to the engine, and decode on.
 Whatever ends the call (finish, error, the caller going away) releases the request's blocks.
 """
 
@@ -14,26 +15,26 @@ import grpc
 from opentelemetry import trace
 
 from engine.async_llm import AsyncLLM
-from engine.outputs import PromptKV, RequestOutput
-from engine.request import TokenLogprobs
-from engine.scheduler import SampledToken
-from services.common import grpc_util, metrics, tracing
-from services.common.block_hash import block_hash_keys
-from services.common.convert import logprob_to_pb, params_from_pb
-from services.common.kv_wire import join_blocks
+from engine.block_hash import BlockHash, block_hash_keys
+from engine.outputs import PromptKV, RequestOutput, SampledToken
+from services.common import grpc_util, tracing
+from services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
+from services.common.metrics import RECEIVED
 from services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
-from services.common.worker import PeerUnavailableError, StatsServicer, abort_status
+from services.worker import metrics
+from services.worker.kv_wire import join_blocks
+from services.worker.servicer import PeerUnavailableError, WorkerServicer, abort_status
 
 log = logging.getLogger(__name__)
 
 
-def _response(out: RequestOutput, new_logprobs: list[TokenLogprobs]) -> worker_pb2.GenerateResponse:
+def _response(out: RequestOutput) -> worker_pb2.GenerateResponse:
     msg = worker_pb2.GenerateResponse(
         token_ids=out.new_token_ids,
-        logprobs=[logprob_to_pb(lp.token_id, lp.logprob, lp.top) for lp in new_logprobs],
+        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or []],
         finished=out.finished,
         finish_reason=out.finish_reason or "",
-        num_prompt_tokens=len(out.prompt_token_ids),
+        num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
     )
     if out.stop_reason is not None:
@@ -41,23 +42,15 @@ def _response(out: RequestOutput, new_logprobs: list[TokenLogprobs]) -> worker_p
     return msg
 
 
-def _new_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
-    if not out.logprobs:
-        return []
-    return out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
-
-
-class DecodeServicer(StatsServicer):
+class DecodeServicer(WorkerServicer):
     def __init__(
         self, llm: AsyncLLM, allow_fused: bool, role: int = nameservice_pb2.ROLE_DECODE
     ) -> None:
-        self.llm = llm
+        super().__init__(llm)
         self.allow_fused = allow_fused
-        self.block_size = llm.engine.config.block_size
-        cfg = llm.engine.model_config
-        self.kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self.metrics = metrics.worker(role, llm.engine.config.model)
+        self.block_size = llm.block_size
+        self._channels = grpc_util.ChannelCache()
+        self.metrics = metrics.worker(role, llm.model)
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -66,12 +59,19 @@ class DecodeServicer(StatsServicer):
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
             params = params_from_pb(request.params)
+            # Hashed once here; the engine and the prefill worker reuse these keys.
+            hashes = block_hash_keys(prompt, self.block_size, self.llm.cache_salt)
+            if request.block_hashes and list(request.block_hashes) != hashes:
+                raise ValueError(
+                    "block_hashes do not match this worker's: the caller and this worker "
+                    "disagree on the model, KV dtype or block size"
+                )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.prefill_address:
-            stream = self._pd(request, prompt, params, context)
+            stream = self._pd(request, prompt, params, hashes, context)
         elif self.allow_fused:
-            stream = self._fused(request, prompt, params)
+            stream = self._fused(request, prompt, params, hashes)
         else:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "a decode worker needs prefill_address"
@@ -83,23 +83,31 @@ class DecodeServicer(StatsServicer):
             code, message = abort_status(exc)
             await context.abort(code, message)
 
-    async def _fused(self, request, prompt, params):
+    async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
         first = True
-        async for out in self.llm.generate(prompt, params, request.request_id, request.priority):
+        async for out in self.llm.generate(
+            prompt, params, request.request_id, request.priority, block_hashes=hashes
+        ):
             if first:  # the prompt's prefix-cache hit is known once it has been computed
                 first = False
                 usable = (len(prompt) - 1) // self.block_size  # the engine's lookup limit
                 self.metrics.prefix_cache(usable, out.num_cached_tokens // self.block_size)
-            yield _response(out, _new_logprobs(out))
+            yield _response(out)
 
-    async def _pd(self, request, prompt, params, context):
+    async def _pd(self, request, prompt, params, hashes: list[BlockHash], context):
+        """Reserve blocks here (queued like any request until they fit), have the prefill
+        worker fill them, forward its first token at once, then decode on."""
         rid = request.request_id
-        cached = await self.llm.reserve(rid, prompt, params, request.priority)
-        activated = False
+        outputs = self.llm.generate(
+            prompt, params, rid, request.priority, remote_prefill=True, block_hashes=hashes
+        )
         call = None
         spans: list[trace.Span] = []  # kv_transfer, decode: ended however the call ends
         try:
-            stub = worker_pb2_grpc.WorkerStub(self._channel(request.prefill_address))
+            reserved = await anext(outputs)
+            assert reserved.waiting_for_kv
+            cached = reserved.num_cached_tokens
+            stub = worker_pb2_grpc.WorkerStub(self._channels.get(request.prefill_address))
             call = stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=rid,
@@ -107,6 +115,7 @@ class DecodeServicer(StatsServicer):
                     params=request.params,
                     priority=request.priority,
                     skip_blocks=cached // self.block_size,
+                    block_hashes=hashes,
                 ),
                 timeout=context.time_remaining(),
             )
@@ -124,33 +133,26 @@ class DecodeServicer(StatsServicer):
                         num_cached_tokens=first.num_cached_tokens,
                     )
                 else:
-                    self.metrics.kv_transfer(metrics.RECEIVED, msg.block.ByteSize())
+                    self.metrics.kv_transfer(RECEIVED, msg.block.ByteSize())
                     blocks.append(msg.block)
-            if first is None:
+            if first is None or not first.token_ids:
                 raise PeerUnavailableError("prefill worker sent no first token")
-            hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
-            k, v = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, self.kv_shape)
+            layout = self.llm.kv_layout
+            k, v = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, layout)
             _end_kv_transfer(spans[0], blocks)
-            lp = first.logprobs[0] if first.logprobs else None
-            token = SampledToken(
-                first.token_ids[0],
-                TokenLogprobs(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
-                if lp
-                else None,
-            )
-            activated = True
-            seen_first = False
+            lp = logprob_from_pb(first.logprobs[0]) if first.logprobs else None
+            self.llm.deliver_kv(rid, [PromptKV(cached, k, v)], SampledToken(first.token_ids[0], lp))
             spans.append(decode := tracing.tracer.start_span("decode"))
-            async for out in self.llm.generate_prefilled(rid, [PromptKV(cached, k, v)], token):
-                decode.set_attribute("rtp.decode.tokens_generated", len(out.token_ids))
+            seen_first = False
+            async for out in outputs:
+                decode.set_attribute("rtp.decode.tokens_generated", out.num_output_tokens)
+                msg = _response(out)
                 if not seen_first:
                     seen_first = True  # the first token went out already
                     if not out.finished:
                         continue
-                    msg = _response(out, [])
                     del msg.token_ids[:]
-                else:
-                    msg = _response(out, _new_logprobs(out))
+                    del msg.logprobs[:]
                 # The prompt's cache hit is the prefill side's, not this worker's.
                 msg.num_cached_tokens = first.num_cached_tokens
                 yield msg
@@ -164,14 +166,7 @@ class DecodeServicer(StatsServicer):
                     span.end()
             if call is not None:
                 call.cancel()
-            if not activated:
-                self.llm.abort(rid)
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc_util.channel(address)
-        return ch
+            await outputs.aclose()  # aborts the request here unless it finished
 
 
 def _end_kv_transfer(span: trace.Span, blocks: list) -> None:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from engine.block_hash import block_hash_keys
 from engine.tokenizer import Tokenizer
-from services.common import metrics
-from services.common.block_hash import block_hash_keys
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
+from services.frontend import metrics
 from services.frontend.detokenizer import TextStream, TokenText
 from services.frontend.errors import RETRYABLE, ErrorKind, FrontendError, from_rpc_error
 from services.frontend.inputs import GenerateInput, Options, prepare
@@ -118,13 +118,12 @@ class Generator:
         last_error: FrontendError | None = None
         for attempt in range(MAX_ATTEMPTS):
             prompt = inp.prompt_token_ids + produced
+            hashes = block_hash_keys(prompt, self.model.block_size, self.model.cache_salt)
             try:
                 route = await self.router.route(
                     master_pb2.RouteRequest(
                         request_id=inp.request_id,
-                        block_hashes=block_hash_keys(
-                            prompt, self.model.block_size, self.model.hash_extra
-                        ),
+                        block_hashes=hashes,
                         num_prompt_tokens=len(prompt),
                         session_id=inp.session_id,
                         priority=inp.priority,
@@ -150,6 +149,7 @@ class Generator:
                 params=_continued(inp.params, len(produced)),
                 priority=inp.priority,
                 prefill_address=route.prefill_address,
+                block_hashes=hashes,
             )
             stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
             timer.started()

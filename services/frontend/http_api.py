@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from services.common import metrics, tracing
+from services.frontend import metrics as frontend_metrics
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import DeltaStream, Generator
@@ -40,7 +41,7 @@ _STARTED = int(time.time())
 
 
 def build_app(generator: Generator) -> web.Application:
-    middlewares = [metrics.http_middleware(), _traced, _errors]
+    middlewares = [frontend_metrics.http_middleware(), _traced, _errors]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[GENERATOR] = generator
     app.router.add_get("/v1/models", _models)

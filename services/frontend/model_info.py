@@ -8,19 +8,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.block_hash import cache_salt
 from engine.config import ModelConfig
-from services.common.block_hash import hash_extra
 from services.frontend.errors import ErrorKind, FrontendError
 
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    path: str  # exactly as the workers are given it: it is part of the block hash salt
+    path: str
     served_name: str
     vocab_size: int
     context_len: int
     block_size: int
-    hash_extra: bytes  # must equal the workers' LLMEngine.hash_extra
+    cache_salt: bytes  # engine.block_hash.cache_salt, as the workers compute it
     byte_level: bool  # the tokenizer is a byte-level BPE (token bytes are recoverable)
 
     @classmethod
@@ -41,8 +41,7 @@ class ModelInfo:
             vocab_size=cfg.vocab_size,
             context_len=max_model_len or cfg.max_position_embeddings,
             block_size=block_size,
-            # The same salt as engine/llm_engine.py: architecture + ":" + model dir, KV dtype.
-            hash_extra=hash_extra(cfg.architecture + ":" + path, kv_dtype),
+            cache_salt=cache_salt(path, kv_dtype),
             byte_level=_byte_level_decoder(Path(path) / "tokenizer.json"),
         )
 

@@ -93,7 +93,7 @@ class Router:
         self.membership = Membership()
         self._watch = watch
         self._route_timeout = route_timeout
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = grpc_util.ChannelCache()
         self._master_down_until = 0.0
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -108,15 +108,10 @@ class Router:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        channels, self._channels = self._channels, {}
-        for ch in channels.values():
-            await ch.close()
+        await self._channels.close()
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc_util.channel(address)
-        return ch
+        return self._channels.get(address)
 
     def master_address(self) -> str | None:
         if self.master:

@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common import servers
 from services.common.flags import env
+from services.launcher import servers
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0

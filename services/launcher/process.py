@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.servers import free_port
+from services.launcher.servers import free_port
 
 UP_TIMEOUT_S = 240.0
 

@@ -7,8 +7,9 @@ import logging
 import grpc
 from opentelemetry import trace
 
-from services.common import metrics, tracing
+from services.common import tracing
 from services.common.pb import master_pb2, master_pb2_grpc
+from services.master import metrics
 from services.master.cluster import ClusterView
 from services.master.policy import NoWorkersError, Policy, RouteReason
 from services.master.prefix_index import BLOCK_HASH_BYTES

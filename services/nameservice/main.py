@@ -26,6 +26,7 @@ from services.common.flags import add_common_flags, advertised, env
 from services.common.naming import SNAPSHOT_SIZE_KEY
 from services.common.pb import nameservice_pb2 as pb
 from services.common.pb import nameservice_pb2_grpc as pb_grpc
+from services.nameservice import metrics as ns_metrics
 from services.nameservice.registry import REASON_EXPIRED, Event, Registry, snapshot
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class NameService(pb_grpc.NameServiceServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext):
         known = self.registry.heartbeat(request.id)
-        metrics.nameservice().heartbeat(known)
+        ns_metrics.nameservice().heartbeat(known)
         return pb.HeartbeatReply(known=known)
 
     async def Deregister(self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext):
@@ -94,7 +95,7 @@ class NameService(pb_grpc.NameServiceServicer):
 
     async def _broadcast(self, events: list[Event]) -> None:
         for event in events:
-            metrics.nameservice().membership(event, expired=event.reason == REASON_EXPIRED)
+            ns_metrics.nameservice().membership(event, expired=event.reason == REASON_EXPIRED)
             m = event.member
             log.info(
                 "%s id=%s role=%s address=%s%s",

@@ -6,8 +6,9 @@ import argparse
 
 from services.cache.client import CacheClient
 from services.common.pb import nameservice_pb2
-from services.common.worker import add_worker_arguments, serve_worker
 from services.prefill.servicer import PrefillServicer
+from services.worker.config import add_worker_arguments
+from services.worker.serve import serve_worker
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:

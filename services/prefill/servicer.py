@@ -17,14 +17,16 @@ import grpc
 from opentelemetry import trace
 
 from engine.async_llm import AsyncLLM
+from engine.block_hash import BlockHash, block_hash_keys, verify_first_key
 from services.cache.client import CacheClient
-from services.common import metrics, tracing
-from services.common.block_hash import block_hash_keys
+from services.common import tracing
 from services.common.convert import logprob_to_pb, params_from_pb
-from services.common.kv_wire import join_blocks, split_blocks
+from services.common.metrics import SENT
 from services.common.naming import NameClient
 from services.common.pb import nameservice_pb2, worker_pb2
-from services.common.worker import StatsServicer, abort_status
+from services.worker import metrics
+from services.worker.kv_wire import join_blocks, split_blocks
+from services.worker.servicer import WorkerServicer, abort_status
 
 log = logging.getLogger(__name__)
 MAX_PENDING_PUTS = 16
@@ -36,15 +38,13 @@ class TierHits:
     remote: int  # further blocks fetched from the cache service
 
 
-class PrefillServicer(StatsServicer):
+class PrefillServicer(WorkerServicer):
     def __init__(self, llm: AsyncLLM, cache: CacheClient | None) -> None:
-        self.llm = llm
+        super().__init__(llm)
         self.cache = cache
-        self.block_size = llm.engine.config.block_size
-        cfg = llm.engine.model_config
-        self.kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.block_size = llm.block_size
         self._puts: set[asyncio.Task] = set()
-        self.metrics = metrics.worker(nameservice_pb2.ROLE_PREFILL, llm.engine.config.model)
+        self.metrics = metrics.worker(nameservice_pb2.ROLE_PREFILL, llm.model)
 
     async def background(self, names: NameClient | None) -> None:
         """Follow the cache service instances in the nameservice."""
@@ -62,9 +62,9 @@ class PrefillServicer(StatsServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
-        hashes = block_hash_keys(prompt, self.block_size, self.llm.engine.hash_extra)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
+            hashes = self._prompt_keys(prompt, list(request.block_hashes))
             params = params_from_pb(request.params)
             # Only the first token is sampled here; the decode side applies every stop rule.
             first_params = dataclasses.replace(
@@ -78,7 +78,12 @@ class PrefillServicer(StatsServicer):
             final = None
             with tracing.tracer.start_as_current_span("prefill") as span:
                 async for out in self.llm.generate(
-                    prompt, first_params, request.request_id, request.priority, export_kv_from=skip
+                    prompt,
+                    first_params,
+                    request.request_id,
+                    request.priority,
+                    export_kv_from=skip,
+                    block_hashes=hashes,
                 ):
                     final = out
                 _trace_prefill(span, len(prompt), hits, final)
@@ -86,13 +91,10 @@ class PrefillServicer(StatsServicer):
             code, message = abort_status(exc)
             await context.abort(code, message)
         assert final is not None and final.prompt_kv is not None
-        logprobs = []
-        if final.logprobs:
-            lp = final.logprobs[0]
-            logprobs.append(logprob_to_pb(lp.token_id, lp.logprob, lp.top))
+        logprobs = [logprob_to_pb(lp) for lp in final.new_logprobs or []]
         yield worker_pb2.PrefillResponse(
             first=worker_pb2.GenerateResponse(
-                token_ids=final.token_ids[:1],
+                token_ids=final.new_token_ids,
                 logprobs=logprobs,
                 num_prompt_tokens=len(prompt),
                 num_cached_tokens=final.num_cached_tokens,
@@ -101,7 +103,7 @@ class PrefillServicer(StatsServicer):
         kv = final.prompt_kv
         blocks = split_blocks(kv.k, kv.v, kv.start, self.block_size, hashes)
         for block in blocks:
-            self.metrics.kv_transfer(metrics.SENT, block.ByteSize())
+            self.metrics.kv_transfer(SENT, block.ByteSize())
             yield worker_pb2.PrefillResponse(block=block)
         log.debug(
             "prefill %s: %d device + %d remote blocks",
@@ -115,10 +117,20 @@ class PrefillServicer(StatsServicer):
             [b for b in blocks if b.block_hash and b.index >= hits.device + hits.remote]
         )
 
-    async def _resolve(self, prompt: list[int], hashes: list[bytes]) -> TierHits:
+    def _prompt_keys(self, prompt: list[int], given: list[BlockHash]) -> list[BlockHash]:
+        """The decode worker's keys for this prompt after a cheap check, else our own."""
+        if not given:
+            return block_hash_keys(prompt, self.block_size, self.llm.cache_salt)
+        if not verify_first_key(given, prompt, self.block_size, self.llm.cache_salt):
+            raise ValueError(
+                "block_hashes do not match this worker's (another model, KV dtype or block size?)"
+            )
+        return given
+
+    async def _resolve(self, prompt: list[int], hashes: list[BlockHash]) -> TierHits:
         # At least one prompt token is always computed: its logits give the first token.
         usable = hashes[: (len(prompt) - 1) // self.block_size]
-        device = await self.llm.call(lambda engine: engine.num_cached_prefix(usable))
+        device = await self.llm.num_cached_prefix(usable)
         if self.cache is None or device == len(usable):
             return TierHits(device, 0)
         found = await self.cache.get_prefix(usable[device:])
@@ -127,12 +139,12 @@ class PrefillServicer(StatsServicer):
         bs = self.block_size
         end = device + len(found)
         try:
-            k, v = join_blocks(found, device * bs, end * bs, bs, hashes, self.kv_shape)
+            k, v = join_blocks(found, device * bs, end * bs, bs, hashes, self.llm.kv_layout)
         except ValueError as exc:  # a bad remote block is a miss, not a failed request
             log.warning("ignoring remote KV blocks: %s", exc)
             return TierHits(device, 0)
         imported = usable[device:end]
-        await self.llm.call(lambda engine: engine.import_blocks(imported, k, v))
+        await self.llm.import_blocks(imported, k, v)
         return TierHits(device, len(found))
 
     def _count_hits(self, num_prompt_tokens: int, hits: TierHits) -> None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_runner import TORCH_DTYPES
+from engine.config import KVLayout
+from engine.dtypes import dtype_name, torch_dtype
 from services.common.pb import common_pb2
-
-_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -24,18 +23,16 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"unsupported KV dtype {dtype!r}")
-    torch_dtype = TORCH_DTYPES[dtype]
+    t_dtype = torch_dtype(dtype)  # ValueError for an unknown name
     raw = torch.frombuffer(
-        bytearray(data), dtype=torch.int16 if torch_dtype == torch.bfloat16 else torch_dtype
+        bytearray(data), dtype=torch.int16 if t_dtype == torch.bfloat16 else t_dtype
     )
     expected = 1
     for n in shape:
         expected *= n
     if raw.numel() != expected:
         raise ValueError(f"KV payload has {raw.numel()} elements, shape {shape} needs {expected}")
-    out = raw.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else raw
+    out = raw.view(torch.bfloat16) if t_dtype == torch.bfloat16 else raw
     return out.view(*shape)
 
 
@@ -62,7 +59,7 @@ def split_blocks(
                 block_hash=block_hashes[index] if index < len(block_hashes) else b"",
                 index=index,
                 num_tokens=kb.shape[1],
-                dtype=_NAMES[k.dtype],
+                dtype=dtype_name(k.dtype),
                 shape=list(kb.shape),
                 k=tensor_bytes(kb),
                 v=tensor_bytes(vb),
@@ -77,12 +74,13 @@ def join_blocks(
     end: int,
     block_size: int,
     block_hashes: list[bytes],
-    expected_shape: tuple[int, int, int],
+    layout: KVLayout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check and concatenate blocks covering positions [start, end) into K, V tensors.
 
-    `expected_shape` is (layers, kv_heads, head_dim). Raises ValueError on any mismatch.
+    `layout` is the receiving engine's. Raises ValueError on any mismatch.
     """
+    expected_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     blocks = sorted(blocks, key=lambda b: b.index)
     ks, vs = [], []
     pos = start
@@ -92,6 +90,8 @@ def join_blocks(
         layers, tokens, heads, dim = block.shape
         if (layers, heads, dim) != expected_shape or tokens != block.num_tokens:
             raise ValueError(f"KV block {block.index} has shape {list(block.shape)}")
+        if block.dtype != layout.dtype:
+            raise ValueError(f"KV block {block.index} is {block.dtype}, expected {layout.dtype}")
         full = tokens == block_size
         if (
             full

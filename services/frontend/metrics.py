@@ -1,0 +1,186 @@
+"""The frontend's metric families: per sequence (queue time, TTFT, ITL, e2e, finish) and HTTP
+responses by endpoint and status."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from services.common.metrics import (
+    ABORT,
+    CLIENT_CLOSED,
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    PREFIX,
+    QUEUE_BUCKETS,
+    TTFT_BUCKETS,
+    default_families,
+)
+
+
+class FrontendFamilies:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        m = ["model_name"]
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from a sequence's arrival to its first output token.",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens (one observation per token after the "
+            "first; tokens arriving together share the gap).",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from a sequence's arrival to its last token, for finished sequences.",
+            m,
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from a sequence's arrival until its worker stream is opened (routing).",
+            m,
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Sequences that ended, by finished_reason (stop, length; abort: ended early).",
+            [*m, "finished_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished sequences.", m, registry=registry
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens",
+            "Output tokens of finished sequences.",
+            m,
+            registry=registry,
+        )
+        self.http_requests = Counter(
+            PREFIX + "http_requests",
+            "HTTP requests by route and status (499: the client went away).",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+
+
+@dataclass(slots=True)
+class SequenceTimer:
+    """The timeline of one sequence (one choice of a request) as the frontend sees it.
+
+    arrival --started()--> worker stream open --tokens(n)...--> finished() | closed()
+    |-- queue time ------|
+    |-- time to first token ----------------------|-- ITL --|
+    |-- e2e latency ------------------------------------------|
+    """
+
+    metrics: FrontendMetrics
+    arrival: float = field(default_factory=time.monotonic)
+    opened: bool = False
+    last_token: float | None = None
+    done: bool = False
+
+    def started(self) -> None:
+        """The worker stream is being opened (only the first attempt counts)."""
+        if not self.opened:
+            self.opened = True
+            self.metrics.queue_time.observe(time.monotonic() - self.arrival)
+
+    def tokens(self, n: int) -> None:
+        """`n` output tokens arrived together."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            self.last_token, n = now, n - 1
+        gap = (now - self.last_token) / n if n else 0.0
+        for _ in range(n):
+            self.metrics.itl.observe(gap)
+        self.last_token = now
+
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.arrival)
+        m.families.request_success.labels(m.model_name, reason).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(completion_tokens)
+
+    def closed(self) -> None:
+        """The sequence's stream ended; without finished() first, it counts as aborted."""
+        if not self.done:
+            self.done = True
+            self.metrics.families.request_success.labels(self.metrics.model_name, ABORT).inc()
+
+
+class FrontendMetrics:
+    """The frontend's metrics for one served model."""
+
+    __slots__ = (
+        "families",
+        "model_name",
+        "ttft",
+        "itl",
+        "e2e",
+        "queue_time",
+        "prompt_tokens",
+        "generation_tokens",
+    )
+
+    def __init__(self, families: FrontendFamilies, model_name: str) -> None:
+        self.families = families
+        self.model_name = model_name
+        self.ttft = families.time_to_first_token.labels(model_name)
+        self.itl = families.inter_token_latency.labels(model_name)
+        self.e2e = families.e2e_request_latency.labels(model_name)
+        self.queue_time = families.request_queue_time.labels(model_name)
+        self.prompt_tokens = families.prompt_tokens.labels(model_name)
+        self.generation_tokens = families.generation_tokens.labels(model_name)
+
+    def sequence(self) -> SequenceTimer:
+        """A timer for a sequence arriving now."""
+        return SequenceTimer(self)
+
+
+def frontend(model_name: str) -> FrontendMetrics:
+    return FrontendMetrics(default_families(FrontendFamilies), model_name)
+
+
+def http_middleware() -> Any:
+    """aiohttp middleware counting every response by route template and status. Put it
+    outermost, so it sees the status that error-handling middlewares produce."""
+    from aiohttp import web  # imported here: only the frontend serves HTTP
+
+    counter = default_families(FrontendFamilies).http_requests
+
+    @web.middleware
+    async def count_responses(request: web.Request, handler: Any) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            counter.labels(endpoint, str(exc.status)).inc()
+            raise
+        except BaseException:  # cancelled: the client went away
+            counter.labels(endpoint, CLIENT_CLOSED).inc()
+            raise
+        counter.labels(endpoint, str(response.status)).inc()
+        return response
+
+    return count_responses

@@ -1,0 +1,45 @@
+"""The nameservice's metric families: heartbeats, members by role, expirations."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from services.common.metrics import PREFIX, default_families, role_label
+from services.common.pb import nameservice_pb2
+
+
+class NameServiceMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.heartbeats = Counter(
+            PREFIX + "heartbeats",
+            "Heartbeats received (known=false: from a member already dropped, which must "
+            "register again).",
+            ["known"],
+            registry=registry,
+        )
+        self.heartbeats_missed = Counter(
+            PREFIX + "heartbeats_missed",
+            "Members dropped because their heartbeats stopped for a whole TTL.",
+            ["role"],
+            registry=registry,
+        )
+        self.members = Gauge(
+            PREFIX + "members", "Registered members by role.", ["role"], registry=registry
+        )
+
+    def heartbeat(self, known: bool) -> None:
+        self.heartbeats.labels("true" if known else "false").inc()
+
+    def membership(self, event: nameservice_pb2.MembershipEvent, expired: bool) -> None:
+        """Account one broadcast membership change (`expired`: a LEFT for silence)."""
+        role = role_label(event.member.role)
+        if event.kind == nameservice_pb2.MembershipEvent.KIND_JOINED:
+            self.members.labels(role).inc()
+        elif event.kind == nameservice_pb2.MembershipEvent.KIND_LEFT:
+            self.members.labels(role).dec()
+            if expired:
+                self.heartbeats_missed.labels(role).inc()
+
+
+def nameservice() -> NameServiceMetrics:
+    return default_families(NameServiceMetrics)

@@ -1,0 +1,99 @@
+"""A worker's metric families: load gauges, prefix-cache lookups by tier, KV transfer."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from services.common.metrics import PREFIX, TIER_DEVICE, TIER_REMOTE, default_families, role_label
+
+
+class WorkerFamilies:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        w = ["role", "model_name"]
+        self.num_requests_running = Gauge(
+            PREFIX + "num_requests_running",
+            "Requests in the worker's running batch.",
+            w,
+            registry=registry,
+        )
+        self.num_requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting",
+            "Requests waiting to be scheduled on the worker.",
+            w,
+            registry=registry,
+        )
+        self.kv_cache_usage_perc = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of the worker's KV blocks in use (1 = full; cached free blocks count "
+            "as free).",
+            w,
+            registry=registry,
+        )
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Prompt blocks looked up in a prefix-cache tier (device: the worker's pool; "
+            "remote: the cache service, for the blocks the device lacked).",
+            [*w, "tier"],
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits",
+            "Prompt blocks found in a prefix-cache tier.",
+            [*w, "tier"],
+            registry=registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            PREFIX + "kv_transfer_bytes",
+            "KV block bytes moved between prefill and decode workers (serialized KVBlock).",
+            [*w, "direction"],
+            registry=registry,
+        )
+        self.kv_transfer_blocks = Counter(
+            PREFIX + "kv_transfer_blocks",
+            "KV blocks moved between prefill and decode workers.",
+            [*w, "direction"],
+            registry=registry,
+        )
+
+
+class WorkerMetrics:
+    """One worker's metrics: labels role and model_name fixed."""
+
+    __slots__ = ("families", "role", "model_name", "running", "waiting", "usage")
+
+    def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
+        self.families = families
+        self.role = role
+        self.model_name = model_name
+        self.running = families.num_requests_running.labels(role, model_name)
+        self.waiting = families.num_requests_waiting.labels(role, model_name)
+        self.usage = families.kv_cache_usage_perc.labels(role, model_name)
+
+    def load(self, num_running: int, num_waiting: int, free_blocks: int, total_blocks: int) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.usage.set(1.0 - free_blocks / total_blocks if total_blocks else 0.0)
+
+    def prefix_cache(
+        self, queried: int, device_hits: int, remote_queried: int = 0, remote_hits: int = 0
+    ) -> None:
+        """One prompt's lookup, in blocks: the device tier first, then the remote tier for
+        the blocks the device lacked."""
+        f, labels = self.families, (self.role, self.model_name)
+        f.prefix_cache_queries.labels(*labels, TIER_DEVICE).inc(queried)
+        f.prefix_cache_hits.labels(*labels, TIER_DEVICE).inc(device_hits)
+        if remote_queried:
+            f.prefix_cache_queries.labels(*labels, TIER_REMOTE).inc(remote_queried)
+            f.prefix_cache_hits.labels(*labels, TIER_REMOTE).inc(remote_hits)
+
+    def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
+        labels = (self.role, self.model_name, direction)
+        self.families.kv_transfer_bytes.labels(*labels).inc(nbytes)
+        self.families.kv_transfer_blocks.labels(*labels).inc(blocks)
+
+
+def worker(role: int, model: str) -> WorkerMetrics:
+    """`model` is the model directory; its name is the model_name label (as the frontend's
+    default served name)."""
+    name = model.rstrip("/").rsplit("/", 1)[-1]
+    return WorkerMetrics(default_families(WorkerFamilies), role_label(role), name)

@@ -1,0 +1,75 @@
+"""A worker process's life: engine, gRPC server, registration with the nameservice, event
+publishing, and a clean stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from engine.async_llm import AsyncLLM
+from services.common import grpc_util, metrics
+from services.common.bus import Bus
+from services.common.flags import advertised
+from services.common.naming import NameClient, make_member
+from services.common.pb import nameservice_pb2, worker_pb2_grpc
+from services.worker import metrics as worker_metrics
+from services.worker.config import build_llm
+from services.worker.kv_events import publish_events
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+async def serve_worker(
+    args: argparse.Namespace,
+    role: int,
+    make_servicer: Callable[[AsyncLLM, argparse.Namespace], WorkerServicer],
+) -> None:
+    """Run one worker until cancelled: engine, gRPC server, registration, event publishing."""
+    llm = await asyncio.to_thread(build_llm, args)
+    server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
+    servicer = make_servicer(llm, args)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    address = advertised(args, port)
+    metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
+    member = make_member(
+        role,
+        address,
+        model=llm.model,
+        capacity=args.max_num_seqs,
+        metrics_address=advertised(args, metrics_port),
+    )
+    bus = await Bus.connect(args.nats_url, member.id)
+    names = NameClient(args.nameservice) if args.nameservice else None
+    load_metrics = worker_metrics.worker(role, llm.model)
+    publisher = asyncio.create_task(
+        publish_events(llm, bus, member.id, args.namespace, load_metrics)
+    )
+    background = asyncio.create_task(servicer.background(names))
+    await server.start()
+    await grpc_util.set_serving(health, "rtp.v1.Worker", True)
+    try:
+        if names is not None:
+            await names.register(member)
+        log.info(
+            "worker ready role=%s id=%s address=%s pid=%d",
+            nameservice_pb2.Role.Name(role),
+            member.id,
+            address,
+            os.getpid(),
+        )
+        await asyncio.Event().wait()  # until cancelled (SIGTERM)
+    finally:
+        await grpc_util.set_serving(health, "rtp.v1.Worker", False)
+        if names is not None:
+            with contextlib.suppress(Exception):
+                await names.close()
+        publisher.cancel()
+        background.cancel()
+        await server.stop(grace=2.0)
+        await bus.close()
+        llm.shutdown()

@@ -1,0 +1,49 @@
+"""The base of every worker role's servicer: the Stats RPC, and engine refusals as gRPC
+statuses."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.async_llm import AsyncLLM
+from services.common.naming import NameClient
+from services.common.pb import worker_pb2, worker_pb2_grpc
+
+
+class PeerUnavailableError(RuntimeError):
+    """Another worker this request depends on (the prefill side) failed or went away."""
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Answers Stats (used by tests and operators to prove no blocks leak); a role adds its
+    RPCs (the others answer UNIMPLEMENTED)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+
+    async def background(self, names: NameClient | None) -> None:
+        """Work a role runs beside its RPCs for the worker's lifetime (cancelled at exit)."""
+
+    async def Stats(
+        self, request: worker_pb2.WorkerStatsRequest, context
+    ) -> worker_pb2.WorkerStats:
+        check = await self.llm.check()
+        stats = check.stats
+        return worker_pb2.WorkerStats(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            free_blocks=stats.num_free_blocks,
+            total_blocks=stats.num_total_blocks,
+            held_blocks=check.num_held_blocks,
+            integrity_ok=not check.integrity_error,
+            integrity_error=check.integrity_error,
+        )
+
+
+def abort_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for an engine-side refusal."""
+    if isinstance(exc, PeerUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)  # the caller may route elsewhere
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
