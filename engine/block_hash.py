@@ -52,7 +52,8 @@ def _hash_safetensors(file: Path, h: hashlib.blake2b) -> None:
         data_start = 8 + header_len
         data_len = os.fstat(f.fileno()).st_size - data_start
         step = max(data_len // _SAMPLES_PER_FILE, 1)
-        for offset in range(0, data_len, step)[:_SAMPLES_PER_FILE]:
+        offsets = [*range(0, data_len, step)[:_SAMPLES_PER_FILE], max(data_len - _SAMPLE_BYTES, 0)]
+        for offset in offsets:  # evenly spread, and the tail
             h.update(os.pread(f.fileno(), _SAMPLE_BYTES, data_start + offset))
 
 

@@ -97,3 +97,37 @@ def test_module_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_cache_salt_names_the_model_by_content_not_path(model_dir, tmp_path):
+    import shutil
+
+    from engine.block_hash import cache_salt
+
+    src = model_dir("tiny-llama")
+    copy = shutil.copytree(src, tmp_path / "mounted" / "elsewhere")
+    salt = cache_salt(src, "float32")
+    assert cache_salt(copy, "float32") == salt  # the same model at two paths
+    assert cache_salt(copy, "bfloat16") != salt  # another KV dtype
+    assert cache_salt(copy, "float32", adapter="lora-a") != salt
+    assert cache_salt(model_dir("tiny-qwen2"), "float32") != salt  # another model
+
+    # Same config and tensor index, other weights (a fine-tune moves every weight a little):
+    # another salt.
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    for i in range(header, len(data), 4):  # the low byte of every float32
+        data[i] ^= 1
+    weights.write_bytes(bytes(data))
+    assert cache_salt(copy, "float32") != salt
+
+
+def test_verify_first_key_catches_another_salt():
+    from engine.block_hash import verify_first_key
+
+    tokens = list(range(10))
+    keys = block_hash_keys(tokens, BS, b"a")
+    assert verify_first_key(keys, tokens, BS, b"a")
+    assert not verify_first_key(keys, tokens, BS, b"b")
+    assert not verify_first_key(keys[:1], tokens, BS, b"a")  # wrong count

@@ -436,3 +436,23 @@ def test_async_shutdown_fails_pending(llama_dir, prompts):
         llm.shutdown()
     assert not llm.engine.has_unfinished_requests()
     assert_pool_idle(llm.engine)
+
+
+def test_async_deltas_concatenate_to_the_offline_output(llama_dir, prompts):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    [offline] = make_llm(llama_dir).generate([prompts[5]], params)
+    llm = _async_llm(llama_dir)
+    try:
+
+        async def main():
+            return [out async for out in llm.generate(prompts[5], params)]
+
+        deltas = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    # Each delta carries only its own new token and logprobs, never the sequence so far.
+    assert all(len(d.new_token_ids) == 1 == len(d.new_logprobs) for d in deltas)
+    assert [t for d in deltas for t in d.new_token_ids] == offline.token_ids
+    assert [lp for d in deltas for lp in d.new_logprobs] == offline.logprobs
+    assert [d.num_output_tokens for d in deltas] == list(range(1, 11))
+    assert [d.finished for d in deltas] == [False] * 9 + [True]

@@ -134,6 +134,42 @@ def test_invalid_chat_parameters(tiny, body: dict, param: str) -> None:
     assert_error(call(tiny, "POST", "/v1/chat/completions", body), 400, param)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", completion(foo=1), "foo"),
+        ("/v1/chat/completions", chat(foo=1), "foo"),
+        ("/v1/completions", completion(response_format={"type": "json_object"}), "response_format"),
+        ("/v1/chat/completions", chat(presence_penalty=0.5), "presence_penalty"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "x": 1}]), None),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(tiny, path, body, param) -> None:
+    param = param or "messages[0].x"
+    err = assert_error(call(tiny, "POST", path, body), 400, param)
+    assert param in err["message"]
+
+
+def test_no_op_values_of_unimplemented_fields_are_accepted() -> None:
+    body = completion(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"})
+    assert parse_completion(body).options.max_tokens == 4
+
+
+def test_openapi_describes_the_request_models(tiny) -> None:
+    status, spec = call(tiny, "GET", "/openapi.json")
+    assert status == 200 and spec["openapi"].startswith("3.")
+    schemas = spec["components"]["schemas"]
+    for path, model in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ]:
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert ref["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert {"model", "stream", "temperature"} <= set(schemas[model]["properties"])
+        assert schemas[model]["additionalProperties"] is False
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+
+
 def test_unknown_model_is_404(tiny) -> None:
     for path, body in [("/v1/completions", completion()), ("/v1/chat/completions", chat())]:
         err = assert_error(call(tiny, "POST", path, body | {"model": "gpt-9"}), 404, "model")
@@ -186,7 +222,7 @@ def test_schema_parses_openai_fields() -> None:
     assert req.options.max_tokens == 9 and req.options.logprobs == 3
     assert req.options.session_id == "u1"
     content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert parse_chat(chat(messages=[{"role": "user", "content": content}])).messages == [
+    assert parse_chat(chat(messages=[{"role": "user", "content": content}])).message_dicts() == [
         {"role": "user", "content": "ab"}
     ]
     assert parse_chat(chat(logprobs=False)).options.logprobs is None

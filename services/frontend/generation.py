@@ -1,7 +1,7 @@
 """One request's path through the frontend, shared by the HTTP and the gRPC ingress.
 
-1. prepare: check the prompt ids against the model (vocabulary, context length), validate
-   the sampling parameters, fan `n` out into one GenerateInput per choice;
+1. prepare (inputs.py): check the prompt ids against the model (vocabulary, context
+   length), validate the sampling parameters, fan `n` out into one GenerateInput per choice;
 2. start: prompt block hash keys -> route (master, or local fallback) -> Worker.Generate on
    the chosen decode/fused worker; returns once the first tokens arrived, so a request
    that cannot be served fails before any response has gone out;
@@ -16,7 +16,7 @@ the worker abort the request and free its blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -28,7 +28,7 @@ from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_gr
 from services.frontend import metrics
 from services.frontend.detokenizer import TextStream, TokenText
 from services.frontend.errors import RETRYABLE, ErrorKind, FrontendError, from_rpc_error
-from services.frontend.inputs import GenerateInput, Options, prepare
+from services.frontend.inputs import GenerateInput
 from services.frontend.model_info import Admission, ModelInfo
 from services.frontend.router_client import Router
 
@@ -87,18 +87,6 @@ class Generator:
         self.max_n = max_n
         self.token_text = TokenText(tokenizer, model.byte_level)
         self.metrics = metrics.frontend(model.served_name)
-
-    def prepare(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        opts: Options,
-        default_max_tokens: int | None,
-        prompt_param: str = "prompt",
-    ) -> list[GenerateInput]:
-        """Step 1: validate and fan out (see inputs.prepare)."""
-        args = (request_id, prompt_ids, opts, default_max_tokens, prompt_param)
-        return prepare(self.model, self.max_n, *args)
 
     async def start(self, inp: GenerateInput) -> DeltaStream:
         """Route and open the worker stream; returns once the first output arrived.

@@ -11,28 +11,22 @@ import grpc
 from opentelemetry import trace
 
 from services.common import tracing
+from services.common.convert import params_fields_from_pb
 from services.common.pb import frontend_pb2, frontend_pb2_grpc
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.generation import Generator
-from services.frontend.inputs import Options
+from services.frontend.inputs import Options, prepare
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens left at 0
 
 
 def options_from_pb(request: frontend_pb2.FrontendGenerateRequest) -> Options:
     """Proto3 zeros mean "unset": max_tokens 0 -> default, top_k 0 -> off, top_p 0 -> 1."""
-    p = request.params
+    sampling = params_fields_from_pb(request.params)
+    sampling["max_tokens"] = sampling["max_tokens"] or None
     return Options(
-        max_tokens=p.max_tokens or None,
-        temperature=p.temperature,
-        top_p=p.top_p or 1.0,
-        top_k=p.top_k or -1,
-        seed=p.seed if p.HasField("seed") else None,
+        **sampling,
         stop=tuple(request.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
         session_id=request.session_id,
         priority=request.priority,
     )
@@ -57,7 +51,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     ids = list(request.token_ids.ids)
                 else:
                     raise invalid("prompt is required (text or token_ids)", "prompt")
-                (inp,) = gen.prepare(request_id, ids, options_from_pb(request), DEFAULT_MAX_TOKENS)
+                opts = options_from_pb(request)
+                (inp,) = prepare(gen.model, gen.max_n, request_id, ids, opts, DEFAULT_MAX_TOKENS)
                 stream = await gen.start(inp)
                 async with contextlib.aclosing(stream):
                     async for delta in stream:

@@ -24,12 +24,13 @@ from services.frontend import metrics as frontend_metrics
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import DeltaStream, Generator
-from services.frontend.inputs import GenerateInput
+from services.frontend.inputs import GenerateInput, prepare
 from services.frontend.openai_responses import Choice, ResponseBuilder
 from services.frontend.openai_schema import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    parse_chat,
-    parse_completion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    openapi,
+    parse,
     parse_json,
 )
 
@@ -47,6 +48,7 @@ def build_app(generator: Generator) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", metrics.handle_metrics)
@@ -98,34 +100,46 @@ async def _ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "no route to a worker"}, status=503)
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi())
+
+
 async def _completions(request: web.Request) -> web.StreamResponse:
-    gen = request.app[GENERATOR]
-    req = parse_completion(parse_json(await request.read()))
-    _check_model(gen, req.model)
-    with gen.admission.admit():
-        with tracing.tracer.start_as_current_span("tokenize"):
-            ids = gen.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        builder = ResponseBuilder(
-            False, req.model, gen.token_text, req.options.logprobs is not None
-        )
-        inputs = gen.prepare(builder.id, ids, req.options, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await _respond(request, gen, builder, inputs, req.stream, req.include_usage)
+    return await _generate(request, CompletionRequest)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, ChatCompletionRequest)
+
+
+async def _generate(
+    request: web.Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]
+) -> web.StreamResponse:
+    """Both generation endpoints: validate, tokenize, fan out `n`, route, respond."""
     gen = request.app[GENERATOR]
-    req = parse_chat(parse_json(await request.read()))
+    req = parse(kind, parse_json(await request.read()))
     _check_model(gen, req.model)
     with gen.admission.admit():
         with tracing.tracer.start_as_current_span("tokenize"):
-            try:
-                text = gen.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-            except (ValueError, TypeError, jinja2.TemplateError) as exc:
-                raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
-            ids = gen.tokenizer.encode(text, add_special_tokens=False)
-        builder = ResponseBuilder(True, req.model, gen.token_text, req.options.logprobs is not None)
-        inputs = gen.prepare(builder.id, ids, req.options, None, prompt_param="messages")
+            ids = _prompt_ids(gen, req)
+        opts = req.options
+        builder = ResponseBuilder(req.chat, req.model, gen.token_text, opts.logprobs is not None)
+        prompt_param = "messages" if req.chat else "prompt"
+        inputs = prepare(
+            gen.model, gen.max_n, builder.id, ids, opts, req.default_max_tokens(), prompt_param
+        )
         return await _respond(request, gen, builder, inputs, req.stream, req.include_usage)
+
+
+def _prompt_ids(gen: Generator, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    if isinstance(req, CompletionRequest):
+        prompt = req.prompt
+        return gen.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    try:
+        text = gen.tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=True)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
+    return gen.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _check_model(gen: Generator, model: str) -> None:

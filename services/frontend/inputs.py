@@ -4,7 +4,7 @@ against the model and turned into one wire-ready `GenerateInput` per choice."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from engine.sampling_params import SamplingParams
 from services.common.convert import params_to_pb
@@ -18,7 +18,8 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 @dataclass(frozen=True, slots=True)
 class Options:
-    """What a client asks for, whichever ingress it came through."""
+    """What a client asks for, whichever ingress it came through. The sampling fields carry
+    SamplingParams' names (and so build one), plus what only the frontend acts on."""
 
     max_tokens: int | None = None  # None: the ingress's default, capped by the context
     temperature: float = 1.0
@@ -45,6 +46,9 @@ class GenerateInput:
     stop: tuple[str, ...] = ()
     session_id: str = ""
     priority: int = 0
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 def prepare(
@@ -90,17 +94,8 @@ def prepare(
     if bad:
         raise invalid(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=opts.temperature,
-            top_k=opts.top_k,
-            top_p=opts.top_p,
-            seed=opts.seed,
-            stop_token_ids=opts.stop_token_ids,
-            ignore_eos=opts.ignore_eos,
-            min_tokens=opts.min_tokens,
-            logprobs=opts.logprobs,
-        )
+        sampling = {f: getattr(opts, f) for f in _SAMPLING_FIELDS} | {"max_tokens": max_tokens}
+        params = SamplingParams(**sampling)
     except ValueError as exc:  # its messages start with the field's name
         raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
     inputs = []

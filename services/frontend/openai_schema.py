@@ -1,38 +1,214 @@
-"""OpenAI request bodies -> typed requests, with a 400 naming the parameter for anything wrong.
+"""The OpenAI request bodies as typed models (pydantic v2): one definition per request type,
+from which requests are validated and `GET /openapi.json` is built.
 
 Only JSON shapes and OpenAI semantics live here (which field means what, per endpoint);
-limits that depend on the model or the prompt are checked in generation.prepare.
+limits that depend on the model or the prompt are checked in inputs.prepare. Any error is
+a 400 naming the parameter. A field this server does not know is refused by name, and so
+is a known OpenAI field it does not implement, unless it is given its no-op value
+(`presence_penalty: 0`, `response_format: {"type": "text"}`, ...).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from services.frontend.errors import invalid
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.frontend.errors import FrontendError, invalid
 from services.frontend.inputs import Options
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
+
+class _Strict(BaseModel):
+    # strict: "8" is not an integer and 1 is not true; forbid: unknown fields are refused.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    role: Annotated[str, Field(min_length=1)]
+    # A string, or content parts (text only), flattened to one string.
+    content: str = ""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _flatten(cls, value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError("content: only text parts are supported")
+                if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError("content: a text part is {'type': 'text', 'text': str}")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("content must be a string or a list of parts")
+
+
+class _GenerationRequest(_Strict):
+    """What both endpoints take."""
+
     model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    # Extensions shared with vLLM.
+    top_k: int = -1
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0  # lower runs first
+    session_id: str | None = None  # affinity key for routing (default: `user`)
+    # OpenAI fields not implemented: allowed only with their no-op value (see _refuse).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "frequency_penalty": (0, 0.0),
+        "presence_penalty": (0, 0.0),
+        "logit_bias": ({},),
+        "response_format": ({"type": "text"},),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "parallel_tool_calls": (True, False),
+    }
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _check(self) -> None:
+        """Rules across fields, and unsupported fields set to something that does anything."""
+        for name, no_ops in self.NO_OP.items():
+            value = getattr(self, name)
+            if value is not None and value not in no_ops:
+                raise invalid(f"{name} is not supported by this server", name)
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+    def _options(self, max_tokens: int | None, logprobs: int | None) -> Options:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return Options(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            n=self.n,
+            session_id=self.session_id or self.user or "",
+            priority=self.priority,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    """`POST /v1/completions`"""
+
+    chat: ClassVar[bool] = False
     prompt: str | list[int]
-    options: Options
-    stream: bool
-    include_usage: bool
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = _GenerationRequest.NO_OP | {
+        "echo": (False,),
+        "suffix": ("",),
+        "best_of": (1,),
+    }
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """A string, a list of token ids, or a list holding one of either."""
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                return value
+            if all(isinstance(v, str | list) for v in value):
+                raise ValueError("only one prompt per request is supported")
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    @property
+    def options(self) -> Options:
+        return self._options(self.max_tokens, self.logprobs)
+
+    def default_max_tokens(self) -> int | None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    model: str
-    messages: list[dict[str, str]]  # {"role", "content"}, content flattened to text
-    options: Options  # options.logprobs: top_logprobs when logprobs were asked for
-    stream: bool
-    include_usage: bool
+class ChatCompletionRequest(_GenerationRequest):
+    """`POST /v1/chat/completions`"""
+
+    chat: ClassVar[bool] = True
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _check(self) -> None:
+        super()._check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def options(self) -> Options:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        return self._options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def default_max_tokens(self) -> int | None:
+        return None  # as many as the context leaves room for
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -49,168 +225,108 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def parse(cls: type[R], body: dict[str, Any]) -> R:
+    """Validate `body` as a `cls`; FrontendError (400) naming the first bad parameter."""
+    # JSON numbers like 8.0 are integers to OpenAI's API; strict mode would refuse them.
+    body = {
+        k: int(v) if k in _INTS and isinstance(v, float) and v.is_integer() else v
+        for k, v in body.items()
+    }
+    try:
+        request = cls.model_validate(body)
+    except ValidationError as exc:
+        raise _to_frontend_error(exc) from None
+    request._check()
+    return request
+
+
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    if "prompt" not in body or body["prompt"] is None:
-        raise invalid("prompt is required", "prompt")
-    for unsupported in ("suffix", "echo"):
-        if body.get(unsupported):
-            raise invalid(f"{unsupported} is not supported", unsupported)
-    logprobs = _int(body, "logprobs", None)
-    stream, include_usage = _stream(body)
-    return CompletionRequest(
-        model=_model(body),
-        prompt=_prompt(body["prompt"]),
-        options=_options(body, _int(body, "max_tokens", None), logprobs),
-        stream=stream,
-        include_usage=include_usage,
-    )
+    return parse(CompletionRequest, body)
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list of messages", "messages")
-    if body.get("tools"):
-        raise invalid("tools are not supported", "tools")
-    want_logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None)
-    if top is not None and not want_logprobs:
-        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
-    max_tokens = _int(body, "max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None)
-    stream, include_usage = _stream(body)
-    return ChatRequest(
-        model=_model(body),
-        messages=[_message(i, m) for i, m in enumerate(messages)],
-        options=_options(body, max_tokens, (top or 0) if want_logprobs else None),
-        stream=stream,
-        include_usage=include_usage,
-    )
+def parse_chat(body: dict[str, Any]) -> ChatCompletionRequest:
+    return parse(ChatCompletionRequest, body)
 
 
-# -- pieces --------------------------------------------------------------------------------
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model is required (a string)", "model")
-    return model
+_INTS = frozenset(
+    {"n", "seed", "top_k", "min_tokens", "priority", "max_tokens", "max_completion_tokens"}
+    | {"logprobs", "top_logprobs", "best_of"}
+)
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A string, a list of token ids, or a list holding one of either."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        if value and all(isinstance(v, str) for v in value):
-            raise invalid("only one prompt per request is supported", "prompt")
-        if all(_is_int(v) for v in value):
-            return list(value)
-        if all(isinstance(v, list) for v in value):
-            raise invalid("only one prompt per request is supported", "prompt")
-    raise invalid("prompt must be a string or a list of token ids", "prompt")
+def _to_frontend_error(exc: ValidationError) -> FrontendError:
+    err = exc.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    if err["type"] == "extra_forbidden":
+        return invalid(f"{param} is not a supported parameter", param)
+    if err["type"] == "missing":
+        return invalid(f"{param} is required", param)
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":  # our own validators' messages name the field already
+        return invalid(message, param)
+    return invalid(f"{param}: {message}" if param else message, param)
 
 
-def _message(i: int, message: Any) -> dict[str, str]:
-    param = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise invalid(f"{param} must be an object", param)
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not role:
-        raise invalid(f"{param}.role must be a non-empty string", f"{param}.role")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid(f"{param}.content: only text parts are supported", f"{param}.content")
-            if not isinstance(part.get("text"), str):
-                raise invalid(f"{param}.content: a text part needs text", f"{param}.content")
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif not isinstance(content, str):
-        raise invalid(f"{param}.content must be a string or a list of parts", f"{param}.content")
-    return {"role": role, "content": content}
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """("messages", 0, "role") -> "messages[0].role"; union branch tags are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "bool", "float", "dict", "list"):
+            break  # a union branch's name (e.g. "list[int]"): the field itself is the param
+        else:
+            out += f".{part}" if out else part
+    return out or None
 
 
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    if not isinstance(options, dict):
-        raise invalid("stream_options must be an object", "stream_options")
-    return stream, _bool(options, "include_usage", False, "stream_options.include_usage")
+def openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of the generation endpoints, from the request models."""
+    from pydantic.json_schema import models_json_schema
 
+    models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")]
+    _, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
+    error = {
+        "description": "An OpenAI error body",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    components = schemas.get("$defs", {}) | {
+        "Error": {
+            "type": "object",
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "properties": {
+                        k: {"type": ["string", "null"]}
+                        for k in ("message", "type", "param", "code")
+                    },
+                }
+            },
+        }
+    }
 
-def _options(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> Options:
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > MAX_STOP_STRINGS:
-            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
-        stops = tuple(stop)
-    else:
-        raise invalid("stop must be a string or a list of strings", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise invalid("stop_token_ids must be a list of integers", "stop_token_ids")
-    session = body.get("session_id") or body.get("user") or ""
-    if not isinstance(session, str):
-        raise invalid("session_id must be a string", "session_id")
-    return Options(
-        max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0),
-        top_p=_float(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", -1),
-        seed=_int(body, "seed", None),
-        stop=stops,
-        stop_token_ids=tuple(stop_ids),
-        ignore_eos=_bool(body, "ignore_eos", False),
-        min_tokens=_int(body, "min_tokens", 0),
-        logprobs=logprobs,
-        n=_int(body, "n", 1),
-        session_id=session,
-        priority=_int(body, "priority", 0),
-    )
+    def post(model: str, summary: str) -> dict[str, Any]:
+        body = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": body},
+                "responses": {
+                    "200": {
+                        "description": "The completion (JSON), or server-sent events when "
+                        "stream is true"
+                    },
+                    **{status: error for status in ("400", "404", "413", "429", "503")},
+                },
+            }
+        }
 
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(body: dict[str, Any], name: str, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not _is_int(value):
-        raise invalid(f"{name} must be an integer, got {value!r}", name)
-    return value
-
-
-def _float(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid(f"{name} must be a number, got {value!r}", name)
-    return float(value)
-
-
-def _bool(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"{param or name} must be a boolean, got {value!r}", param or name)
-    return value
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "rtp-serve OpenAI-compatible API", "version": "1"},
+        "paths": {
+            "/v1/completions": post("CompletionRequest", "Create a completion"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "Create a chat completion"),
+        },
+        "components": {"schemas": components},
+    }
