@@ -19,6 +19,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
+from engine.validation import check_prompt, check_stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +85,9 @@ class LLMEngine:
         (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
         """
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        limit = self.limits.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but the context length is {limit} "
-                f"(the prompt must be shorter to leave room for output)"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop}")
+        check_prompt(token_ids, vocab, self.limits.max_model_len)
+        check_stop_token_ids(params.stop_token_ids, vocab)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

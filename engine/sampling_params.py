@@ -1,8 +1,11 @@
-"""Per-request sampling parameters, validated when built (a bad field raises ValueError)."""
+"""Per-request sampling parameters, validated when built (a bad field raises InvalidRequestError,
+a ValueError naming it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.validation import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,26 +22,29 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        def bad(field: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{field} {message}", field)
+
         if (
             isinstance(self.max_tokens, bool)
             or not isinstance(self.max_tokens, int)
             or self.max_tokens <= 0
         ):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            raise bad(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+            raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers: {self.stop_token_ids}")
+            raise bad("stop_token_ids", f"must be non-negative integers: {self.stop_token_ids}")
         # Tuples keep the object hashable and immutable even if a list was passed.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

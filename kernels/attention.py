@@ -11,7 +11,8 @@ A step's new tokens come as one flat batch, decodes first:
 
 Every layer writes the new K/V into their slots first, then attends, so a block computed
 in this step can already be read by another sequence of the same step.
-A GPU backend (flash-attn for prefill, Triton for decode) implements the same interface.
+`CpuKernelAttention` (decode through the compiled CPU kernel) implements the same interface;
+a GPU backend would too (none exists yet).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How every service process starts and stops: logging, uvloop, SIGTERM/SIGINT.
 
-    def main(args) -> int:
-        return run_service(serve(args), log_format=args.log_format)
+    setup_logging(args.log_level, args.log_format, "frontend")
+    return run_service(serve(args))
 
 `serve` is a coroutine that runs until cancelled; SIGTERM or SIGINT cancels it, so its
 `finally` blocks (deregister, stop servers, drain) run before the process exits.

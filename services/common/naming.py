@@ -50,6 +50,27 @@ def make_member(
     )
 
 
+class MemberSet:
+    """The members a membership event stream describes: the one fold of such a stream that
+    every follower keeps (LEFT removes a member; JOINED and SNAPSHOT add or replace it)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, pb.Member] = {}
+
+    def apply(self, event: pb.MembershipEvent) -> None:
+        if event.kind == pb.MembershipEvent.KIND_LEFT:
+            self.members.pop(event.member.id, None)
+        elif event.member.id:
+            self.members[event.member.id] = event.member
+
+    def with_role(self, role: int, exclude: frozenset[str] = frozenset()) -> list[pb.Member]:
+        """Members of `role` (not in `exclude`), ordered by id."""
+        return sorted(
+            (m for m in self.members.values() if m.role == role and m.id not in exclude),
+            key=lambda m: m.id,
+        )
+
+
 class NameClient:
     def __init__(self, address: str, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
         self.address = address
@@ -102,7 +123,7 @@ class NameClient:
         After a lost connection it reconnects with backoff and emits the snapshot again,
         followed by LEFT (reason "lost") for members it had reported that are gone now.
         """
-        reported: dict[str, pb.Member] = {}  # the members our caller believes in
+        reported = MemberSet()  # the members our caller believes in
         backoff = WATCH_BACKOFF_S[0]
         failures = 0
         while True:
@@ -117,10 +138,7 @@ class NameClient:
                     for gone in _lost(reported, in_snapshot):
                         yield gone
                 async for event in call:
-                    if event.kind == pb.MembershipEvent.KIND_LEFT:
-                        reported.pop(event.member.id, None)
-                    else:
-                        reported[event.member.id] = event.member
+                    reported.apply(event)
                     yield event
                     if event.kind == pb.MembershipEvent.KIND_SNAPSHOT:
                         in_snapshot.add(event.member.id)
@@ -225,10 +243,13 @@ class NameClient:
             task.add_done_callback(self._closing.discard)
 
 
-def _lost(reported: dict[str, pb.Member], alive: set[str]) -> list[pb.MembershipEvent]:
+def _lost(reported: MemberSet, alive: set[str]) -> list[pb.MembershipEvent]:
     """LEFT events for (and removal of) reported members missing from a fresh snapshot."""
-    gone = [reported.pop(member_id) for member_id in list(reported) if member_id not in alive]
-    return [
+    lost = [
         pb.MembershipEvent(kind=pb.MembershipEvent.KIND_LEFT, member=m, reason=REASON_LOST)
-        for m in gone
+        for member_id, m in sorted(reported.members.items())
+        if member_id not in alive
     ]
+    for event in lost:
+        reported.apply(event)
+    return lost

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
 from services.common.convert import params_to_pb
 from services.common.pb import common_pb2
 from services.frontend.errors import invalid
@@ -63,17 +64,10 @@ def prepare(
     """One GenerateInput per choice; raises FrontendError(INVALID) naming the parameter.
     `default_max_tokens` None: as many as the context leaves room for."""
     vocab, limit, n_prompt = model.vocab_size, model.context_len, len(prompt_ids)
-    if not prompt_ids:
-        raise invalid("the prompt must not be empty", prompt_param)
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", prompt_param)
-    if n_prompt >= limit:
-        raise invalid(
-            f"This model's maximum context length is {limit} tokens, but the prompt has "
-            f"{n_prompt} tokens (it must be shorter, to leave room for the output)",
-            prompt_param,
-        )
+    try:
+        check_prompt(prompt_ids, vocab, limit, prompt_param)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), exc.param) from None
     room = limit - n_prompt
     max_tokens = opts.max_tokens
     if max_tokens is None:
@@ -90,14 +84,12 @@ def prepare(
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {opts.logprobs}", "logprobs")
     if opts.seed is not None and not _INT64[0] <= opts.seed <= _INT64[1] - opts.n:
         raise invalid(f"seed must be a 64-bit integer, got {opts.seed}", "seed")
-    bad = [t for t in opts.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
     try:
         sampling = {f: getattr(opts, f) for f in _SAMPLING_FIELDS} | {"max_tokens": max_tokens}
         params = SamplingParams(**sampling)
-    except ValueError as exc:  # its messages start with the field's name
-        raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+        check_stop_token_ids(params.stop_token_ids, vocab)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), exc.param) from None
     inputs = []
     for i in range(opts.n):
         # n choices with one seed would be n copies: choice i samples with seed + i.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import grpc_util
+from services.common.naming import MemberSet
 from services.common.pb import master_pb2, master_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
@@ -44,24 +45,12 @@ class Route:
         return self.prefill.address if self.prefill is not None else ""
 
 
-class Membership:
+class Membership(MemberSet):
     """The cluster as the nameservice reports it: enough to route without the master."""
 
     def __init__(self) -> None:
-        self.members: dict[str, ns_pb2.Member] = {}
+        super().__init__()
         self._turn = itertools.count()
-
-    def apply(self, event: ns_pb2.MembershipEvent) -> None:
-        if event.kind == ns_pb2.MembershipEvent.KIND_LEFT:
-            self.members.pop(event.member.id, None)
-        elif event.member.id:
-            self.members[event.member.id] = event.member
-
-    def with_role(self, role: int, exclude: frozenset[str] = frozenset()) -> list[ns_pb2.Member]:
-        return sorted(
-            (m for m in self.members.values() if m.role == role and m.id not in exclude),
-            key=lambda m: m.id,
-        )
 
     def has_route(self) -> bool:
         roles = {m.role for m in self.members.values()}

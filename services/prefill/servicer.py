@@ -22,7 +22,7 @@ from services.cache.client import CacheClient
 from services.common import tracing
 from services.common.convert import logprob_to_pb, params_from_pb
 from services.common.metrics import SENT
-from services.common.naming import NameClient
+from services.common.naming import MemberSet, NameClient
 from services.common.pb import nameservice_pb2, worker_pb2
 from services.worker import metrics
 from services.worker.kv_wire import join_blocks, split_blocks
@@ -50,15 +50,12 @@ class PrefillServicer(WorkerServicer):
         """Follow the cache service instances in the nameservice."""
         if names is None or self.cache is None:
             return
-        members: dict[str, str] = {}
+        members = MemberSet()
         async for event in names.watch():
-            if event.member.role != nameservice_pb2.ROLE_CACHE:
-                continue
-            if event.kind == nameservice_pb2.MembershipEvent.KIND_LEFT:
-                members.pop(event.member.id, None)
-            else:
-                members[event.member.id] = event.member.address
-            self.cache.set_addresses(sorted(members.values()))
+            members.apply(event)
+            if event.member.role == nameservice_pb2.ROLE_CACHE:
+                caches = members.with_role(nameservice_pb2.ROLE_CACHE)
+                self.cache.set_addresses([m.address for m in caches])
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
