@@ -47,10 +47,6 @@ class SchedulerOutput:
     # Remote-prefill requests admitted this step: their blocks wait for KV from elsewhere.
     waiting_for_kv: list[Request] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from services.frontend.openai_schema import parse_chat, parse_completion
+from services.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from tests.frontend_fakes import frontend, run
 
 MODEL = "tiny-llama"  # the served name: the model directory's name
@@ -152,7 +152,7 @@ def test_unsupported_fields_are_refused_by_name(tiny, path, body, param) -> None
 
 def test_no_op_values_of_unimplemented_fields_are_accepted() -> None:
     body = completion(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"})
-    assert parse_completion(body).options.max_tokens == 4
+    assert parse(CompletionRequest, body).options.max_tokens == 4
 
 
 def test_openapi_describes_the_request_models(tiny) -> None:
@@ -202,9 +202,10 @@ def test_unknown_path_and_method_are_json(tiny) -> None:
 
 
 def test_schema_parses_openai_fields() -> None:
-    req = parse_completion(
+    req = parse(
+        CompletionRequest,
         completion(prompt=[[1, 2, 3]], stop="\n", seed=7, n=2, logprobs=2, stream=True)
-        | {"stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": 1}
+        | {"stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": 1},
     )
     assert req.prompt == [1, 2, 3] and req.stream and req.include_usage
     o = req.options
@@ -216,16 +217,17 @@ def test_schema_parses_openai_fields() -> None:
         True,
         1,
     )
-    req = parse_chat(
-        chat(max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=3, user="u1")
+    req = parse(
+        ChatCompletionRequest,
+        chat(max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=3, user="u1"),
     )
     assert req.options.max_tokens == 9 and req.options.logprobs == 3
     assert req.options.session_id == "u1"
     content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert parse_chat(chat(messages=[{"role": "user", "content": content}])).message_dicts() == [
-        {"role": "user", "content": "ab"}
-    ]
-    assert parse_chat(chat(logprobs=False)).options.logprobs is None
+    assert parse(
+        ChatCompletionRequest, chat(messages=[{"role": "user", "content": content}])
+    ).message_dicts() == [{"role": "user", "content": "ab"}]
+    assert parse(ChatCompletionRequest, chat(logprobs=False)).options.logprobs is None
 
 
 def test_frontend_imports_no_torch() -> None:

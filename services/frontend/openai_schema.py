@@ -240,14 +240,6 @@ def parse(cls: type[R], body: dict[str, Any]) -> R:
     return request
 
 
-def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    return parse(CompletionRequest, body)
-
-
-def parse_chat(body: dict[str, Any]) -> ChatCompletionRequest:
-    return parse(ChatCompletionRequest, body)
-
-
 _INTS = frozenset(
     {"n", "seed", "top_k", "min_tokens", "priority", "max_tokens", "max_completion_tokens"}
     | {"logprobs", "top_logprobs", "best_of"}
