@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import json
 import logging
 import os
-import shutil
 import sysconfig
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from engine.checkpoint_writer import atomic_dir, save_weights, write_json
 
 log = logging.getLogger(__name__)
 
@@ -242,36 +240,6 @@ def _weights(p: Preset) -> dict[str, torch.Tensor]:
     return w
 
 
-def _save_weights(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
-    """Write model.safetensors, or HF-named shards plus model.safetensors.index.json."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in weights.items():  # greedy in model order, like HF's save_pretrained
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(dict(sorted(shards[0].items())), out / "model.safetensors", metadata=meta)
-        return
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(dict(sorted(shard.items())), out / fname, metadata=meta)
-        weight_map |= dict.fromkeys(shard, fname)
-    total = sum(t.numel() * t.element_size() for t in weights.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
-
-
-def _write_json(path: Path, obj: object) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    path.write_text(text, encoding="utf-8")
-
-
 def _write_tokenizer(out: Path, p: Preset) -> None:
     tokenizer_json = train_tokenizer()
     if p.tokenizer_nfc:
@@ -281,7 +249,7 @@ def _write_tokenizer(out: Path, p: Preset) -> None:
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     eot = SPECIAL_TOKENS[0]
     special = {"bos_token": eot, "eos_token": eot, "pad_token": eot}
-    _write_json(out / "special_tokens_map.json", special)
+    write_json(out / "special_tokens_map.json", special)
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     added = {str(i): {"content": t, "special": True} | flags for i, t in enumerate(SPECIAL_TOKENS)}
     tokenizer_config = special | {
@@ -292,38 +260,21 @@ def _write_tokenizer(out: Path, p: Preset) -> None:
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
     }
-    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    write_json(out / "tokenizer_config.json", tokenizer_config)
 
 
 def build_model(preset: str, out_dir: str | Path, *, max_shard_bytes: int = 256 << 20) -> Path:
-    """Build ``preset`` into ``out_dir`` (replacing it) and return the directory.
-
-    Everything is written into a temp dir beside ``out_dir`` and renamed into place, so a
-    reader never sees a half-written checkpoint.
-    """
+    """Build ``preset`` into ``out_dir`` (replacing it, atomically) and return the directory."""
     p = get_preset(preset)
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _write_json(tmp / "config.json", _config(p))
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "config.json", _config(p))
         # Stop on <|im_end|> (end of a chat turn) as well as <|endoftext|>, like Qwen2 chat.
         gen = {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0}  # SPECIAL_TOKENS
-        _write_json(tmp / "generation_config.json", gen)
+        write_json(tmp / "generation_config.json", gen)
         _write_tokenizer(tmp, p)
-        _save_weights(_weights(p), tmp, max_shard_bytes)
-        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists() and any(out.iterdir()):  # rename() only replaces an empty directory
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            out.replace(old)
-            shutil.rmtree(old)
-        tmp.replace(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        save_weights(_weights(p).items(), tmp, max_shard_bytes)
     log.info("built %s into %s in %.1fs", preset, out, time.perf_counter() - start)
     return out
 
