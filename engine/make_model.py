@@ -380,3 +380,16 @@ def default_model() -> Path:
             "%s is unavailable, serving %s instead: %s", DEFAULT_PRESET, FALLBACK_PRESET, exc
         )
         return ensure_model(FALLBACK_PRESET)
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """A model directory as given, a preset name built into the cache, or (None) the default."""
+    if model is None:
+        return default_model()
+    if Path(model).is_dir():
+        return Path(model)
+    if str(model) in preset_names():
+        return ensure_model(str(model))
+    raise ValueError(
+        f"{model!r} is neither a model directory nor a preset ({', '.join(preset_names())})"
+    )

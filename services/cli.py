@@ -53,8 +53,9 @@ def _make_model(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from engine.make_model import resolve_model
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(str(resolve_model(args.model)), dtype=args.dtype, num_threads=args.threads)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -99,7 +100,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="offline generation with the in-process engine")
     p.add_argument("prompt", nargs="+")
     p.add_argument(
-        "--model", default=None, help="model directory (default: smollm2-135m, else tiny-llama)"
+        "--model",
+        default=None,
+        help="model directory or preset name (default: smollm2-135m, else tiny-llama)",
     )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=32)

@@ -14,9 +14,9 @@ AUTO_HOST = "auto"
 
 
 # --model of the launcher and the workers: engine.make_model.default_model() when unset.
-MODEL_HELP = (
-    "model directory (default: smollm2-135m, built once into $RTP_SERVE_MODEL_CACHE; "
-    "tiny-llama where it cannot be downloaded)"
+DEFAULT_MODEL_HELP = (
+    "default: smollm2-135m, built once into $RTP_SERVE_MODEL_CACHE; tiny-llama where it "
+    "cannot be downloaded"
 )
 
 

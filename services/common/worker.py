@@ -22,7 +22,7 @@ from engine.block_pool import KVEventKind
 from engine.config import EngineConfig
 from services.common import grpc_util, metrics, subjects
 from services.common.bus import Bus
-from services.common.flags import MODEL_HELP, add_common_flags, advertised, env
+from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, advertised, env
 from services.common.naming import NameClient, make_member
 from services.common.pb import events_pb2, nameservice_pb2, worker_pb2, worker_pb2_grpc
 
@@ -34,7 +34,7 @@ LOAD_INTERVAL_S = 0.25
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
-    p.add_argument("--model", default=env("model"), help=MODEL_HELP)
+    p.add_argument("--model", default=env("model"), help=f"model directory ({DEFAULT_MODEL_HELP})")
     p.add_argument("--dtype", default=env("dtype", "float32"))
     p.add_argument("--device", default=env("device", "cpu"), help="cpu, cuda, cuda:1, ...")
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
