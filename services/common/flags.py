@@ -13,6 +13,13 @@ import socket
 AUTO_HOST = "auto"
 
 
+# --model of the launcher and the workers: engine.make_model.default_model() when unset.
+DEFAULT_MODEL_HELP = (
+    "default: smollm2-135m, built once into $RTP_SERVE_MODEL_CACHE; tiny-llama where it "
+    "cannot be downloaded"
+)
+
+
 def env(name: str, default: str | None = None) -> str | None:
     """Value of RTP_<NAME> (upper-cased, dashes as underscores), else `default`."""
     return os.environ.get("RTP_" + name.upper().replace("-", "_"), default)

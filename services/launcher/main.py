@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.flags import env
+from services.common.flags import DEFAULT_MODEL_HELP, env
 from services.launcher import servers
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,11 @@ READY_TIMEOUT_S = 180.0
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--model", default=env("model"), help="model directory (default: tiny-llama)")
+    p.add_argument(
+        "--model",
+        default=env("model"),
+        help=f"model directory or preset name, e.g. tiny-llama ({DEFAULT_MODEL_HELP})",
+    )
     p.add_argument(
         "--port", type=int, default=int(env("port", "8000")), help="frontend HTTP port (0: any)"
     )
@@ -159,11 +163,9 @@ def _ready(url: str) -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    model = args.model
-    if model is None:
-        from engine.make_model import ensure_model
+    from engine.make_model import resolve_model  # a directory, a preset or the default
 
-        model = str(await asyncio.to_thread(ensure_model))
+    model = str(await asyncio.to_thread(resolve_model, args.model))
     with tempfile.TemporaryDirectory(prefix="rtp-serve-") as tmp:
         cluster = Cluster(args, Path(tmp))
         try:

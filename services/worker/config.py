@@ -6,12 +6,12 @@ import argparse
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from services.common.flags import add_common_flags, env
+from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, env
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
-    p.add_argument("--model", default=env("model"), help="model directory (default: tiny-llama)")
+    p.add_argument("--model", default=env("model"), help=f"model directory ({DEFAULT_MODEL_HELP})")
     p.add_argument("--dtype", default=env("dtype", "float32"))
     p.add_argument("--device", default=env("device", "cpu"), help="cpu, cuda, cuda:1, ...")
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
