@@ -73,6 +73,7 @@ class TorchAttention:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
+        self._paged_decode = paged_decode  # a subclass swaps in a kernel with this signature
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -91,7 +92,7 @@ class TorchAttention:
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return paged_decode(
+        return self._paged_decode(
             q,
             k_cache,
             v_cache,
@@ -108,17 +109,7 @@ class CpuKernelAttention(TorchAttention):
     def __init__(self, scale: float, ops) -> None:
         super().__init__(scale)
         self.ops = ops
-
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.ops.paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            meta.block_size,
-            self.scale,
-        )
+        self._paged_decode = ops.paged_decode
 
 
 def paged_decode(

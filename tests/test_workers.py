@@ -29,7 +29,9 @@ def workers(model_dir):
         yield {"fused": fused, "prefill": prefill, "decode": decode}
 
 
-async def _generate(address: str, prompt, params, prefill: str = "", rid: str = "r"):
+async def _generate(
+    address: str, prompt, params, prefill: str = "", rid: str = "r", block_hashes=()
+):
     async with grpc_util.channel(address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
         request = worker_pb2.GenerateRequest(
@@ -37,6 +39,7 @@ async def _generate(address: str, prompt, params, prefill: str = "", rid: str = 
             prompt_token_ids=prompt,
             params=params_to_pb(params),
             prefill_address=prefill,
+            block_hashes=block_hashes,
         )
         return [msg async for msg in stub.Generate(request, timeout=30)]
 
@@ -145,3 +148,56 @@ def test_seeded_sampling_is_the_same_fused_and_pd(workers, prompts):
 
     fused, pd = asyncio.run(main())
     assert fused == pd and len(fused) == 10
+
+
+def test_callers_block_hashes_right_or_wrong_serve_the_same(workers, model_dir, prompts, hf_greedy):
+    """Keys from a caller with the right salt are taken; keys with another salt (a frontend
+    configured for another model) only cost routing, never the request."""
+    from engine.block_hash import block_hash_keys, cache_salt
+
+    prompt = prompts[7]  # several full blocks
+    right = block_hash_keys(prompt, 16, cache_salt(model_dir("tiny-llama"), "float32"))
+    wrong = block_hash_keys(prompt, 16, cache_salt(model_dir("tiny-llama"), "bfloat16"))
+    assert right and right != wrong
+    expected = hf_greedy("tiny-llama", prompt, 10)[0]
+
+    async def main():
+        out = []
+        for i, keys in enumerate((right, wrong)):
+            out.append(
+                await _generate(workers["fused"], prompt, GREEDY, rid=f"h{i}", block_hashes=keys)
+            )
+            out.append(
+                await _generate(
+                    workers["decode"], prompt, GREEDY, workers["prefill"], f"hp{i}", keys
+                )
+            )
+        return out
+
+    for msgs in asyncio.run(main()):
+        assert _tokens(msgs) == expected
+
+
+def test_prefill_refuses_keys_of_another_salt(workers, model_dir, prompts):
+    from engine.block_hash import block_hash_keys, cache_salt
+
+    prompt = prompts[7]
+    wrong = block_hash_keys(prompt, 16, cache_salt(model_dir("tiny-llama"), "bfloat16"))
+
+    async def main():
+        async with grpc_util.channel(workers["prefill"]) as ch:
+            call = worker_pb2_grpc.WorkerStub(ch).Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="bad-keys",
+                    prompt_token_ids=prompt,
+                    params=params_to_pb(GREEDY),
+                    block_hashes=wrong,
+                ),
+                timeout=30,
+            )
+            return [m async for m in call]
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(main())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block_hashes" in info.value.details()

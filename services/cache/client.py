@@ -26,13 +26,16 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
 from services.cache import MAX_KEYS
 from services.common import grpc_util
 from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -166,35 +169,33 @@ class CacheClient:
             self._stubs[address] = stub = cache_pb2_grpc.CacheStub(self._channels.get(address))
         return stub
 
-    async def _put(self, address: str, blocks: list[common_pb2.KVBlock]) -> int:
+    async def _call(
+        self, address: str, method: str, call: Callable[[Any], Awaitable[T]]
+    ) -> T | None:
+        """One RPC to one shard; None when it failed (down, slow, closed or a bad reply: all
+        read as a miss, and are logged at a bounded rate)."""
         try:
-            reply = await self._stub(address).Put(
-                cache_pb2.PutRequest(blocks=blocks), timeout=self.timeout_s
-            )
-        except Exception as e:  # down, slow, closed or bad reply: all read as a miss
-            self._warn(address, "Put", e)
-            return 0
-        return reply.stored
+            return await call(self._stub(address))
+        except Exception as e:
+            self._warn(address, method, e)
+            return None
+
+    async def _put(self, address: str, blocks: list[common_pb2.KVBlock]) -> int:
+        request = cache_pb2.PutRequest(blocks=blocks)
+        reply = await self._call(address, "Put", lambda s: s.Put(request, timeout=self.timeout_s))
+        return reply.stored if reply is not None else 0
 
     async def _get(self, address: str, hashes: list[bytes]) -> list[common_pb2.KVBlock]:
-        try:
-            reply = await self._stub(address).Get(
-                cache_pb2.GetRequest(block_hashes=hashes), timeout=self.timeout_s
-            )
-        except Exception as e:  # down, slow, closed or bad reply: all read as a miss
-            self._warn(address, "Get", e)
-            return []
-        return list(reply.blocks)
+        request = cache_pb2.GetRequest(block_hashes=hashes)
+        reply = await self._call(address, "Get", lambda s: s.Get(request, timeout=self.timeout_s))
+        return list(reply.blocks) if reply is not None else []
 
     async def _exists(self, address: str, hashes: list[bytes]) -> int:
-        try:
-            reply = await self._stub(address).Exists(
-                cache_pb2.ExistsRequest(block_hashes=hashes), timeout=self.timeout_s
-            )
-        except Exception as e:  # down, slow, closed or bad reply: all read as a miss
-            self._warn(address, "Exists", e)
-            return 0
-        return min(reply.num_prefix, len(hashes))
+        request = cache_pb2.ExistsRequest(block_hashes=hashes)
+        reply = await self._call(
+            address, "Exists", lambda s: s.Exists(request, timeout=self.timeout_s)
+        )
+        return min(reply.num_prefix, len(hashes)) if reply is not None else 0
 
     def _warn(self, address: str, method: str, error: Exception) -> None:
         now = time.monotonic()

@@ -50,6 +50,7 @@ class DecodeServicer(WorkerServicer):
         self.allow_fused = allow_fused
         self.block_size = llm.block_size
         self._channels = grpc_util.ChannelCache()
+        self._warned_salt = False
         self.metrics = metrics.worker(role, llm.model)
 
     async def Generate(
@@ -62,10 +63,7 @@ class DecodeServicer(WorkerServicer):
             # Hashed once here; the engine and the prefill worker reuse these keys.
             hashes = block_hash_keys(prompt, self.block_size, self.llm.cache_salt)
             if request.block_hashes and list(request.block_hashes) != hashes:
-                raise ValueError(
-                    "block_hashes do not match this worker's: the caller and this worker "
-                    "disagree on the model, KV dtype or block size"
-                )
+                self._salt_mismatch()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.prefill_address:
@@ -82,6 +80,17 @@ class DecodeServicer(WorkerServicer):
         except (ValueError, RuntimeError) as exc:
             code, message = abort_status(exc)
             await context.abort(code, message)
+
+    def _salt_mismatch(self) -> None:
+        # Only routing suffers (the master's index never matches this worker's keys): serve
+        # the request with our own keys, and say so once.
+        if not self._warned_salt:
+            self._warned_salt = True
+            log.warning(
+                "the caller's block_hashes differ from this worker's: the frontend and this "
+                "worker disagree on the model, KV dtype or block size, so cache-aware routing "
+                "cannot match this worker's prefix cache"
+            )
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
         first = True
