@@ -44,6 +44,10 @@ async def set_serving(
     )
     await health_servicer.set(service, status)
     await health_servicer.set("", status)
+    if not serving:
+        # Let open Watch streams carry NOT_SERVING before the caller stops the server (a
+        # load balancer then drains this instance instead of seeing a broken stream).
+        await asyncio.sleep(0.1)
 
 
 def channel(address: str) -> grpc.aio.Channel:
