@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.dtypes import torch_dtype
+from engine.memory import kv_bytes_per_token
 from engine.models.llama import LlamaModel, load_llama_weights
 from engine.outputs import SampledToken
 from engine.request import Request
@@ -24,10 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
-    itemsize = torch.empty((), dtype=torch_dtype(config.dtype)).element_size()
-    bytes_per_block = (
-        2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * itemsize
-    )
+    bytes_per_block = config.block_size * kv_bytes_per_token(model, config.dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = min(
         config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -72,11 +70,12 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(model_config.eos_token_ids, config.seed)
         log.info(
-            "model loaded: %s, %d layers, %s, kv cache %d blocks (%.1f MiB)",
+            "model loaded: %s, %d layers, %s, kv cache %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
             config.dtype,
             limits.num_kv_blocks,
+            limits.num_kv_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 

@@ -71,8 +71,11 @@ class Cluster(LaunchedCluster):
 
 @contextlib.contextmanager
 def launch(model: str, tmp: Path, *flags: str) -> Iterator[Cluster]:
-    """The launcher with a 1 s heartbeat TTL, so expiry tests run fast."""
-    with launch_cluster(model, tmp, "--ttl", "1", *flags) as c:
+    """The launcher with a 1 s heartbeat TTL, so expiry tests run fast, and 256 MiB of KV per
+    worker unless `flags` say otherwise (the machine-sized default would take GiBs per test
+    cluster; tests/test_memory.py covers it)."""
+    kv = () if "--kv-cache-mib" in flags else ("--kv-cache-mib", "256")
+    with launch_cluster(model, tmp, "--ttl", "1", *kv, *flags) as c:
         cluster = Cluster(c.url, c.info, c.proc)
         yield cluster
     cluster.left_running = c.left_running

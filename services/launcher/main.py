@@ -54,7 +54,12 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--no-cache", action="store_true", help="run without the cache service tier")
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-mib",
+        default="auto",
+        help="KV cache per worker in MiB, or auto: half the available memory split among the "
+        "workers started here, less their weights",
+    )
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (0: share the cores)"
     )
@@ -138,7 +143,8 @@ def _start(cluster: Cluster, model: str) -> str:
         cluster.spawn("cache", *common, "--redis-url", redis_url)
     threads = args.threads or max(1, (os.cpu_count() or 1) // _worker_count(args))
     worker = [*common, "--model", model, "--dtype", args.dtype, "--threads", str(threads),
-              "--kv-cache-mib", str(args.kv_cache_mib)]  # fmt: skip
+              "--kv-cache-mib", str(args.kv_cache_mib),
+              "--memory-share", str(_worker_count(args))]  # fmt: skip
     if args.fused:
         for _ in range(args.fused):
             cluster.spawn("fused", *worker)

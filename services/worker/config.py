@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_token
 from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, env
+
+log = logging.getLogger(__name__)
+
+
+def kv_cache_mib(value: str) -> int | None:
+    """`--kv-cache-mib`: a size in MiB, or "auto" (None: size it from the machine)."""
+    if value == "auto":
+        return None
+    size = int(value)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB or auto, got {value}")
+    return size
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +29,25 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=env("dtype", "float32"))
     p.add_argument("--device", default=env("device", "cpu"), help="cpu, cuda, cuda:1, ...")
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
-    p.add_argument("--kv-cache-mib", type=int, default=int(env("kv_cache_mib", "256")))
+    p.add_argument(
+        "--kv-cache-mib",
+        type=kv_cache_mib,
+        default=kv_cache_mib(env("kv_cache_mib", "auto")),
+        help="KV cache size in MiB, or auto: memory-fraction of the available memory (a "
+        "container's limit counts), split among memory-share workers, less the weights",
+    )
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=float(env("memory_fraction", str(DEFAULT_FRACTION))),
+        help="with --kv-cache-mib auto: the fraction of available memory for all workers here",
+    )
+    p.add_argument(
+        "--memory-share",
+        type=int,
+        default=int(env("memory_share", "1")),
+        help="with --kv-cache-mib auto: how many workers share this machine's memory",
+    )
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", "64")))
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", "2048"))
@@ -34,12 +66,25 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         from engine.make_model import ensure_model
 
         model = str(ensure_model())
+    if args.kv_cache_mib is None:
+        budget = kv_budget(model, args.dtype, args.memory_fraction, args.memory_share)
+        # No more than every sequence at full context could use.
+        cfg = ModelConfig.from_dir(model)
+        useful = args.max_num_seqs * cfg.max_position_embeddings
+        kv_bytes = min(budget.kv_bytes, useful * kv_bytes_per_token(cfg, args.dtype))
+        log.info(
+            "KV cache size from the machine: %s%s",
+            budget.describe(),
+            f", capped at {useful} tokens" if kv_bytes < budget.kv_bytes else "",
+        )
+    else:
+        kv_bytes = args.kv_cache_mib << 20
     config = EngineConfig(
         model=model,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads or None,

@@ -29,6 +29,12 @@ class WorkerFamilies:
             w,
             registry=registry,
         )
+        self.kv_cache_capacity_tokens = Gauge(
+            PREFIX + "kv_cache_capacity_tokens",
+            "Tokens the worker's KV pool holds (blocks x block size), as sized at start.",
+            w,
+            registry=registry,
+        )
         self.prefix_cache_queries = Counter(
             PREFIX + "prefix_cache_queries",
             "Prompt blocks looked up in a prefix-cache tier (device: the worker's pool; "
@@ -59,7 +65,7 @@ class WorkerFamilies:
 class WorkerMetrics:
     """One worker's metrics: labels role and model_name fixed."""
 
-    __slots__ = ("families", "role", "model_name", "running", "waiting", "usage")
+    __slots__ = ("families", "role", "model_name", "running", "waiting", "usage", "capacity")
 
     def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
         self.families = families
@@ -68,6 +74,10 @@ class WorkerMetrics:
         self.running = families.num_requests_running.labels(role, model_name)
         self.waiting = families.num_requests_waiting.labels(role, model_name)
         self.usage = families.kv_cache_usage_perc.labels(role, model_name)
+        self.capacity = families.kv_cache_capacity_tokens.labels(role, model_name)
+
+    def kv_capacity(self, num_blocks: int, block_size: int) -> None:
+        self.capacity.set(num_blocks * block_size)
 
     def load(self, num_running: int, num_waiting: int, free_blocks: int, total_blocks: int) -> None:
         self.running.set(num_running)

@@ -46,6 +46,7 @@ async def serve_worker(
     bus = await Bus.connect(args.nats_url, member.id)
     names = NameClient(args.nameservice) if args.nameservice else None
     load_metrics = worker_metrics.worker(role, llm.model)
+    load_metrics.kv_capacity(llm.stats().num_total_blocks, llm.block_size)
     publisher = asyncio.create_task(
         publish_events(llm, bus, member.id, args.namespace, load_metrics)
     )

@@ -37,6 +37,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             held_blocks=check.num_held_blocks,
             integrity_ok=not check.integrity_error,
             integrity_error=check.integrity_error,
+            block_size=self.llm.block_size,
         )
 
 

@@ -70,7 +70,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error")
+    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class WorkerStats(_message.Message):
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_blocks: int
@@ -85,4 +86,5 @@ class WorkerStats(_message.Message):
     held_blocks: int
     integrity_ok: bool
     integrity_error: str
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...
+    block_size: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,86 @@
+"""The KV cache sized from the machine: MemAvailable, a cgroup limit, the workers sharing it,
+the weights; and a worker that sizes itself so."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine.memory import MIN_KV_BYTES, available_memory_bytes, kv_budget, weights_bytes
+from tests.procs import grpc_service
+
+GIB = 1 << 30
+
+
+def _fake(tmp: Path, available_kib: int, cgroup: dict[str, str] | None = None) -> tuple[Path, Path]:
+    proc, cg = tmp / "proc", tmp / "cgroup"
+    proc.mkdir(parents=True)
+    cg.mkdir(parents=True)
+    (proc / "meminfo").write_text(
+        f"MemTotal:       99999999 kB\nMemFree:        1 kB\nMemAvailable:   {available_kib} kB\n"
+    )
+    for name, value in (cgroup or {}).items():
+        (cg / name).parent.mkdir(parents=True, exist_ok=True)
+        (cg / name).write_text(value + "\n")
+    return proc, cg
+
+
+def test_available_memory_is_meminfo_capped_by_a_cgroup_limit(tmp_path):
+    proc, cg = _fake(tmp_path / "a", 8 * 1024 * 1024)
+    assert available_memory_bytes(proc, cg) == 8 * GIB  # no cgroup files: the host's
+    proc, cg = _fake(tmp_path / "b", 8 * 1024 * 1024, {"memory.max": "max", "memory.current": "5"})
+    assert available_memory_bytes(proc, cg) == 8 * GIB  # v2 without a limit
+    limited = {"memory.max": str(3 * GIB), "memory.current": str(1 * GIB)}
+    proc, cg = _fake(tmp_path / "c", 8 * 1024 * 1024, limited)
+    assert available_memory_bytes(proc, cg) == 2 * GIB  # v2: what is left under the limit
+    v1 = {"memory/memory.limit_in_bytes": str(4 * GIB), "memory/memory.usage_in_bytes": "0"}
+    proc, cg = _fake(tmp_path / "d", 8 * 1024 * 1024, v1)
+    assert available_memory_bytes(proc, cg) == 4 * GIB
+
+
+def test_weights_are_counted_in_the_served_dtype(model_dir):
+    tiny = model_dir("tiny-llama")
+    fp32 = weights_bytes(tiny, "float32")
+    on_disk = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
+    assert 0.99 * on_disk < fp32 <= on_disk  # the float32 checkpoint, less its headers
+    assert weights_bytes(tiny, "bfloat16") * 2 == fp32
+
+
+def test_budget_splits_the_fraction_among_workers_less_weights(model_dir):
+    tiny = model_dir("tiny-llama")
+    w = weights_bytes(tiny, "float32")
+    one = kv_budget(tiny, "float32", fraction=0.5, share=1, available=16 * GIB)
+    two = kv_budget(tiny, "float32", fraction=0.5, share=2, available=16 * GIB)
+    assert one.kv_bytes == 8 * GIB - w and two.kv_bytes == 4 * GIB - w
+    assert "16.0 GiB available x 0.5 / 2 worker(s)" in two.describe()
+    # Too little memory: a small floor, not zero (the worker still serves short requests).
+    assert kv_budget(tiny, "float32", 0.5, 64, available=GIB).kv_bytes == MIN_KV_BYTES
+    with pytest.raises(ValueError, match="fraction"):
+        kv_budget(tiny, "float32", fraction=0.0)
+    with pytest.raises(ValueError, match="share"):
+        kv_budget(tiny, "float32", share=0)
+
+
+def test_a_worker_sizes_its_cache_from_the_machine(model_dir):
+    from services.common import grpc_util
+    from services.common.pb import worker_pb2, worker_pb2_grpc
+
+    tiny = model_dir("tiny-llama")
+    flags = ("--model", str(tiny), "--threads", "1", "--kv-cache-mib", "auto")
+    flags += ("--memory-fraction", "0.02", "--memory-share", "2")
+
+    async def stats(address: str) -> worker_pb2.WorkerStats:
+        async with grpc_util.channel(address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            return await stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=10)
+
+    # At most what 64 sequences (the default max_num_seqs) at full context (2048) can use.
+    expected = min(kv_budget(tiny, "float32", 0.02, 2).kv_bytes, 64 * 2048 * 2048)
+    with grpc_service("fused", *flags) as (address, _):
+        s = asyncio.run(stats(address))
+    # tiny-llama: 4 layers x 2 kv heads x 32 dims x K and V x 4 bytes = 2 KiB per token.
+    got = s.total_blocks * s.block_size * 2048
+    assert s.block_size == 16
+    assert 0.8 * expected < got <= 1.2 * expected  # MemAvailable moves a little meanwhile
