@@ -30,6 +30,7 @@ from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
 from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,7 +106,7 @@ class AsyncLLM:
         `remote_prefill` (PD decode side): once blocks are reserved, an output with
         `waiting_for_kv` (and the prompt tokens cached here) comes first; the request then
         waits for `deliver_kv`. `block_hashes`: the prompt's keys, when the caller has them.
-        Raises ValueError for bad input.
+        Raises ValueError for bad input, QueueFullError when max_num_waiting requests wait.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         request = self.engine.make_request(
@@ -212,7 +213,7 @@ class AsyncLLM:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(cmd.request)
-            except ValueError as exc:
+            except (ValueError, QueueFullError) as exc:
                 cmd.stream.put(exc)
                 return
             self._streams[cmd.request.request_id] = cmd.stream

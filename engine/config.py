@@ -123,6 +123,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 << 20
     max_num_seqs: int = 64
+    # Requests that may wait for a slot or for blocks; past it a new one is refused at once
+    # (QueueFullError), so a caller can go elsewhere instead of queueing without bound.
+    max_num_waiting: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -133,7 +136,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

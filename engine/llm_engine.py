@@ -57,7 +57,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, self.limits.max_model_len
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.limits.max_model_len,
+                config.max_num_waiting,
             ),
             self.kv,
             self.model_config.eos_token_ids,

@@ -26,6 +26,11 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    max_num_waiting: int = 256
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound: this worker cannot take the request now."""
 
 
 @dataclass(slots=True)
@@ -84,6 +89,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        # New arrivals only: a preempted request re-enters the queue past the bound.
+        if len(self._waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(
+                f"{len(self._waiting)} requests are already waiting (max_num_waiting)"
+            )
         self.requests[request.request_id] = request
         heapq.heappush(self._waiting, (request.sort_key, request))
         self._stalled = False

@@ -103,6 +103,19 @@ def test_no_worker_left_reports_the_workers_refusal(tiny, script) -> None:
     assert complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x"})[0] == 503
 
 
+def test_overloaded_answer_says_when_to_retry(tiny, script) -> None:
+    worker = FakeWorker(script, fail=[EXHAUSTED] * 3)
+
+    async def go():
+        async with frontend(tiny, {"w1": (FUSED, worker)}) as h:
+            body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 4}
+            async with h.client.post("/v1/completions", json=body) as resp:
+                return resp.status, resp.headers.get("Retry-After")
+
+    status, retry_after = run(go())
+    assert status == 429 and retry_after is not None and int(retry_after) > 0
+
+
 def test_worker_rejecting_the_request_is_400_without_retry(tiny, script) -> None:
     worker = FakeWorker(script, fail=[grpc.StatusCode.INVALID_ARGUMENT])
     status, body = complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x"})

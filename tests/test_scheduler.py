@@ -9,7 +9,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 BS = 4
 EOS = 0
@@ -246,3 +246,25 @@ def test_duplicate_request_id_is_refused():
     s.add_request(req("a", 4))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(req("a", 4))
+
+
+def test_waiting_queue_is_bounded_for_new_arrivals_only():
+    kv = KVCacheManager(BlockPool(4), BS, enable_caching=True)
+    s = Scheduler(SchedulerConfig(1, 64, 64, max_num_waiting=2), kv, (EOS,))
+    a, b, c = req("a", 6, max_tokens=8), req("b", 6), req("c", 6)
+    s.add_request(a)
+    s.add_request(b)
+    with pytest.raises(QueueFullError, match="max_num_waiting"):
+        s.add_request(req("d", 6))  # a and b wait: full
+    assert step(s).scheduled == [("a", 6)]  # a runs (one seq slot); b waits alone
+    s.add_request(c)  # room again
+    with pytest.raises(QueueFullError):
+        s.add_request(req("e", 6))
+    s.check_integrity()
+    # A preempted request goes back past the bound: admitted work is never dropped.
+    s._preempt(a)
+    assert s.num_waiting == 3
+    s.check_integrity()
+    for rid in ("a", "b", "c"):
+        s.abort(rid)
+    assert_drained(s)

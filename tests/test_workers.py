@@ -201,3 +201,28 @@ def test_prefill_refuses_keys_of_another_salt(workers, model_dir, prompts):
         asyncio.run(main())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "block_hashes" in info.value.details()
+
+
+def test_full_waiting_queue_is_resource_exhausted(model_dir, prompts):
+    """One running, one waiting, the next refused at once (the caller may go elsewhere);
+    the running and the waiting one are still served."""
+    model = str(model_dir("tiny-llama"))
+    flags = ("--model", model, *WORKER_FLAGS, "--max-num-seqs", "1", "--max-num-waiting", "1")
+    long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # seconds
+
+    async def main(address):
+        first = asyncio.create_task(_generate(address, prompts[0], long, rid="running"))
+        await asyncio.sleep(0.5)  # running
+        second = asyncio.create_task(_generate(address, prompts[1], GREEDY, rid="waiting"))
+        await asyncio.sleep(0.2)  # queued behind it
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(address, prompts[2], GREEDY, rid="refused")
+        return info.value, await first, await second, await _stats(address)
+
+    with grpc_service("fused", *flags) as (address, _):
+        refused, first, second, stats = asyncio.run(main(address))
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_num_waiting" in refused.details()
+    assert first[-1].finished and len(_tokens(first)) == 1500
+    assert second[-1].finished and len(_tokens(second)) == 10
+    assert stats.integrity_ok and stats.held_blocks == 0

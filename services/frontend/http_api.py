@@ -55,8 +55,12 @@ def build_app(generator: Generator) -> web.Application:
     return app
 
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait: queues here drain in about that
+
+
 def error_response(exc: FrontendError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.kind.http_status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.kind == ErrorKind.OVERLOADED else None
+    return web.json_response(exc.body(), status=exc.kind.http_status, headers=headers)
 
 
 @web.middleware

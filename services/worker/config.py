@@ -50,6 +50,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", "64")))
     p.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=int(env("max_num_waiting", "256")),
+        help="requests that may queue here; past it new ones are refused (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", "2048"))
     )
     p.add_argument(
@@ -86,6 +92,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=args.max_num_seqs,
+        max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads or None,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from engine.async_llm import AsyncLLM
+from engine.scheduler import QueueFullError
 from services.common.naming import NameClient
 from services.common.pb import worker_pb2, worker_pb2_grpc
 
@@ -45,6 +46,8 @@ def abort_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an engine-side refusal."""
     if isinstance(exc, PeerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)  # the caller may route elsewhere
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)  # full: another worker may not be
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
