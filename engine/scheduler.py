@@ -119,6 +119,9 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = len(request.token_ids)
         self.kv.cache_blocks(request, request.num_computed_tokens)
+        # From here on an ordinary request: if preempted, it is recomputed here (its KV
+        # will not come again).
+        request.remote_prefill = False
         request.status = RequestStatus.RUNNING
         self._stalled = False
         self._append(request, first)

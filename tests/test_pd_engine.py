@@ -123,6 +123,38 @@ def test_remote_kv_must_cover_the_uncached_prompt(model_dir, prompts):
     assert_pool_idle(dec)
 
 
+def test_preempted_pd_request_is_recomputed_here(model_dir, corpus_ids, hf_greedy):
+    """Regression: a PD request preempted after its KV arrived was re-admitted as waiting for
+    remote KV that never comes again, and hung. It must recompute locally instead."""
+    pre = make_llm(model_dir("tiny-llama")).engine
+    dec = make_llm(model_dir("tiny-llama"), num_kv_blocks=5).engine  # 80 tokens
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = {"a": corpus_ids[:30], "b": corpus_ids[40:70]}  # 2 blocks each; 50 tokens at end
+    collectors = {}
+    for rid, prompt in prompts.items():
+        dec.add_request(dec.make_request(rid, prompt, long, remote_prefill=True))
+        outs = {o.request_id: o for o in dec.step()}
+        assert outs[rid].waiting_for_kv
+        for other, o in outs.items():
+            if other != rid:
+                collectors[other].add(o)
+        first = _prefill(pre, rid, prompt)
+        collectors[rid] = OutputCollector(rid, prompt)
+        kv = first.prompt_kv
+        collectors[rid].add(dec.write_remote_kv(rid, [kv], SampledToken(first.new_token_ids[0])))
+    steps = 0
+    while dec.has_unfinished_requests():
+        assert dec.has_schedulable_requests(), "a request waits for KV that will never come"
+        for out in dec.step():
+            dec.check_integrity()
+            collectors[out.request_id].add(out)
+        steps += 1
+        assert steps < 500
+    for rid, prompt in prompts.items():
+        assert collectors[rid].result().token_ids == hf_greedy("tiny-llama", prompt, 20)[0]
+    assert_pool_idle(dec)
+
+
 def test_async_pd_path(model_dir, prompts, hf_greedy):
     path = str(model_dir("tiny-llama"))
     pre = AsyncLLM(EngineConfig(model=path, num_kv_blocks=64))
