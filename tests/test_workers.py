@@ -51,6 +51,15 @@ async def _stats(address: str) -> worker_pb2.WorkerStats:
         )
 
 
+async def _until(address: str, ready, timeout: float = 10.0) -> None:
+    """Poll Stats until `ready(stats)` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not ready(await _stats(address)):
+        assert loop.time() < deadline, "the worker never reached the expected state"
+        await asyncio.sleep(0.02)
+
+
 def _tokens(msgs) -> list[int]:
     return [t for m in msgs for t in m.token_ids]
 
@@ -212,9 +221,9 @@ def test_full_waiting_queue_is_resource_exhausted(model_dir, prompts):
 
     async def main(address):
         first = asyncio.create_task(_generate(address, prompts[0], long, rid="running"))
-        await asyncio.sleep(0.5)  # running
+        await _until(address, lambda st: st.num_running == 1)
         second = asyncio.create_task(_generate(address, prompts[1], GREEDY, rid="waiting"))
-        await asyncio.sleep(0.2)  # queued behind it
+        await _until(address, lambda st: st.num_waiting == 1)  # queued behind it
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _generate(address, prompts[2], GREEDY, rid="refused")
         return info.value, await first, await second, await _stats(address)
