@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.dtypes import DTYPES
+from engine.dtypes import DTYPES, WEIGHT_DTYPES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -117,6 +117,8 @@ class EngineConfig:
 
     model: str
     dtype: str = "float32"
+    # "auto": projections stored in `dtype`; "int8": weight-only INT8, per output channel.
+    weight_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     # KV pool size: an explicit block count wins over the memory budget.
@@ -136,6 +138,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+# How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized.
+WEIGHT_DTYPES = ("auto", "int8")
 
 
 def torch_dtype(name: str) -> torch.dtype:

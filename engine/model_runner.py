@@ -19,7 +19,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import load_tensors
 from kernels.attention import AttentionMetadata, PrefillChunk, get_attention_backend
-from kernels.linear import get_linear
+from kernels.linear import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         tensors = load_tensors(config.model, device=str(self.device))
-        weights = load_llama_weights(tensors, model_config, self.dtype)
+        self.kernels = cpu_kernels(self.device)
+        weights = load_llama_weights(
+            tensors, model_config, self.dtype, self.kernels, config.weight_dtype
+        )
         attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
-        linear = get_linear(self.device, self.dtype)
-        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, linear)
+        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len)
         slots = limits.num_kv_blocks * config.block_size
         shape = (
             model_config.num_layers,
@@ -69,11 +71,18 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(model_config.eos_token_ids, config.seed)
+        isa = self.kernels.isa
         log.info(
-            "model loaded: %s, %d layers, %s, kv cache %d blocks = %d tokens (%.1f MiB)",
+            "model loaded: %s, %d layers, %s (weights %s, %.0f MiB read per step), "
+            "kernels: %s, linear %s%s; kv cache %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
             config.dtype,
+            config.weight_dtype,
+            weights.nbytes_per_token / 2**20,
+            isa.describe() if isa else self.device.type,
+            weights.layers[0].qkv.kernel,
+            " + oneDNN prepacked bf16" if self.kernels.prepack_bf16 else "",
             limits.num_kv_blocks,
             limits.num_kv_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,

@@ -1,37 +1,49 @@
 """CPU kernels compiled from `kernels/csrc` on first use (cached by torch's extension builder).
 
-If no compiler is available, or RTP_SERVE_CPU_KERNELS=0, `load()` returns None and the
-engine falls back to the torch reference in `kernels.attention`.
+They are built for the CPU they run on (-march=native), under a name that carries the ISA
+level and this checkout's path, so two CPUs or two checkouts sharing a cache directory never
+load each other's build. If no compiler is available, or the ISA level is `scalar`
+(RTP_SERVE_CPU_KERNELS=0 or RTP_SERVE_ISA=scalar), `load()` returns None and the engine uses
+the torch reference ops.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "small_gemm.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode.cpp", "small_gemm.cpp", "rows_gemm.cpp")
 ]
 
 
-@functools.cache
 def load() -> ModuleType | None:
-    if os.environ.get("RTP_SERVE_CPU_KERNELS", "1") == "0":
-        return None
+    """The compiled kernels, or None where the ISA level (as the environment caps it now)
+    is `scalar` or they do not build."""
+    from kernels.isa import cpu_isa
+
+    isa = cpu_isa()
+    return _build(isa.hardware) if isa.at_least("avx2") else None
+
+
+@functools.cache
+def _build(hardware: str) -> ModuleType | None:
+    where = hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:8]
     try:
         from torch.utils.cpp_extension import load as build
 
         return build(
-            name="rtp_cpu_kernels",
+            name=f"rtp_cpu_kernels_{hardware}_{where}",
             sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, missing headers: the reference still works
-        log.warning("CPU attention kernels unavailable, using torch reference: %s", exc)
+        log.warning("CPU kernels unavailable, using the torch reference ops: %s", exc)
         return None

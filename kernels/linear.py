@@ -1,22 +1,57 @@
-"""Projections at decode batch sizes: the compiled streaming kernel where it wins, else torch.
+"""Projections: a weight prepared once at load for the CPU it runs on, called per step.
 
-At a few rows a step, `x @ w` is memory-bound; MKL's sgemm reaches ~16 GB/s on the 2-core
-dev box while kernels/csrc/small_gemm.cpp streams the weights at ~23 GB/s (1.4x at one row,
-2-3x at 2-8 rows; bench/engine.py). Above SMALL_M rows the GEMM is compute-bound and MKL is
-the better choice.
+`make_linear(w, ...)` takes a checkpoint weight [out, in] and returns a `LinearOp`, which
+computes `(residual +) x @ w.T (+ bias)` for x [T, in] in the model's dtype. Which kernel
+runs depends on the weight's storage, the number of rows and the CPU (kernels/isa.py):
+
+    storage          T <= SMALL_M (decode: memory-bound)       more rows (prefill: compute-bound)
+    float32 [in,out] small_gemm (streams fp32 weights)          MKL addmm
+    bf16/fp16 [o,i]  rows_gemm (widens to fp32 as it streams)   avx512_bf16+: oneDNN prepacked
+                                                                else: widen, MKL sgemm
+    int8 [out, in]   rows_gemm (x * q, then * scale per out)    dequantize, then as above
+    + scale [out]
+
+The compiled kernels accumulate in float32 whatever the storage. Weight-only INT8 is
+symmetric per output channel, quantized at load from the checkpoint (`quantize_int8`); it
+halves bf16's weight bytes, which is what bounds decode. Without compiled kernels
+(RTP_SERVE_ISA=scalar) every op is the torch reference, which is also what tests compare to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
-SMALL_M = 32
+from kernels.isa import CpuIsa
 
-Linear = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
-]
+log = logging.getLogger(__name__)
+
+SMALL_M = 32  # up to this many rows a projection is memory-bound on the CPUs measured
+
+
+class LinearOp(Protocol):
+    nbytes: int  # bytes of weight it reads per call (what bounds decode)
+    kernel: str  # which path serves small batches, for logs and Stats
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """What the linear ops may use on this machine."""
+
+    ops: object | None  # the compiled CPU kernels (kernels.cpu.load()), None without
+    prepack_bf16: bool  # oneDNN's prepacked bf16 linear works here (AVX512-BF16 / AMX)
+    isa: CpuIsa | None = None
 
 
 def torch_linear(
@@ -31,19 +66,124 @@ def torch_linear(
     return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
 
 
-def get_linear(device: torch.device, dtype: torch.dtype) -> Linear:
-    if device.type != "cpu" or dtype != torch.float32:
-        return torch_linear
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: w [out, in] ~= q * scale[:, None], |q| <= 127."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class Fp32Linear:
+    """float32 weights, stored [in, out]: the layout MKL's GEMV reads fastest at decode sizes."""
+
+    def __init__(self, w: torch.Tensor, kernels: Kernels) -> None:
+        self.w = w.float().t().contiguous()
+        self.nbytes = self.w.numel() * 4
+        self._small = getattr(kernels.ops, "small_gemm", None)
+        self.kernel = "small_gemm" if self._small else "mkl"
+
+    def __call__(self, x, bias=None, residual=None):
+        if self._small is not None and x.shape[0] <= SMALL_M:
+            return self._small(x, self.w, bias, residual)
+        return torch_linear(x, self.w, bias, residual)
+
+
+class RowsLinear:
+    """bf16 / fp16 weights [out, in], or int8 [out, in] with a per-row float32 scale."""
+
+    def __init__(
+        self,
+        w: torch.Tensor,
+        dtype: torch.dtype,
+        kernels: Kernels,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        self.w = w.contiguous()
+        self.scale = scale
+        self.dtype = dtype  # activations and output
+        self.nbytes = self.w.numel() * self.w.element_size()
+        self._rows = getattr(kernels.ops, "rows_gemm", None)
+        self.kernel = "rows_gemm" if self._rows else "torch"
+        self._packed = None
+        if kernels.prepack_bf16 and dtype == torch.bfloat16:
+            self._packed = _prepack(self.dense())
+        # oneDNN's bf16 GEMM emulated on AVX2 is several times slower than widening the
+        # weight and calling MKL's sgemm (bench/linear.py), so large batches widen there.
+        self._widen = not kernels.prepack_bf16 and kernels.ops is not None
+
+    def dense(self) -> torch.Tensor:
+        """The weight as [out, in] in the activation dtype (dequantized if int8)."""
+        if self.scale is None:
+            return self.w.to(self.dtype)
+        return (self.w.float() * self.scale[:, None]).to(self.dtype)
+
+    def __call__(self, x, bias=None, residual=None):
+        if self._rows is not None and x.shape[0] <= SMALL_M:
+            return self._rows(x, self.w, self.scale, bias, residual)
+        if self._packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        elif self._widen and x.dtype != torch.float32:
+            w = self.w.float() if self.scale is None else self.w.float() * self.scale[:, None]
+            out = F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+        elif self._widen:
+            w = self.w.float() if self.scale is None else self.w.float() * self.scale[:, None]
+            out = F.linear(x, w, bias)
+        else:
+            out = F.linear(x, self.dense(), bias)
+        return out if residual is None else out.add_(residual)
+
+
+def make_linear(
+    w: torch.Tensor, dtype: torch.dtype, weight_dtype: str, kernels: Kernels
+) -> LinearOp:
+    """A projection over checkpoint weight `w` [out, in], run in `dtype`."""
+    if weight_dtype == "int8":
+        q, scale = quantize_int8(w)
+        return RowsLinear(q, dtype, kernels, scale)
+    if weight_dtype != "auto":
+        raise ValueError(f"weight dtype must be 'auto' or 'int8', got {weight_dtype!r}")
+    if dtype == torch.float32:
+        return Fp32Linear(w, kernels)
+    return RowsLinear(w.to(dtype), dtype, kernels)
+
+
+def _prepack(w: torch.Tensor) -> object | None:
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    except Exception:  # checked at start by prepack_works(); a shape it refuses stays dense
+        return None
+
+
+def prepack_works() -> bool:
+    """Whether oneDNN's prepacked bf16 linear runs here and agrees with F.linear.
+
+    The op lives in a private namespace that has moved between torch releases and refuses
+    CPUs without native bf16, so it is resolved and checked once, never assumed.
+    """
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 96, generator=g).bfloat16()
+        x = torch.randn(5, 96, generator=g).bfloat16()
+        packed = ops._reorder_linear_weight(w, None)
+        got = ops._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
+    except Exception as exc:
+        log.info("oneDNN prepacked bf16 linear unavailable: %s", exc)
+        return False
+
+
+def cpu_kernels(device: torch.device) -> Kernels:
+    """The kernels linear ops may use on `device` (torch ops only off the CPU)."""
+    if device.type != "cpu":
+        return Kernels(ops=None, prepack_bf16=False)
     from kernels import cpu
+    from kernels.isa import cpu_isa
 
+    isa = cpu_isa()
     ops = cpu.load()
-    if ops is None:
-        return torch_linear
-    small_gemm = ops.small_gemm
-
-    def linear(x, w, bias=None, residual=None):
-        if x.shape[0] <= SMALL_M:
-            return small_gemm(x, w, bias, residual)
-        return torch_linear(x, w, bias, residual)
-
-    return linear
+    prepack = isa.at_least("avx512_bf16") and prepack_works()
+    return Kernels(ops=ops, prepack_bf16=prepack, isa=isa)

@@ -1,12 +1,29 @@
-"""The streaming small-batch GEMM against torch's, with and without bias and residual."""
+"""Every projection path against the torch reference: the compiled kernels (small_gemm for
+float32, rows_gemm for bf16/fp16/int8 storage), the large-batch paths, and INT8 quantization.
+
+Tolerances: float32 storage 1e-4 (summation order only); bf16/fp16 storage 1e-4 against the
+same widened weights in float32 (the kernel accumulates in float32); bf16 activations 2e-2
+relative (one bf16 rounding of the output); INT8 against its own dequantized weights 1e-4.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu
-from kernels.linear import SMALL_M, get_linear, torch_linear
+from kernels.isa import LEVELS, resolve
+from kernels.linear import (
+    SMALL_M,
+    Fp32Linear,
+    Kernels,
+    RowsLinear,
+    cpu_kernels,
+    make_linear,
+    prepack_works,
+    quantize_int8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +34,17 @@ def ops():
     return ops
 
 
+def _case(m: int, k: int, n: int):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    return x, w, torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, SMALL_M])
 @pytest.mark.parametrize("k,n", [(64, 96), (130, 7), (768, 2304)])
 def test_small_gemm_matches_torch(ops, m, k, n):
-    g = torch.Generator().manual_seed(m * 1000 + k + n)
-    x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    x, w, bias, residual = _case(m, k, n)
+    w = w.t().contiguous()
     for b, r in ((None, None), (bias, None), (None, residual), (bias, residual)):
         expected = x @ w + (0 if b is None else b) + (0 if r is None else r)
         got = ops.small_gemm(x, w, b, r)
@@ -30,7 +52,128 @@ def test_small_gemm_matches_torch(ops, m, k, n):
     assert torch.equal(residual, residual.clone())  # the residual is not written in place
 
 
-def test_dispatch_uses_torch_for_large_batches_and_other_dtypes(ops):
-    x, w = torch.randn(SMALL_M + 1, 16), torch.randn(16, 8)
-    torch.testing.assert_close(get_linear(torch.device("cpu"), torch.float32)(x, w), x @ w)
-    assert get_linear(torch.device("cpu"), torch.bfloat16) is torch_linear
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, SMALL_M])
+@pytest.mark.parametrize("k,n", [(64, 96), (130, 7), (13, 5), (768, 2304)])
+def test_rows_gemm_matches_torch(ops, wdtype, m, k, n):
+    """Odd K (no full vector), N not a multiple of the 4-row block, 1..32 rows."""
+    x, w, bias, residual = _case(m, k, n)
+    scale = None
+    if wdtype == torch.int8:
+        q, scale = quantize_int8(w)
+        dense = q.float() * scale[:, None]
+    else:
+        q = w.to(wdtype)
+        dense = q.float()
+    for b, r in ((None, None), (bias, None), (None, residual), (bias, residual)):
+        expected = F.linear(x, dense, b) + (0 if r is None else r)
+        got = ops.rows_gemm(x, q, scale, b, r)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # bf16 activations in, bf16 out: the float32 result rounded once.
+    got = ops.rows_gemm(x.bfloat16(), q, scale, None, None)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got.float(), F.linear(x.bfloat16().float(), dense), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_rows_gemm_refuses_bad_input(ops):
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="need a scale"):
+        ops.rows_gemm(x, torch.zeros(4, 8, dtype=torch.int8), None, None, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        ops.rows_gemm(x, torch.zeros(4, 9, dtype=torch.bfloat16), None, None, None)
+
+
+def test_quantize_int8_is_symmetric_per_channel():
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [127.0, 3.0, -127.0]])
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (3,)
+    assert q.abs().max() <= 127 and q[0, 1] == -127 and q[2, 0] == 127
+    torch.testing.assert_close(q.float() * scale[:, None], w, atol=scale.max().item() / 2, rtol=0)
+    assert torch.all(q[1] == 0)  # an all-zero row quantizes without dividing by zero
+
+
+# Every path a LinearOp can take, each forced: compiled kernels or not, prepacked or not.
+_KERNEL_SETS = {
+    "reference": lambda ops: Kernels(ops=None, prepack_bf16=False),
+    "compiled": lambda ops: Kernels(ops=ops, prepack_bf16=False),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_KERNEL_SETS))
+@pytest.mark.parametrize(
+    "dtype,weight_dtype",
+    [
+        (torch.float32, "auto"),
+        (torch.bfloat16, "auto"),
+        (torch.float16, "auto"),
+        (torch.float32, "int8"),
+        (torch.bfloat16, "int8"),
+    ],
+)
+@pytest.mark.parametrize("m", [1, 7, SMALL_M, SMALL_M + 1, 80])
+def test_linear_ops_match_reference(ops, path, dtype, weight_dtype, m):
+    x, w, bias, residual = _case(m, 96, 200)
+    op = make_linear(
+        w.to(dtype) if weight_dtype == "auto" else w, dtype, weight_dtype, _KERNEL_SETS[path](ops)
+    )
+    if weight_dtype == "int8":
+        q, scale = quantize_int8(w)
+        dense = (q.float() * scale[:, None]).to(dtype)
+    else:
+        dense = w.to(dtype)
+    xd, bd, rd = x.to(dtype), bias.to(dtype), residual.to(dtype)
+    expected = F.linear(xd.float(), dense.float(), bd.float()) + rd.float()
+    got = op(xd, bd, rd)
+    assert got.dtype == dtype and got.shape == (m, 200)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    assert op.nbytes == w.numel() * (1 if weight_dtype == "int8" else dense.element_size())
+
+
+def test_int8_weights_are_close_to_the_float_weights():
+    """Per-channel INT8 keeps a projection's output within ~1% of float32 (random weights)."""
+    x, w, _, _ = _case(16, 768, 512)
+    op = make_linear(w, torch.float32, "int8", Kernels(ops=cpu.load(), prepack_bf16=False))
+    ref = F.linear(x, w)
+    rel = (op(x) - ref).norm() / ref.norm()
+    assert rel < 0.01, rel
+
+
+def test_kernel_choice_follows_the_machine(ops):
+    kernels = cpu_kernels(torch.device("cpu"))
+    assert kernels.ops is not None and kernels.isa is not None
+    assert isinstance(make_linear(torch.randn(8, 4), torch.float32, "auto", kernels), Fp32Linear)
+    op = make_linear(torch.randn(8, 4).bfloat16(), torch.bfloat16, "auto", kernels)
+    assert isinstance(op, RowsLinear) and op.kernel == "rows_gemm"
+    # The prepacked oneDNN path is used exactly where it works (AVX512-BF16 / AMX machines).
+    assert kernels.prepack_bf16 == (kernels.isa.at_least("avx512_bf16") and prepack_works())
+    with pytest.raises(ValueError, match="weight dtype"):
+        make_linear(torch.randn(8, 4), torch.float32, "int4", kernels)
+
+
+@pytest.mark.skipif(not prepack_works(), reason="oneDNN prepacked bf16 needs AVX512-BF16 / AMX")
+@pytest.mark.parametrize("m", [SMALL_M + 1, 200])
+def test_prepacked_bf16_matches_reference(ops, m):
+    x, w, bias, residual = _case(m, 96, 200)
+    op = make_linear(w.bfloat16(), torch.bfloat16, "auto", Kernels(ops=ops, prepack_bf16=True))
+    assert op._packed is not None
+    got = op(x.bfloat16(), bias.bfloat16(), residual.bfloat16())
+    expected = F.linear(x.bfloat16().float(), w.bfloat16().float(), bias.bfloat16().float())
+    torch.testing.assert_close(
+        got.float(), expected + residual.bfloat16().float(), rtol=2e-2, atol=3e-2
+    )
+
+
+def test_isa_levels_cap_but_never_raise():
+    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+    assert resolve(flags, None).level == "avx512_bf16"
+    capped = resolve(flags, "avx2")
+    assert capped.level == "avx2" and capped.hardware == "avx512_bf16"
+    assert "capped" in capped.describe()
+    assert resolve(frozenset({"avx2", "fma"}), "amx").level == "avx2"  # never above the CPU
+    assert resolve(frozenset(), None).level == "scalar"
+    with pytest.raises(ValueError, match="RTP_SERVE_ISA"):
+        resolve(flags, "sse9")
+    assert set(LEVELS) >= {"scalar", "avx2", "amx"}

@@ -192,19 +192,3 @@ def test_logprobs_zero_returns_sampled_only(model_dir, hf_greedy, prompts):
         assert lp.logprob == pytest.approx(ref[step, lp.token_id].item(), abs=1e-4)
     [plain] = llm.generate([prompts[3]], SamplingParams(max_tokens=4, temperature=0.0))
     assert plain.logprobs is None
-
-
-def test_bfloat16_runs_and_agrees_with_hf(model_dir, hf_model, prompts):
-    """bf16 rounding differs between implementations: only first tokens, by majority."""
-    llm = make_llm(model_dir, "tiny-llama", dtype="bfloat16")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    hf = hf_model("tiny-llama", torch.bfloat16)
-    agree = 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert len(out.token_ids) == 4
-        assert all(0 <= t < 8192 for t in out.token_ids)
-        with torch.inference_mode():
-            first = int(hf(torch.tensor([prompt])).logits[0, -1].argmax())
-        agree += out.token_ids[0] == first
-    assert agree >= 6, f"bf16 first tokens agree with HF for only {agree}/8 prompts"
-    assert_pool_idle(llm.engine)

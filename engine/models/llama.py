@@ -4,8 +4,8 @@ The three families differ only in config (qkv bias, tied embeddings, rope scalin
 implementation serves all of them. q/k/v and gate/up projections are fused into one matmul
 each at load time: fewer, larger kernels are what a CPU (and a GPU at batch 1) wants.
 
-Projection weights are stored transposed, [in, out]: at decode batch sizes MKL's GEMV reads
-that layout 30% faster than HF's [out, in] (bench/engine.py), and large GEMMs are the same.
+Each projection is a `LinearOp` (kernels/linear.py), prepared once at load for its storage
+(float32, bf16, or weight-only INT8) and the CPU; the model only calls it.
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, RopeScaling
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.linear import Linear, torch_linear
+from kernels.linear import Kernels, LinearOp, RowsLinear, make_linear
 
 
 @dataclass(slots=True)
 class LayerWeights:
-    """Projections are [in, out] (transposed from the checkpoint)."""
-
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D]
+    qkv: LinearOp  # hidden -> (Hq + 2 Hkv) * D
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: LinearOp
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    down: torch.Tensor
+    gate_up: LinearOp  # hidden -> 2 * intermediate
+    down: LinearOp
 
 
 @dataclass(slots=True)
@@ -39,14 +37,29 @@ class LlamaWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # [hidden, vocab], or the [vocab, hidden] embedding when tied
+    lm_head: LinearOp  # reads the [vocab, hidden] embedding in place when tied
     tied: bool
+
+    @property
+    def nbytes_per_token(self) -> int:
+        """Weight bytes a decode step reads (all projections and the head, not the embedding)."""
+        ops = [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up)]
+        ops += [layer.down for layer in self.layers] + [self.lm_head]
+        return sum(op.nbytes for op in ops)
 
 
 def load_llama_weights(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype
+    tensors: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    kernels: Kernels,
+    weight_dtype: str = "auto",
 ) -> LlamaWeights:
-    """Map HF tensor names onto fused weights; `tensors` is consumed (popped) as we go."""
+    """Map HF tensor names onto fused weights; `tensors` is consumed (popped) as we go.
+
+    `weight_dtype` "int8" stores the projections (not the embedding, norms or LM head, as
+    is usual for weight-only INT8) quantized per output channel; "auto" keeps `dtype`.
+    """
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -54,15 +67,18 @@ def load_llama_weights(
         except KeyError:
             raise ValueError(f"checkpoint is missing tensor {name!r}") from None
 
-    def proj(*names: str) -> torch.Tensor:
-        """[out, in] checkpoint weights, concatenated on `out`, as one [in, out] matrix.
+    def raw(name: str) -> torch.Tensor:
+        try:
+            return tensors.pop(name)
+        except KeyError:
+            raise ValueError(f"checkpoint is missing tensor {name!r}") from None
 
-        float32 is stored [in, out] (the GEMV layout that is faster for decode); other dtypes
-        stay [out, in] in memory behind a transposed view, because oneDNN's bf16/fp16 GEMM on
-        a contiguous [in, out] matrix is ~16x slower on AVX2 CPUs (measured).
-        """
-        w = torch.cat([take(n) for n in names]).t()
-        return w.contiguous() if dtype == torch.float32 else w
+    def proj(*names: str, quantize: bool = True) -> LinearOp:
+        """[out, in] checkpoint weights, concatenated on `out`, as one projection. INT8 is
+        quantized from the checkpoint's own values, not from a rounded copy."""
+        w = torch.cat([raw(n) for n in names])
+        wd = weight_dtype if quantize else "auto"
+        return make_linear(w if wd == "int8" else w.to(dtype), dtype, wd, kernels)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -86,7 +102,10 @@ def load_llama_weights(
         )
     embed = take("model.embed_tokens.weight")
     # A tied head reuses the embedding as is: a transposed copy would double its memory.
-    lm_head = embed if cfg.tie_word_embeddings else proj("lm_head.weight")
+    if cfg.tie_word_embeddings:
+        lm_head: LinearOp = RowsLinear(embed, dtype, kernels)
+    else:
+        lm_head = proj("lm_head.weight", quantize=False)
     weights = LlamaWeights(
         embed=embed,
         layers=layers,
@@ -154,12 +173,10 @@ class LlamaModel:
         weights: LlamaWeights,
         attention: AttentionBackend,
         max_len: int,
-        linear: Linear = torch_linear,
     ) -> None:
         self.cfg = cfg
         self.w = weights
         self.attention = attention
-        self.linear = linear
         self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
         self._q = cfg.num_heads * cfg.head_dim
         self._kv = cfg.num_kv_heads * cfg.head_dim
@@ -180,19 +197,17 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.w.embed[input_ids]
-        linear = self.linear
         for layer, (k_cache, v_cache) in zip(self.w.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h, layer.qkv_bias)
             # RoPE on q and k together: one set of elementwise ops instead of two.
             qk = apply_rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            x = linear(attn.view(-1, self._q), layer.o, None, x)  # residual fused into the GEMM
+            x = layer.o(attn.view(-1, self._q), None, x)  # residual fused into the GEMM
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = linear(F.silu(gate) * up, layer.down, None, x)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = layer.down(F.silu(gate) * up, None, x)
         x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        head = self.w.lm_head
-        return (F.linear(x, head) if self.w.tied else linear(x, head)).float()
+        return self.w.lm_head(x).float()

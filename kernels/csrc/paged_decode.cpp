@@ -125,8 +125,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
                          c10::optional<torch::Tensor> residual);
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
+  m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }

@@ -1,0 +1,224 @@
+// x @ w.T (* scale) (+ bias) (+ residual) for a few rows of x, over bf16/fp16 or int8 weights
+// stored [out, in] (the checkpoint's layout).
+//
+// At decode batch sizes a projection is bound by how fast its weights stream from memory, so
+// a weight stored in 2 (bf16) or 1 (int8) bytes is 2x or 4x less to read than float32. This
+// kernel reads each weight once: a thread takes a contiguous run of output rows, widens a
+// few of them to float32 in a buffer that stays in L1, and dots every row of x (float32,
+// kept in L1/L2) against them. Accumulation is float32 whatever the storage; int8 weights are
+// symmetric per output channel (w = q * scale[n]), so the scale is applied once per output.
+// The loops are plain C++ that the compiler vectorises for the CPU it is built on
+// (-march=native: AVX2, AVX-512 ...), so every ISA runs the same, tested source.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RTP_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 4;  // weight rows widened and dotted together
+
+inline float widen(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(float v) { return v; }
+
+// Dot products of x row m against kRows weight rows, widened as they are read.
+template <typename w_t>
+inline void dot_rows_portable(const float* __restrict xm, const w_t* __restrict w0, int64_t K,
+                              float* s) {
+  const w_t* __restrict w1 = w0 + K;
+  const w_t* __restrict w2 = w1 + K;
+  const w_t* __restrict w3 = w2 + K;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t k = 0; k < K; ++k) {
+    const float xv = xm[k];
+    s0 += xv * widen(w0[k]);
+    s1 += xv * widen(w1[k]);
+    s2 += xv * widen(w2[k]);
+    s3 += xv * widen(w3[k]);
+  }
+  s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
+#ifdef RTP_AVX2
+// The compiler does not vectorise the widening of mixed-type streams well (int8 above all),
+// so the memory-bound path is written out for AVX2, which every x86 machine here has.
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One weight row at a time, so the weights are read as one sequential stream; four
+// accumulators hide the FMA latency.
+template <typename w_t>
+inline float dot_row(const float* __restrict xm, const w_t* __restrict w, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), load8(w + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 8), load8(w + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 16), load8(w + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 24), load8(w + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), load8(w + k), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += xm[k] * widen(w[k]);
+  return s;
+}
+
+template <typename w_t>
+inline void dot_rows(const float* __restrict xm, const w_t* __restrict w0, int64_t K, float* s) {
+  for (int64_t r = 0; r < kRows; ++r) s[r] = dot_row(xm, w0 + r * K, K);
+}
+#else
+template <typename w_t>
+inline void dot_rows(const float* __restrict xm, const w_t* __restrict w0, int64_t K, float* s) {
+  dot_rows_portable(xm, w0, K, s);
+}
+#endif
+
+// The same for two rows of x at once against already widened weights: 6 loads per 8 FMAs.
+inline void dot_rows2(const float* __restrict xa, const float* __restrict xb,
+                      const float* __restrict w0, int64_t K, float* sa, float* sb) {
+  const float* __restrict w1 = w0 + K;
+  const float* __restrict w2 = w1 + K;
+  const float* __restrict w3 = w2 + K;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+  for (int64_t k = 0; k < K; ++k) {
+    const float xv = xa[k], yv = xb[k];
+    const float v0 = w0[k], v1 = w1[k], v2 = w2[k], v3 = w3[k];
+    a0 += xv * v0, a1 += xv * v1, a2 += xv * v2, a3 += xv * v3;
+    b0 += yv * v0, b1 += yv * v1, b2 += yv * v2, b3 += yv * v3;
+  }
+  sa[0] = a0, sa[1] = a1, sa[2] = a2, sa[3] = a3;
+  sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
+}
+
+template <typename w_t>
+void rows_kernel(const float* x, const w_t* w, const float* scale, const float* bias,
+                 const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
+  const int64_t full = N / kRows;  // blocks of kRows weight rows; a ragged tail is padded
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  auto store = [&](int64_t m, int64_t n0, int64_t rows, const float* sums) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = n0 + r;
+      float v = scale ? sums[r] * scale[n] : sums[r];
+      if (bias) v += bias[n];
+      if (residual) v += residual[m * N + n];
+      out[m * N + n] = v;
+    }
+  };
+  // Contiguous runs of output rows per thread: sequential weight reads.
+  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (4 * at::get_num_threads())),
+                   [&](int64_t b0, int64_t b1) {
+    std::vector<float> wbuf(kRows * K);
+    std::vector<w_t> tail;
+    float sa[kRows], sb[kRows];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kRows;
+      const int64_t rows = std::min(kRows, N - n0);
+      const w_t* wr = w + n0 * K;
+      if (blk >= full) {  // pad the last, partial block with zero rows
+        tail.assign(kRows * K, w_t(0));
+        std::copy(wr, wr + rows * K, tail.begin());
+        wr = tail.data();
+      }
+      if (M <= 2) {  // memory-bound: widen as we read, nothing else reuses the weights
+        for (int64_t m = 0; m < M; ++m) {
+          dot_rows(x + m * K, wr, K, sa);
+          store(m, n0, rows, sa);
+        }
+        continue;
+      }
+      float* __restrict dst = wbuf.data();
+#pragma omp simd
+      for (int64_t i = 0; i < kRows * K; ++i) dst[i] = widen(wr[i]);
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) {
+        dot_rows2(x + m * K, x + (m + 1) * K, dst, K, sa, sb);
+        store(m, n0, rows, sa);
+        store(m + 1, n0, rows, sb);
+      }
+      if (m < M) {
+        dot_rows(x + m * K, dst, K, sa);
+        store(m, n0, rows, sa);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] (any float dtype), w [N, K] bf16 / fp16 / int8 / fp32, scale [N] float32 (int8 only),
+// bias [N] and residual [M, N] optional; returns [M, N] in x's dtype.
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] @ w [N, K].T");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous [N, K]");
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == scale.has_value(), "int8 weights need a scale, other dtypes none");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto f32 = [&](const c10::optional<torch::Tensor>& t) -> c10::optional<torch::Tensor> {
+    if (!t.has_value()) return c10::nullopt;
+    return t->to(at::kFloat).contiguous();
+  };
+  auto sf = f32(scale), bf = f32(bias), rf = f32(residual);
+  if (sf) TORCH_CHECK(sf->numel() == N, "scale must be [N]");
+  if (bf) TORCH_CHECK(bf->numel() == N, "bias must be [N]");
+  if (rf) TORCH_CHECK(rf->size(0) == M && rf->size(1) == N, "residual must be [M, N]");
+  auto out = torch::empty({M, N}, xf.options());
+  const float* sp = sf ? sf->data_ptr<float>() : nullptr;
+  const float* bp = bf ? bf->data_ptr<float>() : nullptr;
+  const float* rp = rf ? rf->data_ptr<float>() : nullptr;
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (w.scalar_type()) {
+    case at::kBFloat16:
+      rows_kernel(xp, w.data_ptr<c10::BFloat16>(), sp, bp, rp, op, M, K, N);
+      break;
+    case at::kHalf:
+      rows_kernel(xp, w.data_ptr<c10::Half>(), sp, bp, rp, op, M, K, N);
+      break;
+    case at::kChar:
+      rows_kernel(xp, w.data_ptr<int8_t>(), sp, bp, rp, op, M, K, N);
+      break;
+    case at::kFloat:  // a tied float32 LM head, read in the embedding's own layout
+      rows_kernel(xp, w.data_ptr<float>(), sp, bp, rp, op, M, K, N);
+      break;
+    default:
+      TORCH_CHECK(false, "rows_gemm: weights must be bfloat16, float16, int8 or float32");
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}

@@ -1,0 +1,89 @@
+"""What this CPU can do, read once at start, and the kernel paths that follow from it.
+
+Machines of one kind are not all the same CPU: some stop at AVX2, others have AVX-512 with
+bf16 dot products, VNNI and AMX tiles. The engine picks its kernels from `cpu_isa()`:
+
+    level        needs (Linux /proc/cpuinfo flags)        what it enables
+    amx          amx_bf16 amx_int8 avx512_bf16            oneDNN prepacked bf16 GEMMs (AMX tiles)
+    avx512_bf16  avx512_bf16 avx512f                      oneDNN prepacked bf16 GEMMs
+    avx512       avx512f avx512bw avx512vl                compiled kernels built for AVX-512
+    avx2         avx2 fma                                 compiled kernels built for AVX2
+    scalar       -                                        torch reference ops only
+
+`RTP_SERVE_ISA=<level>` caps the level below what the CPU has, so every fallback can be
+forced and tested on a machine that has more (it never raises it above the hardware).
+The compiled kernels themselves are built for the machine they run on (-march=native);
+`RTP_SERVE_CPU_KERNELS=0` (or level `scalar`) turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+_NEEDS = {
+    "avx2": {"avx2", "fma"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl"},
+    "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_int8"},
+}
+# Reported (not all gate a path yet): int8 dot products, for weight-only INT8.
+_REPORTED = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
+_REPORTED += ("amx_int8", "amx_tile")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuIsa:
+    hardware: str  # the best level the CPU has
+    level: str  # the level in use (hardware, or lower if capped by RTP_SERVE_ISA)
+    flags: tuple[str, ...]  # the reported flags the CPU has
+
+    def at_least(self, level: str) -> bool:
+        return LEVELS.index(self.level) >= LEVELS.index(level)
+
+    def describe(self) -> str:
+        capped = f" (capped from {self.hardware})" if self.level != self.hardware else ""
+        return f"{self.level}{capped}; flags {' '.join(self.flags) or 'none'}"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()  # not Linux, or no /proc: assume nothing beyond what torch does
+
+
+def best_level(flags: frozenset[str]) -> str:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "scalar"
+    best = "scalar"
+    for level in LEVELS[1:]:
+        if _NEEDS[level] <= flags:
+            best = level
+    return best
+
+
+def resolve(flags: frozenset[str], cap: str | None) -> CpuIsa:
+    hardware = best_level(flags)
+    level = hardware
+    if cap:
+        if cap not in LEVELS:
+            raise ValueError(f"RTP_SERVE_ISA={cap!r}: expected one of {', '.join(LEVELS)}")
+        if LEVELS.index(cap) < LEVELS.index(hardware):
+            level = cap
+    if os.environ.get("RTP_SERVE_CPU_KERNELS", "1") == "0":
+        level = "scalar"
+    return CpuIsa(hardware, level, tuple(f for f in _REPORTED if f in flags))
+
+
+def cpu_isa() -> CpuIsa:
+    """This CPU's level, capped by the environment as it is now (so a test can force one)."""
+    return resolve(cpu_flags(), os.environ.get("RTP_SERVE_ISA") or None)

@@ -1,0 +1,107 @@
+"""Reduced precision against references: bf16 against HF bf16, weight-only INT8 against the
+bf16 and float32 weights, and every forced kernel path against the compiled one.
+
+Stated bounds (measured; see the engine issue's closing note):
+- bf16 greedy equals HF bf16 greedy for the first token of every prompt on every tiny
+  preset (N = 1). Past that, rounding differences between two bf16 implementations of these
+  deliberately peaky random models make sequences drift apart within a few tokens; float32
+  parity (tests/test_parity.py) is exact for all 24.
+- INT8 weights on the trained smollm2-135m, 256 tokens of fixed text: logits within 5%
+  (relative L2) of bf16's, greedy argmax agreeing at >= 90% of positions, and perplexity at
+  most 3% above bf16's (measured: +0.8%).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kernels.attention import AttentionMetadata, PrefillChunk
+from tests.helpers import PRESETS, REF_TOKENS, assert_pool_idle, make_llm
+
+_README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    runner, n = llm.engine.runner, len(ids)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_size=llm.engine.config.block_size,
+        num_decodes=0,
+        prefills=[PrefillChunk(0, n, 0, None)],
+    )
+    with torch.inference_mode():
+        return runner.model.forward(
+            torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, torch.arange(n)
+        )
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    lp = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])
+    return float((-lp.mean()).exp())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bfloat16_first_token_matches_hf_bfloat16(preset, model_dir, hf_model, prompts):
+    llm = make_llm(model_dir(preset), "bfloat16")
+    hf = hf_model(preset, torch.bfloat16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            first = int(hf(torch.tensor([prompt])).logits[0, -1].argmax())
+        assert out.token_ids[0] == first, f"prompt of {len(prompt)} tokens"
+    assert_pool_idle(llm.engine)
+
+
+def test_int8_weights_against_bfloat16_on_a_trained_model(smollm2):
+    from engine.tokenizer import Tokenizer
+
+    ids = Tokenizer(smollm2).encode(_README.read_text())[:256]
+    logits = {
+        wd: _prefill_logits(
+            LLM(str(smollm2), dtype="bfloat16", weight_dtype=wd, num_kv_blocks=32), ids
+        )
+        for wd in ("auto", "int8")
+    }
+    bf16, int8 = logits["auto"], logits["int8"]
+    rel = float((int8 - bf16).norm() / bf16.norm())
+    agree = float((int8.argmax(-1) == bf16.argmax(-1)).float().mean())
+    ppl_bf16, ppl_int8 = _perplexity(bf16, ids), _perplexity(int8, ids)
+    assert rel < 0.05, rel
+    assert agree >= 0.9, agree
+    assert ppl_int8 <= 1.03 * ppl_bf16, (ppl_int8, ppl_bf16)
+
+
+FORCED = [
+    # (dtype, weight_dtype): every linear storage the engine runs.
+    ("float32", "auto"),
+    ("bfloat16", "auto"),
+    ("float32", "int8"),
+    ("bfloat16", "int8"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), FORCED)
+def test_forced_reference_path_agrees_with_the_compiled_one(
+    dtype, weight_dtype, model_dir, prompts, monkeypatch
+):
+    """RTP_SERVE_ISA=scalar (no compiled kernels: torch ops for every projection and for
+    attention) computes what the compiled kernels compute, within the dtype's rounding."""
+    path = model_dir("tiny-llama")
+    compiled = make_llm(path, dtype, weight_dtype=weight_dtype)
+    monkeypatch.setenv("RTP_SERVE_ISA", "scalar")
+    reference = make_llm(path, dtype, weight_dtype=weight_dtype)
+    assert reference.engine.runner.kernels.ops is None
+    assert compiled.engine.runner.kernels.ops is not None
+    prompt = prompts[6]
+    a, b = _prefill_logits(compiled, prompt), _prefill_logits(reference, prompt)
+    tol = 1e-4 if dtype == "float32" else 0.05
+    assert float((a - b).norm() / b.norm()) < tol
+    if dtype == "float32":
+        greedy = SamplingParams(max_tokens=REF_TOKENS, temperature=0.0, ignore_eos=True)
+        [x] = compiled.generate([prompt], greedy)
+        [y] = reference.generate([prompt], greedy)
+        assert x.token_ids == y.token_ids
