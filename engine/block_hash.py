@@ -60,8 +60,9 @@ def _hash_safetensors(file: Path, h: hashlib.blake2b) -> None:
 def cache_salt(model_dir: str | os.PathLike, kv_dtype: str, adapter: str = "") -> bytes:
     """The salt of a cache namespace: blocks from different namespaces never match.
 
-    `adapter` names a LoRA adapter (or is empty for the base model); `kv_dtype` is the dtype
-    the KV cache is stored in.
+    `adapter` names a LoRA adapter (or is empty for the base model); `kv_dtype` is what fixes
+    a block's values besides its tokens: `engine.dtypes.kv_numerics(dtype, weight_dtype,
+    kv_dtype)`, the dtype's name alone when weights and KV are stored in the model dtype.
     """
     return salt_of(model_fingerprint(model_dir).hex(), kv_dtype, adapter)
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.dtypes import DTYPES, WEIGHT_DTYPES
+from engine.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -119,6 +119,8 @@ class EngineConfig:
     dtype: str = "float32"
     # "auto": projections stored in `dtype`; "int8": weight-only INT8, per output channel.
     weight_dtype: str = "auto"
+    # "auto": the KV cache in `dtype`; or a narrower dtype than the model (bf16 KV, fp32 model).
+    kv_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     # KV pool size: an explicit block count wins over the memory budget.
@@ -138,6 +140,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        resolve_kv_dtype(self.dtype, self.kv_dtype)  # raises for a name it does not know
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
@@ -151,6 +154,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return resolve_kv_dtype(self.dtype, self.kv_dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,24 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 # How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized.
 WEIGHT_DTYPES = ("auto", "int8")
+# How the KV cache is stored: "auto" as the model dtype, or any of DTYPES.
+KV_DTYPES = ("auto", *DTYPES)
+
+
+def resolve_kv_dtype(dtype: str, kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return dtype if kv_dtype == "auto" else kv_dtype
+
+
+def kv_numerics(dtype: str, weight_dtype: str = "auto", kv_dtype: str = "auto") -> str:
+    """What decides a KV block's values besides the tokens: the compute dtype, the weight
+    storage and the KV dtype, as the one string the cache salt is made from. The plain case
+    (weights and KV in the model dtype) is the dtype's name alone."""
+    kv = resolve_kv_dtype(dtype, kv_dtype)
+    if weight_dtype == "auto" and kv == dtype:
+        return dtype
+    return f"{dtype};weights={weight_dtype};kv={kv}"
 
 
 def torch_dtype(name: str) -> torch.dtype:

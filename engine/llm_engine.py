@@ -11,6 +11,7 @@ import torch
 from engine.block_hash import BlockHash, cache_salt
 from engine.block_pool import BlockPool, KVEvent
 from engine.config import EngineConfig, KVLayout, ModelConfig
+from engine.dtypes import kv_numerics
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_limits
 from engine.outputs import PromptKV, RequestOutput, SampledToken
@@ -65,9 +66,13 @@ class LLMEngine:
             self.kv,
             self.model_config.eos_token_ids,
         )
-        self.cache_salt = cache_salt(config.model, config.dtype)
+        self.cache_salt = cache_salt(
+            config.model, kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype)
+        )
         cfg = self.model_config
-        self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.dtype)
+        self.kv_layout = KVLayout(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
+        )
 
     # -- requests --------------------------------------------------------------------------
     def make_request(

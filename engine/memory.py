@@ -69,14 +69,19 @@ def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * _ITEMSIZE[dtype]
 
 
-def weights_bytes(model_dir: str | os.PathLike, dtype: str) -> int:
-    """The model's parameters in `dtype`, counted from the safetensors headers."""
-    params = 0
+def weights_bytes(model_dir: str | os.PathLike, dtype: str, weight_dtype: str = "auto") -> int:
+    """The model's parameters in `dtype`, counted from the safetensors headers; with
+    `weight_dtype` "int8" the projections (`*_proj.weight`) take one byte per parameter."""
+    total = 0
     for file in Path(model_dir).glob("*.safetensors"):
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        params += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return params * _ITEMSIZE[dtype]
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            int8 = weight_dtype == "int8" and name.endswith("_proj.weight")
+            total += math.prod(t["shape"]) * (1 if int8 else _ITEMSIZE[dtype])
+    return total
 
 
 def kv_budget(
@@ -85,13 +90,14 @@ def kv_budget(
     fraction: float = DEFAULT_FRACTION,
     share: int = 1,
     available: int | None = None,
+    weight_dtype: str = "auto",
 ) -> KVBudget:
     if not 0 < fraction <= 1:
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
     if share < 1:
         raise ValueError(f"memory share must be at least 1, got {share}")
     available = available_memory_bytes() if available is None else available
-    weights = weights_bytes(model_dir, dtype)
+    weights = weights_bytes(model_dir, dtype, weight_dtype)
     kv = int(available * fraction / share) - weights
     budget = KVBudget(max(kv, MIN_KV_BYTES), available, weights, fraction, share)
     if kv < MIN_KV_BYTES:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
-    bytes_per_block = config.block_size * kv_bytes_per_token(model, config.dtype)
+    bytes_per_block = config.block_size * kv_bytes_per_token(model, config.resolved_kv_dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = min(
         config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -51,6 +51,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
+        self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
         tensors = load_tensors(config.model, device=str(self.device))
         self.kernels = cpu_kernels(self.device)
         weights = load_llama_weights(
@@ -68,13 +69,13 @@ class ModelRunner:
         )
         # Zeroed up front, like a GPU pool reserved at start-up: first-touch page faults would
         # otherwise land on the first requests' steps.
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(model_config.eos_token_ids, config.seed)
         isa = self.kernels.isa
         log.info(
             "model loaded: %s, %d layers, %s (weights %s, %.0f MiB read per step), "
-            "kernels: %s, linear %s%s; kv cache %d blocks = %d tokens (%.1f MiB)",
+            "kernels: %s, linear %s%s; kv cache %s, %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
             config.dtype,
@@ -83,6 +84,7 @@ class ModelRunner:
             isa.describe() if isa else self.device.type,
             weights.layers[0].qkv.kernel,
             " + oneDNN prepacked bf16" if self.kernels.prepack_bf16 else "",
+            config.resolved_kv_dtype,
             limits.num_kv_blocks,
             limits.num_kv_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
@@ -109,8 +111,8 @@ class ModelRunner:
         if tuple(k.shape) != expected or k.shape != v.shape:
             raise ValueError(f"KV shape {tuple(k.shape)}/{tuple(v.shape)} != expected {expected}")
         slots = self._slots(block_ids, start, start + k.shape[1])
-        self.kv_cache[:, 0].index_copy_(1, slots, k.to(self.dtype))
-        self.kv_cache[:, 1].index_copy_(1, slots, v.to(self.dtype))
+        self.kv_cache[:, 0].index_copy_(1, slots, k.to(self.kv_dtype))
+        self.kv_cache[:, 1].index_copy_(1, slots, v.to(self.kv_dtype))
 
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]

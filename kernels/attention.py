@@ -9,7 +9,9 @@ A step's new tokens come as one flat batch, decodes first:
                one token per decode     prefill chunks (any length), each
                sequence, any context    after `ctx_len` tokens already cached
 
-Every layer writes the new K/V into their slots first, then attends, so a block computed
+The cache may be stored in a narrower dtype than the model computes in (bf16 KV for float32
+weights): writes round to it, reads widen from it. Every layer writes the new K/V into their
+slots first, then attends, so a block computed
 in this step can already be read by another sequence of the same step.
 `CpuKernelAttention` (decode through the compiled CPU kernel) implements the same interface;
 a GPU backend would too (none exists yet).
@@ -64,8 +66,8 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 class TorchAttention:
@@ -125,8 +127,8 @@ def paged_decode(
     lmax = int(seq_lens.max())
     offsets = torch.arange(block_size, device=q.device)
     slots = (block_tables[:, :, None] * block_size + offsets).flatten(1)[:, :lmax]
-    keys = _gather(k_cache, slots)  # [B, Lmax, Hkv, D]
-    values = _gather(v_cache, slots)
+    keys = _gather(k_cache, slots).to(q.dtype)  # [B, Lmax, Hkv, D]
+    values = _gather(v_cache, slots).to(q.dtype)
     mask = None  # all the same length needs no mask
     if int(seq_lens.min()) < lmax:
         valid = torch.arange(lmax, device=q.device)[None, :] < seq_lens[:, None]
@@ -151,7 +153,8 @@ def paged_prefill(
 ) -> torch.Tensor:
     """New tokens attend to `ctx_len` cached tokens plus themselves (causally). q [n, Hq, D]."""
     n = q.shape[0]
-    keys, values = _gather(k_cache, slots), _gather(v_cache, slots)  # [ctx_len + n, Hkv, D]
+    # [ctx_len + n, Hkv, D], widened to the query's dtype if the cache is stored narrower
+    keys, values = _gather(k_cache, slots).to(q.dtype), _gather(v_cache, slots).to(q.dtype)
     # Query i sits at position ctx_len + i and sees keys 0 .. ctx_len + i.
     mask = torch.ones(n, ctx_len + n, dtype=torch.bool, device=q.device).tril(diagonal=ctx_len)
     return _attend(q, keys, values, mask, scale, causal=False)

@@ -143,3 +143,42 @@ def test_mixed_batch_writes_kv_then_attends():
         kc, vc = k_cache.clone(), v_cache.clone()
         out = backend.forward(q, k_new, v_new, kc, vc, meta)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=type(backend).__name__)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_a_narrower_cache(q_dtype, kv_dtype):
+    """bf16/fp16 KV under a float32 (or bf16) query: the kernel widens as it reads, and
+    matches dense attention over the rounded K/V (tolerance: the query dtype's)."""
+    torch.manual_seed(3)
+    hq, hkv, d, bs = 8, 2, 32, 16
+    lens = [1, 17, 64, 90]
+    contexts = [(torch.randn(n, hkv, d), torch.randn(n, hkv, d)) for n in lens]
+    k_cache, v_cache, tables = scatter_cache(contexts, 64, bs, kv_dtype)
+    q = torch.randn(len(lens), hq, d).to(q_dtype)
+    scale = d**-0.5
+    expected = torch.stack(
+        [
+            dense(q[i : i + 1], k.to(kv_dtype), v.to(kv_dtype), scale)[0]
+            for i, (k, v) in enumerate(contexts)
+        ]
+    )
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2
+    for name, impl in _decode_impls():
+        out = impl(q, k_cache, v_cache, padded(tables), torch.tensor(lens), bs, scale)
+        assert out.dtype == q_dtype, name
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol, msg=name)
+
+
+def test_prefill_over_a_narrower_cache():
+    """A chunk after a cached prefix, the cache in bf16 and the model in float32."""
+    torch.manual_seed(4)
+    hq, hkv, d, bs, ctx_len, n = 8, 2, 16, 4, 21, 6
+    k, v = torch.randn(ctx_len + n, hkv, d), torch.randn(ctx_len + n, hkv, d)
+    k_cache, v_cache, (table,) = scatter_cache([(k, v)], 64, bs, torch.bfloat16)
+    slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(ctx_len + n)])
+    q = torch.randn(n, hq, d)
+    out = paged_prefill(q, k_cache, v_cache, slots, ctx_len, d**-0.5)
+    assert out.dtype == torch.float32
+    expected = dense(q, k.bfloat16(), v.bfloat16(), d**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

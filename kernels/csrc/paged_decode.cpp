@@ -1,4 +1,5 @@
 // Paged decode attention for CPUs: one query token per sequence against its cached context,
+// stored in the query's dtype or a narrower one,
 // reading K and V in place from the block pool (no gather copy, unlike the torch reference,
 // which materialises every context before attending).
 //
@@ -17,7 +18,7 @@
 
 namespace {
 
-template <typename scalar_t>
+template <typename scalar_t, typename kv_t>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& seq_lens, int64_t block_size, double scale,
@@ -27,8 +28,8 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -57,9 +58,9 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
       // Pass 1: scores[h][t] = q_h . k_t.
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const scalar_t* __restrict krow = kp + slot * slot_stride + h0 * head_dim;
+        const kv_t* __restrict krow = kp + slot * slot_stride + h0 * head_dim;
         for (int64_t h = 0; h < nq; ++h) {
-          const scalar_t* __restrict kh = krow + (h / group) * head_dim;
+          const kv_t* __restrict kh = krow + (h / group) * head_dim;
           const float* __restrict qh = qf.data() + h * head_dim;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -84,9 +85,9 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
       acc.assign(nq * head_dim, 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const scalar_t* __restrict vrow = vp + slot * slot_stride + h0 * head_dim;
+        const kv_t* __restrict vrow = vp + slot * slot_stride + h0 * head_dim;
         for (int64_t h = 0; h < nq; ++h) {
-          const scalar_t* __restrict vh = vrow + (h / group) * head_dim;
+          const kv_t* __restrict vh = vrow + (h / group) * head_dim;
           const float p = scores[h * len + t];
           float* __restrict ah = acc.data() + h * head_dim;
 #pragma omp simd
@@ -107,9 +108,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "expected q [B, Hq, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "one block table and one length per sequence");
@@ -117,8 +116,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
+  // The cache may be stored narrower than the model computes (bf16 KV for float32 weights).
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+    using q_t = scalar_t;
+    switch (k_cache.scalar_type()) {
+      case at::kFloat:
+        decode_kernel<q_t, float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+        break;
+      case at::kBFloat16:
+        decode_kernel<q_t, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+                                          scale, out);
+        break;
+      case at::kHalf:
+        decode_kernel<q_t, c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+                                      scale, out);
+        break;
+      default:
+        TORCH_CHECK(false, "paged_decode: KV cache must be float32, bfloat16 or float16");
+    }
   });
   return out;
 }

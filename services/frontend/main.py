@@ -13,6 +13,7 @@ import os
 
 from aiohttp import web
 
+from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES, kv_numerics
 from engine.tokenizer import Tokenizer
 from services.common import grpc_util
 from services.common.flags import add_common_flags, advertised, env
@@ -50,11 +51,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="the model's name in the API (default: the model directory's name)",
     )
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
-    p.add_argument(
-        "--kv-dtype",
-        default=env("kv_dtype", env("dtype", "float32")),
-        help="the workers' KV dtype (part of the block hash salt)",
-    )
+    # The workers' numerics salt the block hashes: give the frontend the same three.
+    p.add_argument("--dtype", default=env("dtype", "float32"), choices=DTYPES,
+                   help="the workers' --dtype (part of the block hash salt)")  # fmt: skip
+    p.add_argument("--weight-dtype", default=env("weight_dtype", "auto"), choices=WEIGHT_DTYPES,
+                   help="the workers' --weight-dtype (part of the block hash salt)")  # fmt: skip
+    p.add_argument("--kv-dtype", default=env("kv_dtype", "auto"), choices=KV_DTYPES,
+                   help="the workers' --kv-dtype (part of the block hash salt)")  # fmt: skip
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -76,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    numerics = kv_numerics(args.dtype, args.weight_dtype, args.kv_dtype)
     model = ModelInfo.load(
-        args.model, args.served_model_name, args.block_size, args.kv_dtype, args.max_model_len
+        args.model, args.served_model_name, args.block_size, numerics, args.max_model_len
     )
     tokenizer = await asyncio.to_thread(Tokenizer, args.model)
     names = NameClient(args.nameservice) if args.nameservice else None

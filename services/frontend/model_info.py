@@ -29,7 +29,7 @@ class ModelInfo:
         path: str,
         served_name: str | None = None,
         block_size: int = 16,
-        kv_dtype: str = "float32",
+        kv_numerics: str = "float32",
         max_model_len: int | None = None,
     ) -> ModelInfo:
         cfg = ModelConfig.from_dir(path)
@@ -41,7 +41,7 @@ class ModelInfo:
             vocab_size=cfg.vocab_size,
             context_len=max_model_len or cfg.max_position_embeddings,
             block_size=block_size,
-            cache_salt=cache_salt(path, kv_dtype),
+            cache_salt=cache_salt(path, kv_numerics),
             byte_level=_byte_level_decoder(Path(path) / "tokenizer.json"),
         )
 

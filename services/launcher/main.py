@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES
 from services.common.flags import DEFAULT_MODEL_HELP, env
 from services.launcher import servers
 
@@ -53,7 +54,11 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
     p.add_argument("--no-cache", action="store_true", help="run without the cache service tier")
     p.add_argument("--policy", default="cache_aware")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                   help="int8: weight-only INT8 projections, quantized at load")  # fmt: skip
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="KV cache storage (auto: --dtype)")  # fmt: skip
     p.add_argument(
         "--kv-cache-mib",
         default="auto",
@@ -142,7 +147,9 @@ def _start(cluster: Cluster, model: str) -> str:
     if not args.no_cache:
         cluster.spawn("cache", *common, "--redis-url", redis_url)
     threads = args.threads or max(1, (os.cpu_count() or 1) // _worker_count(args))
-    worker = [*common, "--model", model, "--dtype", args.dtype, "--threads", str(threads),
+    numerics = ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
+                "--kv-dtype", args.kv_dtype]  # fmt: skip
+    worker = [*common, "--model", model, *numerics, "--threads", str(threads),
               "--kv-cache-mib", str(args.kv_cache_mib),
               "--memory-share", str(_worker_count(args))]  # fmt: skip
     if args.fused:
@@ -154,7 +161,7 @@ def _start(cluster: Cluster, model: str) -> str:
         for _ in range(args.decode):
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
-    cluster.spawn("frontend", *common, "--model", model, "--kv-dtype", args.dtype,
+    cluster.spawn("frontend", *common, "--model", model, *numerics,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
