@@ -30,6 +30,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerStats:
         check = await self.llm.check()
         stats = check.stats
+        rate = self.llm.step_rate()
         return worker_pb2.WorkerStats(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
@@ -39,6 +40,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_ok=not check.integrity_error,
             integrity_error=check.integrity_error,
             block_size=self.llm.block_size,
+            queued_tokens=stats.num_queued_tokens,
+            queue_wait_s=rate.queue_wait_s(stats.num_queued_tokens, stats.num_running),
+            prefill_tokens_per_s=rate.prefill_tokens_per_s,
+            decode_step_s=rate.decode_step_s,
+            max_num_waiting=self.llm.max_num_waiting,
         )
 
 
