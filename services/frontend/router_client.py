@@ -116,9 +116,7 @@ class Router:
             return await grpc_util.check_health(self.master, timeout=0.5)
         return False
 
-    async def route(
-        self, request: master_pb2.RouteRequest, timeout: float | None = None
-    ) -> Route:
+    async def route(self, request: master_pb2.RouteRequest, timeout: float | None = None) -> Route:
         """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it).
         `timeout`: what is left of the request's deadline (the master gets no longer)."""
         address = self.master_address()
