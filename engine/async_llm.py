@@ -31,9 +31,14 @@ from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
+from engine.step_rate import StepRate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine shut down with this request unfinished (the caller may retry elsewhere)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +81,7 @@ class AsyncLLM:
         self.engine = LLMEngine(config, record_kv_events=record_kv_events)
         self.model = config.model
         self.block_size = config.block_size
+        self.max_num_waiting = config.max_num_waiting
         self.kv_layout: KVLayout = self.engine.kv_layout
         self.cache_salt: bytes = self.engine.cache_salt
         self.tokenizer = self.engine.tokenizer
@@ -173,7 +179,12 @@ class AsyncLLM:
         """The snapshot taken after the latest step (no locking needed to read it)."""
         return self._stats
 
+    def step_rate(self) -> StepRate:
+        """The rates measured over the recent steps (an immutable snapshot)."""
+        return self.engine.step_timer.rate
+
     def shutdown(self) -> None:
+        """Stop the engine thread; unfinished requests end with EngineStoppedError."""
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
@@ -187,7 +198,7 @@ class AsyncLLM:
                 cmd = self._inbox.get(block=not engine.has_schedulable_requests())
                 while True:
                     if cmd is None:
-                        self._fail_all(RuntimeError("engine shut down"))
+                        self._fail_all(EngineStoppedError("engine shut down"))
                         return
                     self._handle(cmd)
                     cmd = self._inbox.get_nowait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_rate import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.validation import check_prompt, check_stop_token_ids
 
@@ -73,6 +75,7 @@ class LLMEngine:
         self.kv_layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
         )
+        self.step_timer = StepTimer()  # measured rates, for the workers' wait estimate
 
     # -- requests --------------------------------------------------------------------------
     def make_request(
@@ -124,6 +127,7 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs = [_delta(r, None, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
@@ -131,6 +135,12 @@ class LLMEngine:
         tables = {
             s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled
         }
+        decode = sum(
+            1
+            for s in sched.scheduled
+            if s.request.num_computed_tokens >= s.request.num_prompt_tokens
+        )
+        prompt = sum(s.num_new_tokens for s in sched.scheduled) - decode
         sampled = self.runner.execute(sched, tables)
         advanced, finished = self.scheduler.update_from_output(sched, sampled)
         exports = {
@@ -139,6 +149,7 @@ class LLMEngine:
             if r.export_kv_from is not None
         }
         outputs += [_delta(r, sampled[r.request_id], exports.get(r.request_id)) for r in advanced]
+        self.step_timer.observe(time.perf_counter() - started, prompt, decode)
         return outputs
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV:

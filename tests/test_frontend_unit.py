@@ -105,6 +105,10 @@ def test_malformed_bodies(tiny, raw: bytes, text: str) -> None:
         (completion(stream_options={"include_usage": True}), "stream_options"),
         (completion(stream="yes"), "stream"),
         (completion(echo=True), "echo"),
+        (completion(timeout=0), "timeout"),
+        (completion(timeout=-1.5), "timeout"),
+        (completion(timeout="3"), "timeout"),
+        (completion(timeout=True), "timeout"),
     ],
 )
 def test_invalid_completion_parameters(tiny, body: dict, param: str) -> None:
@@ -128,6 +132,7 @@ def test_invalid_completion_parameters(tiny, body: dict, param: str) -> None:
         (chat(max_completion_tokens=0), "max_tokens"),
         (chat(logprobs="yes"), "logprobs"),
         (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(timeout=0.0), "timeout"),
     ],
 )
 def test_invalid_chat_parameters(tiny, body: dict, param: str) -> None:
@@ -168,6 +173,8 @@ def test_openapi_describes_the_request_models(tiny) -> None:
         assert {"model", "stream", "temperature"} <= set(schemas[model]["properties"])
         assert schemas[model]["additionalProperties"] is False
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    timeout = schemas["CompletionRequest"]["properties"]["timeout"]["anyOf"][0]
+    assert timeout["exclusiveMinimum"] == 0 and "504" in timeout["description"]
 
 
 def test_unknown_model_is_404(tiny) -> None:

@@ -32,8 +32,10 @@ def kv(worker_id: str, seq: int = 0, stored=(), **fields) -> events_pb2.KVEvents
     return events_pb2.KVEvents(worker_id=worker_id, seq=seq, stored=stored, **fields)
 
 
-def load(worker_id: str, queued=0, running=0, free=100, block_size=16) -> events_pb2.LoadReport:
-    fields = dict(queued_tokens=queued, num_running=running, free_blocks=free, total_blocks=100)
+def load(
+    worker_id: str, queued=0, running=0, free=100, block_size=16, **fields
+) -> events_pb2.LoadReport:
+    fields |= dict(queued_tokens=queued, num_running=running, free_blocks=free, total_blocks=100)
     return events_pb2.LoadReport(worker_id=worker_id, block_size=block_size, **fields)
 
 
@@ -176,6 +178,51 @@ def test_decode_most_free_blocks_then_fewest_running():
     plan = route(CacheAware(), cluster(*PD3, loads=loads))
     assert plan.decode.id == "d2" and plan.reason.endswith("; decode d2 (free 50 blocks)")
     assert route(CacheAware(), cluster(*PD3, loads=[load("d2", free=0)])).decode.id == "d2"
+
+
+def test_the_worker_that_answers_first_in_seconds_wins():
+    # p2 holds 5 blocks (20 tokens left to compute) but is slow and has a 1 s queue;
+    # p1 holds 2 blocks (68 tokens) at 1000 tokens/s: 0.068 s < 1 + 20/100 s.
+    loads = [
+        load("p1", prefill_tokens_per_s=1000.0),
+        load("p2", queued=100, queue_wait_s=1.0, prefill_tokens_per_s=100.0),
+        load("p3", prefill_tokens_per_s=10.0),
+    ]
+    plan = route(CacheAware(), cluster(*PD3, cached=CACHED, loads=loads))
+    assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)
+    assert plan.reason.startswith("prefix 2 blocks on p1, cost 0.068 s")
+    # Without the queue p2 is first again: 20/100 = 0.2 s < p3's 10 s, p1 still 0.068 s;
+    # slow p1 down and p2's cached prefix wins.
+    loads = [load("p1", prefill_tokens_per_s=100.0), load("p2", prefill_tokens_per_s=100.0)]
+    plan = route(CacheAware(), cluster(*PD3, cached=CACHED, loads=loads))
+    assert plan.prefill.id == "p2" and "cost 0.200 s" in plan.reason
+
+
+def test_unmeasured_worker_counts_at_the_mean_rate():
+    # p3 reported no rate yet: its 100 queued + 100 prompt tokens count at p1's 1000/s
+    # (0.2 s), against p1's 0.3 s of queue.
+    loads = [
+        load("p1", queue_wait_s=0.3, prefill_tokens_per_s=1000.0),
+        load("p2", queue_wait_s=0.5, prefill_tokens_per_s=1000.0),
+        load("p3", queued=100),
+    ]
+    assert route(CacheAware(), cluster(*PD3, loads=loads), hashes=[]).prefill.id == "p3"
+
+
+def test_full_queue_is_skipped_while_another_has_room():
+    full = dict(num_waiting=4, max_num_waiting=4)
+    # p2 holds the longest prefix, but its queue is at its bound.
+    plan = route(CacheAware(), cluster(*PD3, cached=CACHED, loads=[load("p2", **full)]))
+    assert plan.prefill.id == "p1"
+    # The decode side too: d2 has more free blocks but a full queue.
+    loads = [load("d1", free=10), load("d2", free=50, **full)]
+    assert route(CacheAware(), cluster(*PD3, loads=loads)).decode.id == "d1"
+    # When every candidate is full the cheapest is still chosen (it refuses: 429).
+    loads = [load(w, **full) for w in ("p1", "p2", "p3")]
+    assert route(CacheAware(), cluster(*PD3, cached=CACHED, loads=loads)).prefill.id == "p2"
+    # A queue below its bound (or no bound reported) is routable.
+    loads = [load("p2", num_waiting=3, max_num_waiting=4), load("p1", num_waiting=9)]
+    assert route(CacheAware(), cluster(*PD3, cached=CACHED, loads=loads)).prefill.id == "p2"
 
 
 def test_round_robin_cycles_each_side():

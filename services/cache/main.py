@@ -81,7 +81,7 @@ async def serve(args: argparse.Namespace) -> None:
         await grpc_util.set_serving(health, SERVICE_NAME, False)
         if names is not None:
             await names.close()
-        await server.stop(grace=1.0)
+        await server.stop(grace=0.5)
         await servicer.close()
         if redis is not None:
             await redis.close()

@@ -54,6 +54,27 @@ def add_common_flags(
         p.add_argument("--nats-url", default=env("nats_url"), help="nats://host:port (optional)")
 
 
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+
+
+def drain_timeout(value: str) -> float:
+    """`--drain-timeout`: seconds >= 0."""
+    seconds = float(value)
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return seconds
+
+
+def add_drain_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=drain_timeout,
+        default=drain_timeout(env("drain_timeout", str(DEFAULT_DRAIN_TIMEOUT_S))),
+        help=f"on SIGTERM: stop taking new requests, let {what} finish for up to this many "
+        "seconds, then end what is left and exit",
+    )
+
+
 def advertised(args: argparse.Namespace, port: int) -> str:
     host = args.advertise_host or args.host
     if host == AUTO_HOST:

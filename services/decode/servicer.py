@@ -22,6 +22,7 @@ from services.common.convert import logprob_from_pb, logprob_to_pb, params_from_
 from services.common.metrics import RECEIVED
 from services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
+from services.worker.drain import drained
 from services.worker.kv_wire import join_blocks
 from services.worker.servicer import PeerUnavailableError, WorkerServicer, abort_status
 
@@ -53,6 +54,7 @@ class DecodeServicer(WorkerServicer):
         self._warned_salt = False
         self.metrics = metrics.worker(role, llm.model)
 
+    @drained
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):

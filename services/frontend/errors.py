@@ -16,6 +16,10 @@ class ErrorKind(enum.Enum):
     OVERLOADED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     INTERNAL = (500, "server_error", grpc.StatusCode.INTERNAL)
     UNAVAILABLE = (503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)
+    # The request's own deadline (`timeout`) passed before any output: the server, a gateway
+    # to the workers, got no answer in time (504). Not 408, which blames the client for
+    # sending its request too slowly.
+    TIMEOUT = (504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)
 
     @property
     def http_status(self) -> int:
@@ -60,6 +64,15 @@ class FrontendError(Exception):
 
 def invalid(message: str, param: str | None = None) -> FrontendError:
     return FrontendError(ErrorKind.INVALID, message, param)
+
+
+def timed_out(timeout: float, where: str) -> FrontendError:
+    return FrontendError(
+        ErrorKind.TIMEOUT,
+        f"the request's timeout of {timeout:g} s passed {where}",
+        "timeout",
+        "request_timeout",
+    )
 
 
 # Worker/master statuses worth another worker: it is gone, full, or gave up the request.

@@ -9,7 +9,13 @@
 
 A worker that fails before its first token is swapped for another (excluded from the next
 route); one that fails later is resumed elsewhere from prompt + tokens so far, so the
-client sees one uninterrupted stream. Closing a stream cancels its worker call, which makes
+client sees one uninterrupted stream.
+
+A request with a deadline (`timeout`) gives every call on its path (master, worker, and
+through the worker the prefill worker) what is left of it as the gRPC deadline, so all hops
+give up together and free what they held. Passed before the first token: a TIMEOUT error
+(504); passed later: the sequence ends there with finish_reason "length" (a limit the
+request set, like max_tokens; OpenAI clients know no other reason for a cut-off output). Closing a stream cancels its worker call, which makes
 the worker abort the request and free its blocks.
 """
 
@@ -27,7 +33,13 @@ from engine.tokenizer import Tokenizer
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend import metrics
 from services.frontend.detokenizer import TextStream, TokenText
-from services.frontend.errors import RETRYABLE, ErrorKind, FrontendError, from_rpc_error
+from services.frontend.errors import (
+    RETRYABLE,
+    ErrorKind,
+    FrontendError,
+    from_rpc_error,
+    timed_out,
+)
 from services.frontend.inputs import GenerateInput
 from services.frontend.model_info import Admission, ModelInfo
 from services.frontend.router_client import Router
@@ -105,6 +117,9 @@ class Generator:
         exclude: list[str] = []
         last_error: FrontendError | None = None
         for attempt in range(MAX_ATTEMPTS):
+            if _passed(inp.remaining()):
+                yield self._deadline_passed(inp, produced)
+                return
             prompt = inp.prompt_token_ids + produced
             hashes = block_hash_keys(prompt, self.model.block_size, self.model.cache_salt)
             try:
@@ -116,7 +131,8 @@ class Generator:
                         session_id=inp.session_id,
                         priority=inp.priority,
                         exclude=exclude,
-                    )
+                    ),
+                    inp.remaining(),
                 )
             except FrontendError:
                 if last_error is not None:  # what the failed worker said is the better reason
@@ -140,8 +156,12 @@ class Generator:
                 block_hashes=hashes,
             )
             stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
+            left = inp.remaining()
+            if _passed(left):
+                yield self._deadline_passed(inp, produced)
+                return
             timer.started()
-            call = stub.Generate(request)
+            call = stub.Generate(request, timeout=left)
             who = f"worker {route.decode.id or route.decode.address}"
             try:
                 async for msg in call:
@@ -152,6 +172,9 @@ class Generator:
                         return
                 last_error = FrontendError(ErrorKind.INTERNAL, f"{who} ended the stream early")
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and inp.deadline is not None:
+                    yield self._deadline_passed(inp, produced)
+                    return
                 last_error = from_rpc_error(exc, who)
                 if exc.code() not in RETRYABLE:
                     raise last_error from exc
@@ -168,6 +191,23 @@ class Generator:
             exclude.append(route.decode.id)
         assert last_error is not None
         raise last_error
+
+    def _deadline_passed(
+        self, inp: GenerateInput, produced: list[int]
+    ) -> worker_pb2.GenerateResponse:
+        """The end of a sequence whose deadline passed: "length" once it has output, else
+        the TIMEOUT error (raised)."""
+        assert inp.timeout is not None
+        if not produced:
+            raise timed_out(inp.timeout, "before any output (the request was still queued)")
+        log.info(
+            "request %s: timeout of %g s passed after %d tokens",
+            inp.request_id,
+            inp.timeout,
+            len(produced),
+            extra={"request_id": inp.request_id},
+        )
+        return worker_pb2.GenerateResponse(finished=True, finish_reason="length")
 
     # -- 3. stream -------------------------------------------------------------------------
     async def _deltas(
@@ -218,6 +258,10 @@ class Generator:
         finally:
             timer.closed()  # counted as aborted unless it finished
             await messages.aclose()
+
+
+def _passed(remaining: float | None) -> bool:
+    return remaining is not None and remaining <= 0
 
 
 def _continued(params: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:

@@ -20,8 +20,11 @@ from services.frontend.inputs import Options, prepare
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens left at 0
 
 
-def options_from_pb(request: frontend_pb2.FrontendGenerateRequest) -> Options:
-    """Proto3 zeros mean "unset": max_tokens 0 -> default, top_k 0 -> off, top_p 0 -> 1."""
+def options_from_pb(
+    request: frontend_pb2.FrontendGenerateRequest, timeout: float | None = None
+) -> Options:
+    """Proto3 zeros mean "unset": max_tokens 0 -> default, top_k 0 -> off, top_p 0 -> 1.
+    `timeout`: what is left of the caller's gRPC deadline (the workers give up with it)."""
     sampling = params_fields_from_pb(request.params)
     sampling["max_tokens"] = sampling["max_tokens"] or None
     return Options(
@@ -29,7 +32,16 @@ def options_from_pb(request: frontend_pb2.FrontendGenerateRequest) -> Options:
         stop=tuple(request.stop),
         session_id=request.session_id,
         priority=request.priority,
+        timeout=timeout,
     )
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """What is left of the caller's deadline in seconds; None without one."""
+    left = context.time_remaining()
+    if left is None or left > 1e8:  # grpc reports "no deadline" as a huge number
+        return None
+    return max(left, 1e-3)
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
@@ -51,7 +63,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     ids = list(request.token_ids.ids)
                 else:
                     raise invalid("prompt is required (text or token_ids)", "prompt")
-                opts = options_from_pb(request)
+                opts = options_from_pb(request, _deadline(context))
                 (inp,) = prepare(gen.model, gen.max_n, request_id, ids, opts, DEFAULT_MAX_TOKENS)
                 stream = await gen.start(inp)
                 async with contextlib.aclosing(stream):

@@ -3,6 +3,7 @@ against the model and turned into one wire-ready `GenerateInput` per choice."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -35,6 +36,7 @@ class Options:
     n: int = 1
     session_id: str = ""
     priority: int = 0
+    timeout: float | None = None  # seconds from now; None: no deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,12 @@ class GenerateInput:
     stop: tuple[str, ...] = ()
     session_id: str = ""
     priority: int = 0
+    timeout: float | None = None  # as the client gave it
+    deadline: float | None = None  # time.monotonic() when the request gives up
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (<= 0: passed); None without one."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
@@ -90,6 +98,9 @@ def prepare(
         check_stop_token_ids(params.stop_token_ids, vocab)
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise invalid(f"timeout must be a number of seconds > 0, got {opts.timeout}", "timeout")
+    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
     inputs = []
     for i in range(opts.n):
         # n choices with one seed would be n copies: choice i samples with seed + i.
@@ -97,7 +108,14 @@ def prepare(
         rid = request_id if opts.n == 1 else f"{request_id}-{i}"
         inputs.append(
             GenerateInput(
-                rid, list(prompt_ids), params_to_pb(p), opts.stop, opts.session_id, opts.priority
+                rid,
+                list(prompt_ids),
+                params_to_pb(p),
+                opts.stop,
+                opts.session_id,
+                opts.priority,
+                opts.timeout,
+                deadline,
             )
         )
     return inputs

@@ -16,7 +16,7 @@ from aiohttp import web
 from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES, kv_numerics
 from engine.tokenizer import Tokenizer
 from services.common import grpc_util
-from services.common.flags import add_common_flags, advertised, env
+from services.common.flags import add_common_flags, add_drain_flag, advertised, env
 from services.common.naming import NameClient, make_member
 from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
@@ -29,7 +29,6 @@ from services.frontend.router_client import Router
 log = logging.getLogger(__name__)
 
 GRPC_SERVICE = "rtp.v1.Frontend"
-SHUTDOWN_TIMEOUT_S = 5.0  # streams still running at SIGTERM get this long to finish
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -38,6 +37,7 @@ def _int_or_none(value: str | None) -> int | None:
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     add_common_flags(p)  # --port is the HTTP port
+    add_drain_flag(p, "the streams in flight")
     p.add_argument("--grpc-port", type=int, default=int(env("grpc_port", "0")))
     p.add_argument(
         "--model",
@@ -91,7 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
         build_app(generator),
         handler_cancellation=True,  # a client that goes away cancels its worker calls
         access_log=None,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        shutdown_timeout=args.drain_timeout,  # on SIGTERM: stop listening, finish streams
     )
     server, grpc_port, health = grpc_util.create_server(f"{args.host}:{args.grpc_port}")
     frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(generator), server)
@@ -123,10 +123,11 @@ async def serve(args: argparse.Namespace) -> None:
         )
         await asyncio.Event().wait()  # until cancelled (SIGTERM)
     finally:
+        # Drain: leave the nameservice, stop listening, and give the streams in flight
+        # (HTTP and gRPC together) up to --drain-timeout to finish.
         await grpc_util.set_serving(health, GRPC_SERVICE, False)
         if names is not None:
             with contextlib.suppress(Exception):
                 await names.close()
-        await runner.cleanup()
-        await server.stop(grace=2.0)
+        await asyncio.gather(runner.cleanup(), server.stop(grace=args.drain_timeout))
         await router.close()

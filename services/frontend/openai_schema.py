@@ -22,6 +22,17 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+Timeout = Annotated[
+    float,
+    Field(
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds this request may take, from its arrival (an extension). Still "
+        "queued when it passes (no output yet): a 504 error naming `timeout`. Passing while "
+        "generating: the output so far, finish_reason `length`. Every worker on the request's "
+        "path gives up at the same deadline and frees what it held.",
+    ),
+]
 
 
 class _Strict(BaseModel):
@@ -76,6 +87,7 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
     priority: int = 0  # lower runs first
     session_id: str | None = None  # affinity key for routing (default: `user`)
+    timeout: Timeout | None = None
     # OpenAI fields not implemented: allowed only with their no-op value (see _refuse).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -135,6 +147,7 @@ class _GenerationRequest(_Strict):
             n=self.n,
             session_id=self.session_id or self.user or "",
             priority=self.priority,
+            timeout=self.timeout,
         )
 
 
@@ -308,7 +321,7 @@ def openapi() -> dict[str, Any]:
                         "description": "The completion (JSON), or server-sent events when "
                         "stream is true"
                     },
-                    **{status: error for status in ("400", "404", "413", "429", "503")},
+                    **{status: error for status in ("400", "404", "413", "429", "503", "504")},
                 },
             }
         }

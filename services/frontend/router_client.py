@@ -116,11 +116,12 @@ class Router:
             return await grpc_util.check_health(self.master, timeout=0.5)
         return False
 
-    async def route(self, request: master_pb2.RouteRequest) -> Route:
-        """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it)."""
+    async def route(self, request: master_pb2.RouteRequest, timeout: float | None = None) -> Route:
+        """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it).
+        `timeout`: what is left of the request's deadline (the master gets no longer)."""
         address = self.master_address()
         if address is not None and time.monotonic() >= self._master_down_until:
-            route = await self._ask_master(address, request)
+            route = await self._ask_master(address, request, timeout)
             if route is not None:
                 return route
         route = self.membership.pick(frozenset(request.exclude))
@@ -136,15 +137,18 @@ class Router:
         )
         return route
 
-    async def _ask_master(self, address: str, request: master_pb2.RouteRequest) -> Route | None:
+    async def _ask_master(
+        self, address: str, request: master_pb2.RouteRequest, timeout: float | None
+    ) -> Route | None:
         """The master's plan; None if the master cannot answer (then route locally)."""
         stub = master_pb2_grpc.MasterStub(self.channel(address))
+        own = timeout is not None and timeout < self._route_timeout  # the request's deadline
         try:
-            plan = await stub.Route(request, timeout=self._route_timeout)
+            plan = await stub.Route(request, timeout=timeout if own else self._route_timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in _FALLBACK_CODES:
                 raise from_rpc_error(exc, "master") from exc
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not own:
                 self._master_down_until = time.monotonic() + MASTER_BACKOFF_S
             log.info(
                 "master %s: %s; routing locally",

@@ -4,6 +4,11 @@ Starts NATS and Redis from the pip-installed binaries (or uses --nats-url/--redi
 nameservice, master, cache, the workers and the frontend; waits until the frontend is
 ready, writes its URL to stdout, and on SIGTERM/SIGINT stops everything it started. Children
 also get SIGKILL from the kernel if the launcher itself dies (PR_SET_PDEATHSIG): no orphans.
+
+Stopping drains: the frontend and the workers get SIGTERM first and together (they stop
+taking requests and finish those in flight for up to --drain-timeout); then the master, the
+cache and the nameservice, which stop promptly; whatever still runs at drain timeout + STOP_SLACK_S
+is killed, so the whole cluster is gone within drain timeout + 2 s.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES
-from services.common.flags import DEFAULT_MODEL_HELP, env
+from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
 from services.launcher import servers
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
+STOP_SLACK_S = 1.2  # past the drain timeout: for processes to exit before they are killed
+DRAINING = ("frontend", "prefill", "decode", "fused")  # the rest stops once these are gone
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
@@ -68,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (0: share the cores)"
     )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="per worker (default: the worker's)"
+    )
+    p.add_argument(
+        "--max-num-waiting", type=int, default=None, help="per worker (default: the worker's)"
+    )
+    add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
     p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
     p.add_argument("--log-level", default=env("log_level", "INFO"))
@@ -104,19 +118,28 @@ class Cluster:
         return proc
 
     def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10.0
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) ignored SIGTERM; killing it", name, proc.pid)
-                proc.kill()
-                proc.wait()
+        """Drain the frontend and workers, then stop the rest; kill what outlives the drain."""
+        deadline = time.monotonic() + self.args.drain_timeout + STOP_SLACK_S
+        first = [(n, p) for n, p in self.procs if n in DRAINING]
+        rest = [(n, p) for n, p in reversed(self.procs) if n not in DRAINING]
+        for group in (first, rest):
+            for _, proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, proc in group:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "%s (pid %d) still running %.1f s after SIGTERM; killing it",
+                        name,
+                        proc.pid,
+                        self.args.drain_timeout + STOP_SLACK_S,
+                    )
+                    proc.kill()
+                    proc.wait()
         for server in reversed(self.infra):
-            server.stop()
+            server.stop(timeout=0.3)
 
 
 def _worker_count(args: argparse.Namespace) -> int:
@@ -147,11 +170,15 @@ def _start(cluster: Cluster, model: str) -> str:
     if not args.no_cache:
         cluster.spawn("cache", *common, "--redis-url", redis_url)
     threads = args.threads or max(1, (os.cpu_count() or 1) // _worker_count(args))
+    drain = ["--drain-timeout", str(args.drain_timeout)]
     numerics = ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
                 "--kv-dtype", args.kv_dtype]  # fmt: skip
-    worker = [*common, "--model", model, *numerics, "--threads", str(threads),
+    worker = [*common, *drain, "--model", model, *numerics, "--threads", str(threads),
               "--kv-cache-mib", str(args.kv_cache_mib),
               "--memory-share", str(_worker_count(args))]  # fmt: skip
+    for flag in ("max_num_seqs", "max_num_waiting"):
+        if getattr(args, flag) is not None:
+            worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.fused:
         for _ in range(args.fused):
             cluster.spawn("fused", *worker)
@@ -161,7 +188,7 @@ def _start(cluster: Cluster, model: str) -> str:
         for _ in range(args.decode):
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
-    cluster.spawn("frontend", *common, "--model", model, *numerics,
+    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]

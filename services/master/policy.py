@@ -5,17 +5,22 @@ If both kinds are present, PD wins while at least one prefill and one decode wor
 available (after `exclude`); otherwise fused workers are used. A fused worker is returned
 as the plan's `decode`, with `prefill` unset.
 
-`cache_aware` (the default) estimates each candidate's time to first token in tokens:
+`cache_aware` (the default) predicts each candidate's time to first token, in seconds:
 
-    cost = queued_tokens                     (its queue, from its latest LoadReport)
-         + pending tokens                     (routed to it since that report)
-         + num_prompt_tokens - matched_blocks * block_size   (what it must still compute)
+    cost = queue_wait_s                         (its wait estimate, from its latest LoadReport)
+         + (pending tokens                      (routed to it since that report)
+            + num_prompt_tokens - matched_blocks * block_size)   (what it must still compute)
+           / prefill_tokens_per_s               (its measured prompt rate, same report)
 
-and picks the lowest. A long cached prefix lowers the last term, so it wins unless that
-worker's queue is longer than the prefill it saves. Ties: session affinity (a stable hash of
-session_id over the tied workers), else fewest running, else rotation. The decode side (PD)
-goes to the worker with the most free KV blocks (less those routed to it since its report),
-then fewest running, then rotation. Every choice is charged to the view (`charge`) until the
+and picks the lowest: the worker that answers first. A long cached prefix lowers the last
+term, so it wins unless that worker's queue takes longer than the prefill it saves. A worker
+whose rate is not measured yet counts its queued_tokens at the mean rate of those that are;
+when none is, every cost is in tokens (rate 1). A worker whose waiting queue is at its
+max_num_waiting is skipped while another candidate has room (it would refuse the request).
+Ties: session affinity (a stable hash of session_id over the tied workers), else fewest
+running, else rotation. The decode side (PD) goes to the worker with the most free KV blocks
+(less those routed to it since its report), then fewest running, then rotation, skipping
+full queues the same way. Every choice is charged to the view (`charge`) until the
 worker's next LoadReport, so a burst of requests spreads out instead of piling up.
 """
 
@@ -170,24 +175,58 @@ class RoundRobin(Policy):
         return Choice(_rotate(decode, self._decode_turn))
 
 
+def with_room(view: ClusterView, members: list[Member]) -> list[Member]:
+    """The members whose waiting queue is below its bound (as last reported); all of them
+    when none has room (the chosen one then refuses the request: 429, retry later)."""
+
+    def full(m: Member) -> bool:
+        load = view.load(m.id)
+        return load is not None and 0 < load.max_num_waiting <= load.num_waiting
+
+    room = [m for m in members if not full(m)]
+    return room or members
+
+
+def _prefill_rates(view: ClusterView, members: list[Member]) -> dict[str, float]:
+    """Each member's measured prompt rate (tokens/s); the mean of the measured ones for
+    those not measured yet; 1 for all when none is (costs then compare in tokens)."""
+    measured = {}
+    for m in members:
+        load = view.load(m.id)
+        if load is not None and load.prefill_tokens_per_s > 0:
+            measured[m.id] = load.prefill_tokens_per_s
+    default = sum(measured.values()) / len(measured) if measured else 1.0
+    return {m.id: measured.get(m.id, default) for m in members}
+
+
 class CacheAware(Policy):
-    """Lowest predicted time to first token: queue + uncached prompt tokens."""
+    """Lowest predicted time to first token: wait estimate + uncached prompt at its rate."""
 
     name = "cache_aware"
 
     @staticmethod
-    def cost(view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int) -> int:
-        """Predicted time to first token, in tokens to compute before ours is done."""
+    def cost(
+        view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int, rate: float = 1.0
+    ) -> float:
+        """Predicted time to first token: seconds, or tokens when `rate` is 1 and the worker
+        has no measured rate of its own."""
         load = view.load(worker_id)
-        queued = (load.queued_tokens if load is not None else 0) + view.pending(worker_id).tokens
-        return queued + uncached_tokens(view, worker_id, num_prompt_tokens, matched)
+        todo = view.pending(worker_id).tokens
+        todo += uncached_tokens(view, worker_id, num_prompt_tokens, matched)
+        if load is not None and load.prefill_tokens_per_s > 0:
+            return load.queue_wait_s + todo / load.prefill_tokens_per_s
+        queued = load.queued_tokens if load is not None else 0
+        return (queued + todo) / rate
 
     def _choose_first(
         self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
     ) -> Choice:
+        first = with_room(view, first)
         matched = view.index.match_all(request.block_hashes, [m.id for m in first])
+        rates = _prefill_rates(view, first)
         costs = {
-            m.id: self.cost(view, m.id, request.num_prompt_tokens, matched[m.id]) for m in first
+            m.id: self.cost(view, m.id, request.num_prompt_tokens, matched[m.id], rates[m.id])
+            for m in first
         }
         best = min(costs.values())
         tied = [m for m in first if costs[m.id] == best]
@@ -201,13 +240,17 @@ class CacheAware(Policy):
             chosen = _rotate(idle, self._first_turn)
             tie = "fewest running" if len(idle) < len(tied) else "rotation"
         n = matched[chosen.id]
-        reason = f"prefix {n} blocks on {chosen.id}, cost {best} tokens"
+        measured = any((ld := view.load(m.id)) and ld.prefill_tokens_per_s > 0 for m in first)
+        unit = f"{best:.3f} s" if measured else f"{best:g} tokens"
+        reason = f"prefix {n} blocks on {chosen.id}, cost {unit}"
         if tie:
             reason += f" (tie of {len(tied)} broken by {tie})"
         why = RouteReason.PREFIX_HIT if n else RouteReason.LEAST_LOADED
         return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why)
 
     def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+        decode = with_room(view, decode)
+
         # Workers that have not reported yet rank after those that have.
         def key(m: Member) -> tuple[bool, int, int]:
             load, pending = view.load(m.id), view.pending(m.id).blocks

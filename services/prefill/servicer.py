@@ -25,6 +25,7 @@ from services.common.metrics import SENT
 from services.common.naming import MemberSet, NameClient
 from services.common.pb import nameservice_pb2, worker_pb2
 from services.worker import metrics
+from services.worker.drain import drained
 from services.worker.kv_wire import join_blocks, split_blocks
 from services.worker.servicer import WorkerServicer, abort_status
 
@@ -57,6 +58,7 @@ class PrefillServicer(WorkerServicer):
                 caches = members.with_role(nameservice_pb2.ROLE_CACHE)
                 self.cache.set_addresses([m.address for m in caches])
 
+    @drained
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)

@@ -9,7 +9,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_token
-from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, env
+from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ def kv_cache_mib(value: str) -> int | None:
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
+    add_drain_flag(p, "requests in flight")
     p.add_argument("--model", default=env("model"), help=f"model directory ({DEFAULT_MODEL_HELP})")
     p.add_argument("--dtype", default=env("dtype", "float32"), choices=DTYPES)
     p.add_argument(

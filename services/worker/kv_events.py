@@ -47,11 +47,13 @@ async def publish_events(
         now = time.monotonic()
         if now - last_load >= LOAD_INTERVAL_S:
             last_load = now
-            s = llm.stats()
+            s, rate = llm.stats(), llm.step_rate()
+            wait_s = rate.queue_wait_s(s.num_queued_tokens, s.num_running)
             if load_metrics is not None:
                 load_metrics.load(
                     s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks
                 )
+                load_metrics.wait(wait_s, rate.prefill_tokens_per_s)
             await bus.publish(
                 load_subject,
                 events_pb2.LoadReport(
@@ -63,5 +65,9 @@ async def publish_events(
                     queued_tokens=s.num_queued_tokens,
                     block_size=llm.block_size,
                     unix_ms=int(time.time() * 1000),
+                    queue_wait_s=wait_s,
+                    prefill_tokens_per_s=rate.prefill_tokens_per_s,
+                    decode_step_s=rate.decode_step_s,
+                    max_num_waiting=llm.max_num_waiting,
                 ),
             )

@@ -35,6 +35,19 @@ class WorkerFamilies:
             w,
             registry=registry,
         )
+        self.queue_wait_estimate_seconds = Gauge(
+            PREFIX + "queue_wait_estimate_seconds",
+            "Estimated wait before a request arriving now gets its first step: queued prompt "
+            "tokens / measured prefill rate, plus a decode step if a batch runs (0: unmeasured).",
+            w,
+            registry=registry,
+        )
+        self.prefill_throughput = Gauge(
+            PREFIX + "prefill_throughput_tokens_per_second",
+            "Prompt tokens computed per second over the recent steps (EWMA; 0: unmeasured).",
+            w,
+            registry=registry,
+        )
         self.prefix_cache_queries = Counter(
             PREFIX + "prefix_cache_queries",
             "Prompt blocks looked up in a prefix-cache tier (device: the worker's pool; "
@@ -65,7 +78,17 @@ class WorkerFamilies:
 class WorkerMetrics:
     """One worker's metrics: labels role and model_name fixed."""
 
-    __slots__ = ("families", "role", "model_name", "running", "waiting", "usage", "capacity")
+    __slots__ = (
+        "families",
+        "role",
+        "model_name",
+        "running",
+        "waiting",
+        "usage",
+        "capacity",
+        "wait_estimate",
+        "prefill_rate",
+    )
 
     def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
         self.families = families
@@ -75,6 +98,8 @@ class WorkerMetrics:
         self.waiting = families.num_requests_waiting.labels(role, model_name)
         self.usage = families.kv_cache_usage_perc.labels(role, model_name)
         self.capacity = families.kv_cache_capacity_tokens.labels(role, model_name)
+        self.wait_estimate = families.queue_wait_estimate_seconds.labels(role, model_name)
+        self.prefill_rate = families.prefill_throughput.labels(role, model_name)
 
     def kv_capacity(self, num_blocks: int, block_size: int) -> None:
         self.capacity.set(num_blocks * block_size)
@@ -83,6 +108,10 @@ class WorkerMetrics:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.usage.set(1.0 - free_blocks / total_blocks if total_blocks else 0.0)
+
+    def wait(self, queue_wait_s: float, prefill_tokens_per_s: float) -> None:
+        self.wait_estimate.set(queue_wait_s)
+        self.prefill_rate.set(prefill_tokens_per_s)
 
     def prefix_cache(
         self, queried: int, device_hits: int, remote_queried: int = 0, remote_hits: int = 0

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 
 from engine.async_llm import AsyncLLM
@@ -22,6 +23,7 @@ from services.worker.kv_events import publish_events
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 0.5  # after the drain: for the calls just ended to send their status
 
 
 async def serve_worker(
@@ -65,12 +67,31 @@ async def serve_worker(
         )
         await asyncio.Event().wait()  # until cancelled (SIGTERM)
     finally:
-        await grpc_util.set_serving(health, "rtp.v1.Worker", False)
-        if names is not None:
-            with contextlib.suppress(Exception):
-                await names.close()
+        await _drain(servicer, names, health, args.drain_timeout)
         publisher.cancel()
         background.cancel()
-        await server.stop(grace=2.0)
+        # Calls still running end UNAVAILABLE (EngineStoppedError): callers resume elsewhere.
+        await asyncio.to_thread(llm.shutdown)
+        await server.stop(grace=STOP_GRACE_S)
         await bus.close()
-        llm.shutdown()
+
+
+async def _drain(
+    servicer: WorkerServicer, names: NameClient | None, health, timeout: float
+) -> None:
+    """Refuse new calls, leave the nameservice (nothing new is routed here), and give the
+    calls in flight up to `timeout` seconds to finish."""
+    started = time.monotonic()
+    servicer.drain.begin()
+    await grpc_util.set_serving(health, "rtp.v1.Worker", False)
+    if names is not None:
+        with contextlib.suppress(Exception):
+            await names.close()
+    in_flight = servicer.drain.in_flight
+    finished = await servicer.drain.wait(max(0.0, started + timeout - time.monotonic()))
+    log.info(
+        "drained %d calls in flight in %.2f s%s",
+        in_flight,
+        time.monotonic() - started,
+        "" if finished else f"; ending the {servicer.drain.in_flight} left",
+    )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import grpc
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import AsyncLLM, EngineStoppedError
 from engine.scheduler import QueueFullError
 from services.common.naming import NameClient
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.worker.drain import Drain
 
 
 class PeerUnavailableError(RuntimeError):
@@ -21,6 +22,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, llm: AsyncLLM) -> None:
         self.llm = llm
+        self.drain = Drain()  # a role's streaming RPCs go through drain.guard
 
     async def background(self, names: NameClient | None) -> None:
         """Work a role runs beside its RPCs for the worker's lifetime (cancelled at exit)."""
@@ -30,6 +32,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerStats:
         check = await self.llm.check()
         stats = check.stats
+        rate = self.llm.step_rate()
         return worker_pb2.WorkerStats(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
@@ -39,11 +42,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_ok=not check.integrity_error,
             integrity_error=check.integrity_error,
             block_size=self.llm.block_size,
+            queued_tokens=stats.num_queued_tokens,
+            queue_wait_s=rate.queue_wait_s(stats.num_queued_tokens, stats.num_running),
+            prefill_tokens_per_s=rate.prefill_tokens_per_s,
+            decode_step_s=rate.decode_step_s,
+            max_num_waiting=self.llm.max_num_waiting,
         )
 
 
 def abort_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an engine-side refusal."""
+    if isinstance(exc, EngineStoppedError):
+        return grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished"
     if isinstance(exc, PeerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)  # the caller may route elsewhere
     if isinstance(exc, QueueFullError):

@@ -21,7 +21,7 @@ class KVEvents(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,10 @@ class LoadReport(_message.Message):
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -38,4 +42,8 @@ class LoadReport(_message.Message):
     queued_tokens: int
     block_size: int
     unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+    queue_wait_s: float
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    max_num_waiting: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., unix_ms: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ...) -> None: ...
