@@ -1,16 +1,26 @@
-"""Engine benchmark: this engine vs HF transformers on the same workload, in one run.
+"""Engine benchmark: this engine in every precision vs HF transformers, in one run.
 
-    python bench/engine.py [--models llama-100m,smollm2-135m] [--dtypes float32,bfloat16]
-                           [--threads 2] [--quick]
+    python bench/engine.py [--model llama-100m] [--configs fp32,bf16,...] [--threads 2]
+                           [--quick]
 
-(a) one request, 256-token prompt, 128 new tokens: time to first token, decode tokens/s,
-    and decode against the memory-bandwidth roofline (weight bytes per token over the
-    bandwidth of a large tensor copy measured in this run);
-(b) 64 requests of 256-token prompts, 128 new tokens each, submitted together: output
-    tokens/s, against HF's best static-batch throughput on the same prompts.
-Each model (a preset name or a checkpoint directory) is measured in turn; prints a table
-with ratios (ours / HF). Timings are wall-clock on a shared machine: compare
-ratios within one run, not absolute numbers across runs.
+Header: the CPU's ISA level and flags (kernels/isa.py), the kernels chosen, and the machine
+measured in this run: memory bandwidth (a large tensor copy) and GEMM peaks (fp32 MKL; bf16
+through the path the engine takes for large batches).
+
+Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
+  fp32       float32 weights, activations and KV
+  fp32-kv16  float32 weights and activations, bf16 KV cache
+  bf16       bf16 weights, activations and KV
+  int8       weight-only INT8 projections, float32 activations and KV
+  int8-bf16  weight-only INT8 projections, bf16 activations and KV
+
+(a) one request, 256-token prompt, 128 new tokens: TTFT and decode tokens/s;
+(w) the offline workload: 48 random prompts x 200 tokens -> 96 new tokens each, submitted
+    together: output tokens/s against HF's static batch 16 on the same prompts. Its
+    prefill is timed alone (as a fraction of the GEMM peak) and its decode step at batch 48
+    against the step's roofline: the larger of its GEMM FLOPs at the measured peak and its
+    bytes (weights + the KV it reads) at the measured bandwidth.
+Timings are wall-clock on a shared machine: compare within one run, not across runs.
 """
 
 from __future__ import annotations
@@ -32,12 +42,31 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.make_model import resolve_model  # noqa: E402
+from engine.memory import kv_bytes_per_token  # noqa: E402
+from kernels.isa import cpu_isa  # noqa: E402
+from kernels.linear import cpu_kernels, make_linear  # noqa: E402
+
+# label -> (dtype, weight_dtype, kv_dtype)
+CONFIGS = {
+    "fp32": ("float32", "auto", "auto"),
+    "fp32-kv16": ("float32", "auto", "bfloat16"),
+    "bf16": ("bfloat16", "auto", "auto"),
+    "int8": ("float32", "int8", "auto"),
+    "int8-bf16": ("bfloat16", "int8", "auto"),
+}
 
 
 @dataclass
 class Single:
     ttft_s: float
     decode_tok_s: float
+
+
+@dataclass
+class Machine:
+    bandwidth: float  # bytes/s
+    fp32_peak: float  # FLOP/s
+    bf16_peak: float
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
@@ -51,6 +80,21 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best
+
+
+def gemm_peak(dtype: torch.dtype, m: int = 512, k: int = 768, n: int = 4096) -> float:
+    """FLOP/s of a prefill-sized projection through the engine's own large-batch path."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    op = make_linear(w, dtype, "auto", cpu_kernels(torch.device("cpu")))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    op(x)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        op(x)
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n / best
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -121,100 +165,156 @@ def ours_batch(llm: LLM, batch: list[list[int]], new: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def bench_model(model_dir: str, args: argparse.Namespace, bw: float) -> list[tuple]:
-    """Rows (model, dtype, metric, ours, HF) for one model, every dtype."""
+def ours_split(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float]:
+    """(prefill seconds of the whole batch, mean decode step seconds at full batch)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(batch):
+        engine.add_request(engine.make_request(f"split{i}", p, params))
+    t0 = time.perf_counter()
+    firsts = 0
+    while firsts < len(batch):  # every request's first token ends its prefill
+        firsts += sum(1 for o in engine.step() if o.num_output_tokens == 1)
+    prefill = time.perf_counter() - t0
+    t1, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return prefill, (time.perf_counter() - t1) / max(1, steps)
+
+
+def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tuple]:
     name = Path(model_dir).name
-    rows: list[tuple[str, str, str, float, float]] = []
-    for dtype in args.dtypes.split(","):
-        tdtype = getattr(torch, dtype)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+    rows: list[tuple[str, str, float, float | None]] = []
+    hf_rates: dict[str, tuple[Single, float]] = {}
+    configs = args.configs.split(",")
+    for dtype in sorted({CONFIGS[c][0] for c in configs}):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         vocab = hf.config.vocab_size
         single = prompts(1, args.prompt_len, vocab, seed=1)[0]
-        batch = prompts(args.batch, args.prompt_len, vocab, seed=2)
-        # Every weight but the embedding table is read once per decoded token; a tied
-        # embedding is read in full as the LM head.
-        weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-        if not hf.config.tie_word_embeddings:
-            embed = hf.model.embed_tokens.weight
-            weight_bytes -= embed.numel() * embed.element_size()
-        roofline = bw / weight_bytes
+        work = prompts(args.batch, args.work_prompt_len, vocab, seed=2)
+        with torch.inference_mode():
+            hf_single(hf, single[:32], 4)  # warm-up
+            a = hf_single(hf, single, args.new_tokens)
+            w = hf_batch(hf, work, args.work_new_tokens, args.hf_batch_size)
+        hf_rates[dtype] = (a, w)
+        print(f"HF {dtype}: TTFT {a.ttft_s * 1e3:.0f} ms, decode {a.decode_tok_s:.1f} tok/s, "
+              f"static batch {args.hf_batch_size}: {w:.1f} tok/s", flush=True)  # fmt: skip
+        del hf
+        gc.collect()
 
-        kv_bytes = 3 << 30
+    for label in configs:
+        dtype, weight_dtype, kv_dtype = CONFIGS[label]
         llm = LLM(
             model_dir,
             dtype=dtype,
+            weight_dtype=weight_dtype,
+            kv_dtype=kv_dtype,
             num_threads=args.threads,
-            kv_cache_memory_bytes=kv_bytes,
+            kv_cache_memory_bytes=3 << 30,
             max_num_seqs=max(64, args.batch),
         )
+        cfg = llm.engine.model_config
+        vocab = cfg.vocab_size
+        single = prompts(1, args.prompt_len, vocab, seed=1)[0]
+        work = prompts(args.batch, args.work_prompt_len, vocab, seed=2)
+        weights = llm.engine.runner.model.w
+        weight_bytes = weights.nbytes_per_token
+        params = sum(op.nbytes // op.w.element_size() for op in _ops(weights))
         with torch.inference_mode():
-            hf_single(hf, single[:32], 4)  # warm-up
             ours_single(llm, single[:32], 4)
-            a_hf = hf_single(hf, single, args.new_tokens)
-            a_us = ours_single(llm, single, args.new_tokens)
-            hf_best, hf_bs = 0.0, 0
-            for bs in map(int, args.hf_batch_sizes.split(",")):
-                tput = hf_batch(hf, batch, args.new_tokens, bs)
-                if tput > hf_best:
-                    hf_best, hf_bs = tput, bs
-            b_us = ours_batch(llm, batch, args.new_tokens)
-        rows += [
-            (name, dtype, "(a) TTFT ms (lower is better)", a_us.ttft_s * 1e3, a_hf.ttft_s * 1e3),
-            (name, dtype, "(a) decode tok/s", a_us.decode_tok_s, a_hf.decode_tok_s),
-            (name, dtype, "(a) decode roofline tok/s", roofline, roofline),
-            (name, dtype, f"(b) {args.batch}x throughput tok/s (HF bs={hf_bs})", b_us, hf_best),
-        ]
-        print(
-            f"{name} {dtype}: ours decode = {a_us.decode_tok_s / roofline:.0%} of roofline "
-            f"({roofline:.1f} tok/s at {weight_bytes / 2**20:.0f} MiB/token)"
+            a = ours_single(llm, single, args.new_tokens)
+            w = ours_batch(llm, work, args.work_new_tokens)
+            prefill_s, step_s = ours_split(llm, work, args.work_new_tokens)
+        peak = machine.bf16_peak if dtype == "bfloat16" else machine.fp32_peak
+        prefill_flops = 2 * params * args.batch * args.work_prompt_len
+        # Decode at full batch: every weight once, and each sequence's KV (mean context).
+        ctx = args.work_prompt_len + args.work_new_tokens / 2
+        kv_read = args.batch * ctx * kv_bytes_per_token(cfg, llm.engine.config.resolved_kv_dtype)
+        step_floor = max(
+            2 * params * args.batch / peak, (weight_bytes + kv_read) / machine.bandwidth
         )
-        for row in rows[-4:]:
+        hf_a, hf_w = hf_rates[dtype]
+        single_roof = machine.bandwidth / weight_bytes
+        rows += [
+            (label, "(a) TTFT ms (lower is better)", a.ttft_s * 1e3, hf_a.ttft_s * 1e3),
+            (label, "(a) decode tok/s", a.decode_tok_s, hf_a.decode_tok_s),
+            (
+                label,
+                "(a) decode, % of weight-bandwidth roofline",
+                100 * a.decode_tok_s / single_roof,
+                None,
+            ),  # noqa: E501
+            (label, f"(w) {args.batch}x offline tok/s (HF static {args.hf_batch_size})", w, hf_w),
+            (
+                label,
+                "(w) prefill, % of measured GEMM peak",
+                100 * prefill_flops / prefill_s / peak,
+                None,
+            ),  # noqa: E501
+            (label, f"(w) decode step ms at batch {args.batch}", step_s * 1e3, None),
+            (label, f"(w) decode step roofline ms at batch {args.batch}", step_floor * 1e3, None),
+            (label, "(w) decode step, % of roofline", 100 * step_floor / step_s, None),
+        ]
+        print(f"{name} {label}: weights {weight_bytes / 2**20:.0f} MiB/step", flush=True)
+        for row in rows[-8:]:
             _print_row(*row)
-        del hf, llm
+        del llm
         gc.collect()
     return rows
+
+
+def _ops(weights):
+    for layer in weights.layers:
+        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+    yield weights.lm_head
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=None, help="a model dir or preset (default: llama-100m)")
-    ap.add_argument(
-        "--models", default=None, help="several, comma-separated (llama-100m,smollm2-135m)"
-    )
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--model", default="llama-100m", help="a model dir or preset")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--hf-batch-sizes", default="16,64", help="HF static batch sizes to try")
-    ap.add_argument("--quick", action="store_true", help="8 requests, 32 new tokens (smoke run)")
+    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--work-prompt-len", type=int, default=200)
+    ap.add_argument("--work-new-tokens", type=int, default=96)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="8 requests, short outputs (smoke run)")
     args = ap.parse_args()
+    for label in args.configs.split(","):
+        if label not in CONFIGS:
+            ap.error(f"unknown config {label!r} (one of {', '.join(CONFIGS)})")
     if args.quick:
-        args.batch, args.new_tokens, args.hf_batch_sizes = 8, 32, "8"
-    if args.model and args.models:
-        ap.error("give --model or --models, not both")
+        args.batch, args.new_tokens, args.work_new_tokens, args.hf_batch_size = 8, 16, 16, 8
     torch.set_num_threads(args.threads)
-    names = (args.models or args.model or "llama-100m").split(",")
-    model_dirs = [str(resolve_model(n)) for n in names]
+    model_dir = str(resolve_model(args.model))
 
-    bw = copy_bandwidth()
-    print(
-        f"models {', '.join(model_dirs)}, threads {args.threads}, copy bandwidth {bw / 1e9:.1f} GB/s"
-    )
-    rows = [row for d in model_dirs for row in bench_model(d, args, bw)]
+    isa = cpu_isa()
+    kernels = cpu_kernels(torch.device("cpu"))
+    machine = Machine(copy_bandwidth(), gemm_peak(torch.float32), gemm_peak(torch.bfloat16))
+    print(f"model {model_dir}, threads {args.threads}, torch {torch.__version__}")
+    print(f"cpu: {isa.describe()}")
+    print(f"kernels: compiled {'yes' if kernels.ops else 'no'}, oneDNN prepacked bf16 "
+          f"{'yes' if kernels.prepack_bf16 else 'unavailable (needs AVX512-BF16 / AMX)'}")  # fmt: skip
+    print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, GEMM peak fp32 "
+          f"{machine.fp32_peak / 1e9:.0f} GFLOPS, bf16 {machine.bf16_peak / 1e9:.0f} GFLOPS")  # fmt: skip
+    rows = bench(model_dir, args, machine)
 
     print()
-    print(f"{'model':18} {'dtype':9} {'metric':44} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
+    print(f"cpu: {isa.describe()}")
+    print(f"{'config':10} {'metric':52} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
     for row in rows:
         _print_row(*row)
 
 
-def _print_row(model: str, dtype: str, metric: str, ours: float, ref: float) -> None:
-    print(
-        f"{model:18} {dtype:9} {metric:44} {ours:10.1f} {ref:10.1f} {ours / ref:8.2f}", flush=True
-    )
+def _print_row(label: str, metric: str, ours: float, ref: float | None) -> None:
+    ref_s = f"{ref:10.1f}" if ref is not None else f"{'':10}"
+    ratio = f"{ours / ref:8.2f}" if ref else f"{'':8}"
+    print(f"{label:10} {metric:52} {ours:10.1f} {ref_s} {ratio}", flush=True)
 
 
 if __name__ == "__main__":
