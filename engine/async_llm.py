@@ -79,11 +79,15 @@ class _Call:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
         self.engine = LLMEngine(config, record_kv_events=record_kv_events)
+        self.config = config
         self.model = config.model
         self.block_size = config.block_size
         self.max_num_waiting = config.max_num_waiting
         self.kv_layout: KVLayout = self.engine.kv_layout
         self.cache_salt: bytes = self.engine.cache_salt
+        # What the worker runs on, for Stats: the CPU's ISA level and the kernels it chose.
+        self.cpu_isa: str = self.engine.runner.cpu_isa
+        self.linear_kernels: str = self.engine.runner.linear_kernels
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue[_Add | _DeliverKV | _Abort | _Call | None] = (
             queue.SimpleQueue()

@@ -73,17 +73,20 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(model_config.eos_token_ids, config.seed)
         isa = self.kernels.isa
+        self.cpu_isa = isa.describe() if isa else self.device.type
+        self.linear_kernels = weights.layers[0].qkv.kernel + (
+            " + oneDNN prepacked bf16" if self.kernels.prepack_bf16 else ""
+        )
         log.info(
             "model loaded: %s, %d layers, %s (weights %s, %.0f MiB read per step), "
-            "kernels: %s, linear %s%s; kv cache %s, %d blocks = %d tokens (%.1f MiB)",
+            "cpu: %s; linear kernels: %s; kv cache %s, %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
             config.dtype,
             config.weight_dtype,
             weights.nbytes_per_token / 2**20,
-            isa.describe() if isa else self.device.type,
-            weights.layers[0].qkv.kernel,
-            " + oneDNN prepacked bf16" if self.kernels.prepack_bf16 else "",
+            self.cpu_isa,
+            self.linear_kernels,
             config.resolved_kv_dtype,
             limits.num_kv_blocks,
             limits.num_kv_blocks * config.block_size,

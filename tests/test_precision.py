@@ -138,3 +138,31 @@ def test_the_salt_separates_every_numerics():
     assert len(names) == 8  # kv "auto" is the dtype: 12 combinations, 8 distinct numerics
     with pytest.raises(ValueError, match="kv_dtype"):
         kv_numerics("float32", "auto", "int4")
+
+
+def test_a_worker_reports_its_numerics_and_cpu(model_dir):
+    """A worker process started with INT8 weights and bf16 KV says so in Stats, with the ISA
+    it found, and its fixed KV budget holds twice the tokens of float32 KV."""
+    import asyncio
+
+    from kernels.isa import cpu_isa
+    from services.common import grpc_util
+    from services.common.pb import worker_pb2, worker_pb2_grpc
+    from tests.procs import grpc_service
+
+    async def stats(address: str) -> worker_pb2.WorkerStats:
+        async with grpc_util.channel(address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            return await stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=10)
+
+    flags = ("--model", str(model_dir("tiny-llama")), "--threads", "1", "--kv-cache-mib", "8")
+    with grpc_service("fused", *flags, "--weight-dtype", "int8", "--kv-dtype", "bfloat16") as (
+        address,
+        _,
+    ):
+        s = asyncio.run(stats(address))
+    assert (s.dtype, s.weight_dtype, s.kv_dtype) == ("float32", "int8", "bfloat16")
+    assert s.cpu_isa == cpu_isa().describe()
+    assert s.linear_kernels.startswith("rows_gemm")  # INT8 projections stream through it
+    # tiny-llama: 4 layers x 2 kv heads x 32 dims x K and V x 2 bytes = 1 KiB per token.
+    assert s.total_blocks * s.block_size == (8 << 20) // 1024

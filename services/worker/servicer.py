@@ -47,6 +47,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefill_tokens_per_s=rate.prefill_tokens_per_s,
             decode_step_s=rate.decode_step_s,
             max_num_waiting=self.llm.max_num_waiting,
+            dtype=self.llm.config.dtype,
+            weight_dtype=self.llm.config.weight_dtype,
+            kv_dtype=self.llm.kv_layout.dtype,
+            cpu_isa=self.llm.cpu_isa,
+            linear_kernels=self.llm.linear_kernels,
         )
 
 

@@ -70,7 +70,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size", "queued_tokens", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting")
+    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size", "queued_tokens", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "dtype", "weight_dtype", "kv_dtype", "cpu_isa", "linear_kernels")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,11 @@ class WorkerStats(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_ISA_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_KERNELS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_blocks: int
@@ -97,4 +102,9 @@ class WorkerStats(_message.Message):
     prefill_tokens_per_s: float
     decode_step_s: float
     max_num_waiting: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ...) -> None: ...
+    dtype: str
+    weight_dtype: str
+    kv_dtype: str
+    cpu_isa: str
+    linear_kernels: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., linear_kernels: _Optional[str] = ...) -> None: ...
