@@ -336,12 +336,18 @@ async def bench_targets(
     out = {}
     for name, target in targets.items():
         print(f"# {name}: running", file=sys.stderr, flush=True)
-        async with target() as stream:
-            await run_load(stream, warm, [0.0] * len(warm))
-            results, duration = await run_load(
-                stream, requests, arrivals, args.max_concurrency, args.disable_tqdm
-            )
+        try:
+            async with target() as stream:
+                await run_load(stream, warm, [0.0] * len(warm))
+                results, duration = await run_load(
+                    stream, requests, arrivals, args.max_concurrency, args.disable_tqdm
+                )
+        except Exception as exc:  # one target that cannot start does not cost the others
+            print(f"# {name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
         out[name] = summarize(results, duration, args.metric_percentiles, args.save_detailed)
+    if not out:
+        raise SystemExit("no target ran")
     return out
 
 
