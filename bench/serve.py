@@ -1,65 +1,144 @@
-"""Serving benchmark: a load client for any OpenAI-compatible endpoint (in the manner of
-`vllm bench serve`), and a comparison of the in-process engine with launched clusters.
+"""Serving benchmark: a load client for OpenAI-compatible endpoints whose results read like
+`vllm bench serve --save-result` (the same keys, percentiles and dataset semantics), and a
+comparison of the in-process engine with launched clusters on the same workload.
 
-    # one endpoint
-    python bench/serve.py --url http://127.0.0.1:8000 --num-requests 64 --concurrency 16
-    # the comparison the issue asks for: engine vs PD cluster vs fused cluster, in one run
-    python bench/serve.py --compare --model smollm2-135m   # a preset name or a directory
+    # one endpoint or several, the same requests sent to each in turn
+    python bench/serve.py --url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16
+    # in-process engine vs launched clusters (the first topology is the ratio's baseline)
+    python bench/serve.py --compare --model smollm2-135m --topologies engine,fused:1,pd:1:1 \\
+        --launcher-args "--kv-cache-mib 256" --engine-args "--kv-cache-mib 256"
+    # a slice of the Mooncake trace, 16 tokens per 512-token block, ten times faster
+    python bench/serve.py --compare --dataset-name mooncake \\
+        --dataset-path /work/shared/traces/mooncake_synthetic.jsonl --num-prompts 100 \\
+        --mooncake-block-len 16 --max-input-len 512 --trace-time-scale 0.1
 
-Prompts are token ids (exact lengths), with `--shared-prefix` of each prompt common to all
-requests. `--request-rate` sends a Poisson stream instead of fixed concurrency. Prints a
-JSON result per target (TTFT, TPOT, ITL, E2E: mean/p50/p90/p99; request and output token
-throughput) and, with --compare, a table of ratios against the in-process engine.
+Arrivals: `--request-rate` (default inf: all at once) with gamma gaps of shape
+`--burstiness` (1: Poisson), capped by `--max-concurrency`; a trace replays its own times.
+TPOT excludes the first token: (latency - ttft) / (output tokens - 1). Prints the CPU's ISA
+and one table (a row per target); `--save-result` writes one JSON object per target, a
+line each, to `--result-file`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import random
-import statistics
+import math
+import shlex
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# Run as a script, this file's folder comes first on sys.path and bench/engine.py would
+# shadow the `engine` package: put the repository root there instead.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
 import aiohttp  # noqa: E402
+import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.workload import (  # noqa: E402
+    SampleRequest,
+    arrival_times,
+    mooncake_requests,
+    prefix_repetition_requests,
+    random_requests,
+)
 
-@dataclass
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(slots=True)
 class RequestResult:
     ok: bool
     prompt_tokens: int
     output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    ttft: float = 0.0  # seconds, from send to the first chunk of output
+    latency: float = 0.0  # seconds, from send to the end of the stream
+    itl: list[float] = field(default_factory=list)  # gaps between chunks of output
+    start: float = 0.0  # when it was sent, seconds from the start of the run
     error: str = ""
 
 
-Stream = Callable[[list[int], int], AsyncIterator[int]]  # yields token counts per chunk
+# Sends one request and calls tick() as each chunk of output arrives; returns the number
+# of output tokens (the server's usage count where it gives one).
+Stream = Callable[[list[int], int, Callable[[], None]], Awaitable[int]]
 
 
-def make_prompts(
-    n: int, length: int, shared_fraction: float, vocab: int, seed: int
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(10, vocab) for _ in range(int(length * shared_fraction))]
-    return [
-        shared + [rng.randrange(10, vocab) for _ in range(length - len(shared))] for _ in range(n)
-    ]
+# -- metrics ---------------------------------------------------------------------------------
+def _pct_word(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
 
 
+def metric_stats(name: str, seconds: Sequence[float], percentiles: Sequence[float]) -> dict:
+    """mean/median/std/pNN of one metric in ms, keyed as vLLM keys them (0 when empty)."""
+    ms = np.asarray(seconds or [0.0], dtype=float) * 1e3
+    out = {
+        f"mean_{name}_ms": float(np.mean(ms)),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(np.std(ms)),
+    }
+    for p in percentiles:
+        out[f"p{_pct_word(p)}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
+
+
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    percentiles: Sequence[float] = (50, 90, 95, 99),
+    detailed: bool = False,
+) -> dict:
+    """The `vllm bench serve` result keys for one run; `detailed` adds per-request lists."""
+    ok = [r for r in results if r.ok]
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    values = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    out = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "error_kinds": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    for name in METRICS:
+        out |= metric_stats(name, values[name], percentiles)
+    if detailed:
+        out |= {
+            "input_lens": [r.prompt_tokens for r in results],
+            "output_lens": [r.output_tokens if r.ok else 0 for r in results],
+            "ttfts": [r.ttft for r in results],
+            "itls": [r.itl for r in results],
+            "latencies": [r.latency for r in results],
+            "start_times": [r.start for r in results],
+            "errors": [r.error for r in results],
+        }
+    return out
+
+
+# -- clients ---------------------------------------------------------------------------------
 def openai_stream(url: str, model: str, session: aiohttp.ClientSession) -> Stream:
-    async def stream(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
+    async def stream(prompt: list[int], max_tokens: int, tick: Callable[[], None]) -> int:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        chunks, usage = 0, None
         async with session.post(f"{url}/v1/completions", json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
@@ -68,8 +147,14 @@ def openai_stream(url: str, model: str, session: aiohttp.ClientSession) -> Strea
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    yield 1  # one chunk per token with greedy streaming
+                if "error" in chunk:  # failed after the status line: reported in the stream
+                    raise RuntimeError(f"in stream: {chunk['error'].get('message', chunk)}")
+                if chunk.get("choices"):  # as vLLM: every chunk with a choice is timed
+                    tick()
+                    chunks += 1
+                if chunk.get("usage"):
+                    usage = chunk["usage"]["completion_tokens"]
+        return chunks if usage is None else usage
 
     return stream
 
@@ -77,181 +162,310 @@ def openai_stream(url: str, model: str, session: aiohttp.ClientSession) -> Strea
 def engine_stream(llm) -> Stream:
     from engine import SamplingParams
 
-    async def stream(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
+    async def stream(prompt: list[int], max_tokens: int, tick: Callable[[], None]) -> int:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        tokens = 0
         async for out in llm.generate(prompt, params):
             if out.new_token_ids:
-                yield len(out.new_token_ids)
+                tick()
+                tokens += len(out.new_token_ids)
+        return tokens
 
     return stream
 
 
-async def run_one(stream: Stream, prompt: list[int], max_tokens: int) -> RequestResult:
-    result = RequestResult(ok=False, prompt_tokens=len(prompt))
+async def run_one(stream: Stream, req: SampleRequest, t0: float) -> RequestResult:
+    result = RequestResult(ok=False, prompt_tokens=len(req.prompt))
     start = last = time.perf_counter()
+    result.start = start - t0
+    first = True
+
+    def tick() -> None:
+        nonlocal last, first
+        now = time.perf_counter()
+        if first:
+            result.ttft, first = now - start, False
+        else:
+            result.itl.append(now - last)
+        last = now
+
     try:
-        async for n in stream(prompt, max_tokens):
-            now = time.perf_counter()
-            if result.output_tokens == 0:
-                result.ttft = now - start
-            else:
-                result.itl.append(now - last)
-            result.output_tokens += n
-            last = now
-        result.ok = True
+        result.output_tokens = await stream(req.prompt, req.output_len, tick)
+        result.ok = not first  # a stream that ended without output is a failure
+        result.error = "" if result.ok else "no output"
     except Exception as exc:  # a failed request is counted, not fatal
         result.error = f"{type(exc).__name__}: {exc}"
-    result.e2e = time.perf_counter() - start
+    result.latency = time.perf_counter() - start
     return result
 
 
 async def run_load(
     stream: Stream,
-    prompts: list[list[int]],
-    max_tokens: int,
-    concurrency: int,
-    rate: float | None,
-    seed: int,
+    requests: Sequence[SampleRequest],
+    arrivals: Sequence[float],
+    max_concurrency: int | None = None,
+    disable_tqdm: bool = True,
 ) -> tuple[list[RequestResult], float]:
-    sem = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(prompts), file=sys.stderr, leave=False)
-    rng = random.Random(seed)
+    """Sends request i at arrivals[i] (seconds from now), no more than max_concurrency in
+    flight (later arrivals wait for a slot); returns the results and the wall time."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    bar = tqdm(total=len(requests), file=sys.stderr, leave=False, disable=disable_tqdm)
+    t0 = time.perf_counter()
 
-    async def guarded(prompt):
+    async def one(req: SampleRequest, at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         async with sem:
-            r = await run_one(stream, prompt, max_tokens)
+            r = await run_one(stream, req, t0)
         bar.update(1)
         return r
 
-    start = time.perf_counter()
-    tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(guarded(prompt)))
-        if rate:
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
+    results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, arrivals, strict=True)))
     bar.close()
-    return results, time.perf_counter() - start
+    return list(results), time.perf_counter() - t0
 
 
-def _pcts(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    s = sorted(values)
-
-    def pct(p: float) -> float:
-        return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
-    return {
-        "mean": statistics.fmean(s) * 1e3,
-        "p50": pct(50) * 1e3,
-        "p90": pct(90) * 1e3,
-        "p99": pct(99) * 1e3,
-    }
+# -- targets ---------------------------------------------------------------------------------
+Target = Callable[[], contextlib.AbstractAsyncContextManager[Stream]]
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "ttft_ms": _pcts([r.ttft for r in ok]),
-        "tpot_ms": _pcts(tpot),
-        "itl_ms": _pcts([g for r in ok for g in r.itl]),
-        "e2e_ms": _pcts([r.e2e for r in ok]),
-    }
+def url_target(url: str) -> Target:
+    @contextlib.asynccontextmanager
+    async def open_() -> AsyncIterator[Stream]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            async with session.get(f"{url}/v1/models") as reply:
+                model = (await reply.json())["data"][0]["id"]
+            yield openai_stream(url, model, session)
+
+    return open_
 
 
-async def bench_url(url: str, prompts, args) -> dict:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        async with session.get(f"{url}/v1/models") as reply:
-            model = (await reply.json())["data"][0]["id"]
-        stream = openai_stream(url, model, session)
-        await run_load(stream, prompts[:2], 4, 2, None, args.seed)  # warm-up
-        results, duration = await run_load(
-            stream, prompts, args.output_len, args.concurrency, args.request_rate, args.seed
+def engine_target(model: str, engine_args: list[str]) -> Target:
+    """The engine in this process, sized as a worker sizes it (worker flags pass through)."""
+
+    @contextlib.asynccontextmanager
+    async def open_() -> AsyncIterator[Stream]:
+        from services.worker.config import add_worker_arguments, build_llm
+
+        p = argparse.ArgumentParser()
+        add_worker_arguments(p)
+        llm = build_llm(p.parse_args(["--model", model, *engine_args]))
+        try:
+            yield engine_stream(llm)
+        finally:
+            llm.shutdown()
+
+    return open_
+
+
+def cluster_target(model: str, flags: list[str]) -> Target:
+    @contextlib.asynccontextmanager
+    async def open_() -> AsyncIterator[Stream]:
+        from services.launcher.process import launch
+
+        with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *flags) as cluster:
+            async with url_target(cluster.url)() as stream:
+                yield stream
+
+    return open_
+
+
+def topology_target(spec: str, model: str, launcher_args: list[str], engine_args: list[str]):
+    """engine | fused:K | pd:P:D -> the target that runs it."""
+    kind, *counts = spec.split(":")
+    if kind == "engine" and not counts:
+        return engine_target(model, engine_args)
+    if kind == "fused" and len(counts) == 1:
+        return cluster_target(model, ["--fused", counts[0], *launcher_args])
+    if kind == "pd" and len(counts) == 2:
+        return cluster_target(
+            model, ["--prefill", counts[0], "--decode", counts[1], *launcher_args]
         )
-    return summarize(results, duration)
+    raise ValueError(f"topology {spec!r}: expected engine, fused:K or pd:P:D")
 
 
-async def bench_engine(model: str, prompts, args) -> dict:
-    from engine import AsyncLLM, EngineConfig
+# -- the run ---------------------------------------------------------------------------------
+def cpu_info() -> dict:
+    from kernels.isa import cpu_isa
 
-    llm = AsyncLLM(EngineConfig(model=model, kv_cache_memory_bytes=args.kv_cache_mib << 20))
-    try:
-        stream = engine_stream(llm)
-        await run_load(stream, prompts[:2], 4, 2, None, args.seed)
-        results, duration = await run_load(
-            stream, prompts, args.output_len, args.concurrency, args.request_rate, args.seed
-        )
-    finally:
-        llm.shutdown()
-    return summarize(results, duration)
+    isa = cpu_isa()
+    return {"level": isa.level, "flags": list(isa.flags), "describe": isa.describe()}
 
 
-def compare(args) -> dict[str, dict]:
-    from engine.make_model import resolve_model
-    from services.launcher.process import launch
+def build_requests(args, vocab: int) -> list[SampleRequest]:
+    if args.dataset_name == "random":
+        return random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
+                               args.seed, args.random_prefix_len)  # fmt: skip
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_requests(
+            args.num_prompts, args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len, vocab, args.seed,
+        )  # fmt: skip
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name mooncake needs --dataset-path")
+    return mooncake_requests(
+        args.dataset_path, vocab, args.mooncake_block_len, args.num_prompts,
+        args.max_input_len, args.max_output_len, args.trace_time_scale, args.seed,
+    )  # fmt: skip
 
-    model = str(resolve_model(args.model or args.model_preset))
-    prompts = make_prompts(
-        args.num_requests, args.input_len, args.shared_prefix, args.vocab, args.seed
-    )
-    out = {"engine": asyncio.run(bench_engine(model, prompts, args))}
-    kv = ["--kv-cache-mib", str(args.kv_cache_mib)]
-    for name, flags in (("pd", ["--prefill", "1", "--decode", "1"]), ("fused", ["--fused", "1"])):
-        with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *flags, *kv) as cluster:
-            out[name] = asyncio.run(bench_url(cluster.url, prompts, args))
+
+DATASET_ARGS = {
+    "random": ("input_len", "output_len", "random_prefix_len"),
+    "prefix_repetition": ("prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
+                          "prefix_repetition_num_prefixes", "prefix_repetition_output_len"),
+    "mooncake": ("dataset_path", "mooncake_block_len", "max_input_len", "max_output_len",
+                 "trace_time_scale"),
+}  # fmt: skip
+
+
+def dataset_args(args) -> dict:
+    """The flags that shaped the requests (a trace's scaling belongs next to its result)."""
+    return {k: getattr(args, k) for k in DATASET_ARGS[args.dataset_name]}
+
+
+async def bench_targets(
+    targets: dict[str, Target], requests: list[SampleRequest], vocab: int, args
+) -> dict[str, dict]:
+    """The same requests at the same times to each target in turn, after a short warm-up
+    (unrelated prompts, so the run's prefix-cache hits are its own)."""
+    if requests and all(r.arrival_s is not None for r in requests):
+        arrivals = [r.arrival_s for r in requests]
+    else:
+        arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+    warm = random_requests(args.num_warmups, 16, 4, vocab, args.seed + 1)
+    out = {}
+    for name, target in targets.items():
+        print(f"# {name}: running", file=sys.stderr, flush=True)
+        try:
+            async with target() as stream:
+                await run_load(stream, warm, [0.0] * len(warm))
+                results, duration = await run_load(
+                    stream, requests, arrivals, args.max_concurrency, args.disable_tqdm
+                )
+        except Exception as exc:  # one target that cannot start does not cost the others
+            print(f"# {name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        out[name] = summarize(results, duration, args.metric_percentiles, args.save_detailed)
+    if not out:
+        raise SystemExit("no target ran")
     return out
 
 
-def main() -> None:
+def table(results: dict[str, dict], percentiles: Sequence[float]) -> str:
+    """A row per target; `x first` is output throughput over the first target's."""
+    tail = _pct_word(max(percentiles))
+    cols = [("req/s", "request_throughput", 7, 2), ("out tok/s", "output_throughput", 9, 1)]
+    cols += [(f"{m.upper()} {s}", f"{k}_{m}_ms", 10, 1) for m in METRICS
+             for s, k in (("med", "median"), (f"p{tail}", f"p{tail}"))]  # fmt: skip
+    width = max(6, *(len(n) for n in results))
+    head = f"{'target':<{width}} {'ok':>5} {'fail':>4} " + " ".join(
+        f"{label:>{w}}" for label, _, w, _ in cols
+    )
+    lines = [f"{head} {'x first':>7}"]
+    base = next(iter(results.values()))["output_throughput"]
+    for name, r in results.items():
+        ratio = r["output_throughput"] / base if base else math.nan
+        cells = " ".join(f"{r[key]:>{w}.{d}f}" for _, key, w, d in cols)
+        lines.append(f"{name:<{width}} {r['completed']:>5} {r['failed']:>4} {cells} {ratio:>7.2f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--url", help="an OpenAI-compatible endpoint (http://host:port)")
-    ap.add_argument("--compare", action="store_true", help="engine vs PD cluster vs fused cluster")
-    ap.add_argument(
-        "--model", default=None, help="model dir or preset name for --compare (smollm2-135m)"
-    )
-    ap.add_argument("--model-preset", default="llama-100m", help="used when --model is not given")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument(
-        "--shared-prefix", type=float, default=0.0, help="fraction of each prompt shared"
-    )
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--request-rate", type=float, default=None, help="Poisson rate (req/s)")
-    ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--kv-cache-mib", type=int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    t = ap.add_argument_group("targets")
+    t.add_argument("--url", action="append", default=[], help="an OpenAI endpoint; repeatable")
+    t.add_argument("--compare", action="store_true", help="launch the --topologies and run each")
+    t.add_argument("--topologies", default="engine,pd:1:1,fused:1",
+                   help="comma-separated: engine (in-process), fused:K, pd:P:D")  # fmt: skip
+    t.add_argument("--launcher-args", default="", help="flags for `rtp-serve up`, one string")
+    t.add_argument("--engine-args", default="", help="worker flags for the in-process engine")
+    t.add_argument("--model", default=None, help="model dir or preset name for --compare")
+    t.add_argument("--model-preset", default="llama-100m", help="used when --model is not given")
+    d = ap.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default="random",
+                   choices=("random", "prefix_repetition", "mooncake"))  # fmt: skip
+    d.add_argument("--dataset-path", default=None, help="mooncake: the trace (JSONL)")
+    d.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=64)
+    d.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
+    d.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
+                   default=128)  # fmt: skip
+    d.add_argument("--random-prefix-len", type=int, default=0, help="shared, before each prompt")
+    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    d.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    d.add_argument("--mooncake-block-len", type=int, default=512,
+                   help="tokens per 512-token trace block; lengths scale by it / 512")  # fmt: skip
+    d.add_argument("--max-input-len", type=int, default=None, help="mooncake: cut prompts")
+    d.add_argument("--max-output-len", type=int, default=None, help="mooncake: cut outputs")
+    d.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="mooncake: multiplies the timestamps (0.1: ten times faster)")  # fmt: skip
+    d.add_argument("--vocab", type=int, default=8000, help="token ids below this (and >= 10)")
+    d.add_argument("--seed", type=int, default=0)
+    a = ap.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=float, default=math.inf, help="req/s (default inf)")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
+    a.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency", type=int,
+                   default=None)  # fmt: skip
+    a.add_argument("--num-warmups", type=int, default=2)
+    o = ap.add_argument_group("output")
+    o.add_argument("--metric-percentiles", default="50,90,95,99",
+                   type=lambda s: [float(p) for p in s.split(",")])  # fmt: skip
+    o.add_argument("--save-result", action="store_true")
+    o.add_argument("--save-detailed", action="store_true", help="per-request lists too")
+    o.add_argument("--result-dir", default=".")
+    o.add_argument("--result-file", default=None)
+    o.add_argument("--disable-tqdm", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.url and not args.compare:
+        ap.error("give --url (one or more) or --compare")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
+    args = parse_args(argv)
+    targets: dict[str, Target] = {}
+    vocab = args.vocab
+    model = None
     if args.compare:
-        results = compare(args)
-        print(json.dumps(results, indent=2))
-        base = results["engine"]
-        print(
-            f"\n{'target':8} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50 ms':>12} {'+ms vs engine':>13} {'TPOT p50 ms':>12}"
+        from engine.config import ModelConfig
+        from engine.make_model import resolve_model
+
+        model = str(resolve_model(args.model or args.model_preset))
+        vocab = min(vocab, ModelConfig.from_dir(model).vocab_size)
+        launcher, engine = shlex.split(args.launcher_args), shlex.split(args.engine_args)
+        for spec in args.topologies.split(","):
+            targets[spec] = topology_target(spec, model, launcher, engine)
+    targets |= {u.rstrip("/"): url_target(u.rstrip("/")) for u in args.url}
+    requests = build_requests(args, vocab)
+    cpu = cpu_info()
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    print(f"# CPU ISA: {cpu['describe']}")
+    print(f"# dataset {args.dataset_name} {dataset_args(args)}: {len(requests)} requests; "
+          f"rate {rate}, burstiness {args.burstiness}, max concurrency "
+          f"{args.max_concurrency or 'none'}; model {model or 'the server'}")  # fmt: skip
+    results = asyncio.run(bench_targets(targets, requests, vocab, args))
+    print(table(results, args.metric_percentiles))
+    for name, r in results.items():
+        for err in r["error_kinds"]:
+            print(f"# {name}: failed: {err}", file=sys.stderr)
+    if args.save_result:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path(args.result_dir) / (
+            args.result_file or f"rtp-serve-{args.dataset_name}-{stamp}.json"
         )
-        for name, r in results.items():
-            print(
-                f"{name:8} {r['output_throughput']:10.1f} {r['output_throughput'] / base['output_throughput']:9.2f} "
-                f"{r['ttft_ms']['p50']:12.1f} {r['ttft_ms']['p50'] - base['ttft_ms']['p50']:13.1f} {r['tpot_ms']['p50']:12.1f}"
-            )
-    elif args.url:
-        prompts = make_prompts(
-            args.num_requests, args.input_len, args.shared_prefix, args.vocab, args.seed
-        )
-        print(json.dumps(asyncio.run(bench_url(args.url.rstrip("/"), prompts, args)), indent=2))
-    else:
-        ap.error("give --url or --compare")
+        with open(path, "w") as f:  # a JSON object a line, one per target
+            for name, r in results.items():
+                head = {"date": stamp, "backend": "rtp-serve", "target": name,
+                        "model_id": model, "dataset_name": args.dataset_name,
+                        "dataset_args": dataset_args(args), "num_prompts": len(requests),
+                        "request_rate": rate, "burstiness": args.burstiness,
+                        "max_concurrency": args.max_concurrency, "cpu_isa": cpu}  # fmt: skip
+                f.write(json.dumps(head | r) + "\n")
+        print(f"# results: {path}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""bench/serve.py and bench/workload.py: metrics on scripted results, the datasets, the
+arrival processes, and one short run through the real code path on the in-process engine."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import workload
+from bench.serve import RequestResult, main, metric_stats, summarize
+
+
+# -- metrics ---------------------------------------------------------------------------------
+def test_tpot_excludes_the_first_token_and_itl_pools_gaps():
+    # ttft 100 ms, then 4 more tokens over 200 ms: TPOT 50 ms. One token: no TPOT.
+    results = [
+        RequestResult(True, 10, 5, ttft=0.1, latency=0.3, itl=[0.05, 0.05, 0.04, 0.06]),
+        RequestResult(True, 20, 1, ttft=0.2, latency=0.2),
+        RequestResult(False, 30, error="HTTP 500: boom"),
+    ]
+    r = summarize(results, duration=2.0)
+    assert (r["completed"], r["failed"]) == (2, 1)
+    assert (r["total_input_tokens"], r["total_output_tokens"]) == (30, 6)
+    assert r["request_throughput"] == 1.0
+    assert r["output_throughput"] == 3.0
+    assert r["total_token_throughput"] == 18.0
+    assert r["mean_tpot_ms"] == pytest.approx(50.0)
+    assert r["std_tpot_ms"] == pytest.approx(0.0)
+    assert r["mean_ttft_ms"] == pytest.approx(150.0)
+    assert r["mean_itl_ms"] == pytest.approx(50.0)
+    assert r["mean_e2el_ms"] == pytest.approx(250.0)
+    assert r["error_kinds"] == ["HTTP 500: boom"]
+    assert "errors" not in r and "ttfts" not in r  # only with detailed
+    detailed = summarize(results, 2.0, detailed=True)
+    assert detailed["output_lens"] == [5, 1, 0]
+    assert detailed["errors"] == ["", "", "HTTP 500: boom"]
+
+
+def test_percentiles_are_keyed_as_vllm_and_interpolate():
+    s = metric_stats("ttft", [i / 1000 for i in range(1, 101)], [50, 90, 99, 99.9])
+    assert set(s) == {"mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms",
+                      "p90_ttft_ms", "p99_ttft_ms", "p99.9_ttft_ms"}  # fmt: skip
+    assert s["median_ttft_ms"] == pytest.approx(50.5)
+    assert s["p90_ttft_ms"] == pytest.approx(90.1)  # linear, as numpy and vLLM
+    assert s["p99_ttft_ms"] == pytest.approx(99.01)
+    assert s["std_ttft_ms"] == pytest.approx(np.std(np.arange(1, 101)))
+    assert metric_stats("itl", [], [99]) == {
+        "mean_itl_ms": 0.0, "median_itl_ms": 0.0, "std_itl_ms": 0.0, "p99_itl_ms": 0.0,
+    }  # fmt: skip
+
+
+# -- datasets --------------------------------------------------------------------------------
+def test_random_prefix_comes_on_top_of_the_input_len():
+    reqs = workload.random_requests(5, 12, 7, vocab=100, seed=3, prefix_len=4)
+    assert [len(r.prompt) for r in reqs] == [16] * 5
+    assert {tuple(r.prompt[:4]) for r in reqs} == {tuple(reqs[0].prompt[:4])}
+    assert all(10 <= t < 100 for r in reqs for t in r.prompt)
+    assert reqs == workload.random_requests(5, 12, 7, vocab=100, seed=3, prefix_len=4)
+
+
+def test_prefix_repetition_structure():
+    reqs = workload.prefix_repetition_requests(11, 8, 5, 3, 9, vocab=1000, seed=0)
+    assert len(reqs) == 9  # 3 prefixes x (11 // 3), as vLLM
+    assert all(len(r.prompt) == 13 and r.output_len == 9 for r in reqs)
+    prefixes = Counter(tuple(r.prompt[:8]) for r in reqs)
+    assert sorted(prefixes.values()) == [3, 3, 3]
+    assert len({tuple(r.prompt[8:]) for r in reqs}) == 9  # every suffix its own
+    with pytest.raises(ValueError):
+        workload.prefix_repetition_requests(2, 8, 5, 3, 9, vocab=1000, seed=0)
+
+
+def _trace(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 64, "hash_ids": [7, 8, 9]},
+    {"timestamp": 1500, "input_length": 600, "output_length": 10, "hash_ids": [7, 5]},
+    {"timestamp": 4000, "input_length": 1024, "output_length": 3, "hash_ids": [7, 8]},
+    {"timestamp": 9000, "input_length": 10, "output_length": 1, "hash_ids": [1]},
+]
+
+
+def test_mooncake_equal_hash_ids_give_equal_blocks(tmp_path):
+    reqs = workload.mooncake_requests(_trace(tmp_path, ROWS), vocab=500, block_len=16)
+    a, b, c, _ = reqs
+    assert a.prompt[:16] == b.prompt[:16] == c.prompt[:16]  # hash id 7
+    assert a.prompt[16:32] == c.prompt[16:32]  # hash id 8
+    assert b.prompt[16:32] != a.prompt[16:32]  # 5 vs 8
+    assert a.prompt[:16] == workload.block_tokens(7, 16, 500)
+    again = workload.mooncake_requests(_trace(tmp_path, ROWS), vocab=500, block_len=16)
+    assert again == reqs
+
+
+def test_mooncake_lengths_scale_and_caps_cut(tmp_path):
+    path = _trace(tmp_path, ROWS)
+    reqs = workload.mooncake_requests(path, vocab=500, block_len=16)
+    # ceil(len * 16 / 512) tokens in, round(len * 16 / 512) out, at least 1
+    assert [len(r.prompt) for r in reqs] == [35, 19, 32, 1]
+    assert [r.output_len for r in reqs] == [2, 1, 1, 1]
+    full = workload.mooncake_requests(path, vocab=500)  # block_len 512: the trace's lengths
+    assert [len(r.prompt) for r in full] == [1100, 600, 1024, 10]
+    assert [r.output_len for r in full] == [64, 10, 3, 1]
+    cut = workload.mooncake_requests(path, vocab=500, num_requests=3, max_input_len=700,
+                                     max_output_len=20)  # fmt: skip
+    assert [len(r.prompt) for r in cut] == [700, 600, 700]
+    assert [r.output_len for r in cut] == [20, 10, 3]
+    assert cut[2].prompt == full[2].prompt[:700]
+
+
+def test_mooncake_times_from_the_first_line_scaled(tmp_path):
+    path = _trace(tmp_path, ROWS)
+    assert [r.arrival_s for r in workload.mooncake_requests(path, 500)] == [0, 0.5, 3.0, 8.0]
+    fast = workload.mooncake_requests(path, 500, time_scale=0.1)
+    assert [r.arrival_s for r in fast] == pytest.approx([0, 0.05, 0.3, 0.8])
+
+
+def test_mooncake_refuses_a_line_longer_than_its_blocks(tmp_path):
+    bad = [{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}]
+    with pytest.raises(ValueError, match="trace.jsonl:1"):
+        workload.mooncake_requests(_trace(tmp_path, bad), vocab=500)
+
+
+def test_the_repo_trace_loads_as_a_small_slice():
+    trace = Path("/work/shared/traces/mooncake_synthetic.jsonl")
+    if not trace.exists():
+        pytest.skip("no shared trace here")
+    reqs = workload.mooncake_requests(trace, 8000, 16, num_requests=50, max_input_len=256)
+    assert len(reqs) == 50 and max(len(r.prompt) for r in reqs) <= 256
+    assert reqs[0].arrival_s == 0 and all(
+        a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:], strict=False)
+    )
+
+
+# -- arrivals --------------------------------------------------------------------------------
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+def test_gamma_gaps_mean_one_over_rate_and_shape_sets_the_spread(burstiness):
+    gaps = workload.inter_arrival_gaps(20_000, 8.0, burstiness, np.random.default_rng(1))
+    assert gaps.mean() == pytest.approx(1 / 8, rel=0.05)
+    # a gamma's coefficient of variation is 1 / sqrt(shape): Poisson 1, burstier above
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)
+
+
+def test_arrival_times_are_seeded_and_normalized():
+    a = workload.arrival_times(100, 10.0, 1.0, seed=7)
+    assert a == workload.arrival_times(100, 10.0, 1.0, seed=7)
+    assert a != workload.arrival_times(100, 10.0, 1.0, seed=8)
+    assert a == sorted(a) and a[-1] == pytest.approx(10.0)  # n / rate, as vLLM
+    assert workload.arrival_times(5, math.inf, 1.0, seed=0) == [0.0] * 5
+    even = workload.arrival_times(4, 2.0, math.inf, seed=0)
+    assert even == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    with pytest.raises(ValueError):
+        workload.arrival_times(4, 2.0, 0.0, seed=0)
+
+
+# -- the real path ---------------------------------------------------------------------------
+def test_smoke_against_the_in_process_engine(
+    model_dir: Callable[[str], Path], tmp_path: Path, capsys
+):
+    model = model_dir("tiny-llama")
+    results = main(["--compare", "--topologies", "engine", "--model", str(model),
+                    "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                    "--max-concurrency", "2", "--request-rate", "50", "--disable-tqdm",
+                    "--num-warmups", "1", "--save-result", "--result-dir", str(tmp_path),
+                    "--result-file", "r.json"])  # fmt: skip
+    r = results["engine"]
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (4, 0, 32)
+    assert r["total_input_tokens"] == 64 and r["mean_tpot_ms"] > 0
+    out = capsys.readouterr().out
+    assert "CPU ISA:" in out and "x first" in out and "\nengine " in out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["target"] == "engine" and saved["cpu_isa"]["level"]
+    assert saved["request_rate"] == 50.0 and saved["p99_itl_ms"] > 0
