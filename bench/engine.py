@@ -225,7 +225,9 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
             ours_single(llm, single[:32], 4)
             a = ours_single(llm, single, args.new_tokens)
             w = ours_batch(llm, work, args.work_new_tokens)
-            prefill_s, step_s = ours_split(llm, work, args.work_new_tokens)
+            # Fresh prompts: the batch above left its own in the prefix cache.
+            fresh = prompts(args.batch, args.work_prompt_len, vocab, seed=3)
+            prefill_s, step_s = ours_split(llm, fresh, args.work_new_tokens)
         peak = machine.bf16_peak if dtype == "bfloat16" else machine.fp32_peak
         prefill_flops = 2 * params * args.batch * args.work_prompt_len
         # Decode at full batch: every weight once, and each sequence's KV (mean context).
