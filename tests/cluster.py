@@ -73,8 +73,12 @@ class Cluster(LaunchedCluster):
 def launch(model: str, tmp: Path, *flags: str) -> Iterator[Cluster]:
     """The launcher with a 1 s heartbeat TTL, so expiry tests run fast, and 256 MiB of KV per
     worker unless `flags` say otherwise (the machine-sized default would take GiBs per test
-    cluster; tests/test_memory.py covers it)."""
+    cluster; tests/test_memory.py covers it). PD clusters disaggregate every prompt unless
+    `flags` set --max-local-prefill-tokens: the tests' prompts are short, and what they test
+    is the transfer."""
     kv = () if "--kv-cache-mib" in flags else ("--kv-cache-mib", "256")
+    if "--max-local-prefill-tokens" not in flags:
+        kv += ("--max-local-prefill-tokens", "0")
     with launch_cluster(model, tmp, "--ttl", "1", *kv, *flags) as c:
         cluster = Cluster(c.url, c.info, c.proc)
         yield cluster

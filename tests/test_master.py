@@ -16,7 +16,13 @@ from services.common import grpc_util, subjects
 from services.common.pb import events_pb2, master_pb2, master_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns
 from services.master.cluster import ClusterView
-from services.master.policy import CacheAware, NoWorkersError, RoundRobin, session_slot
+from services.master.policy import (
+    CacheAware,
+    NoWorkersError,
+    RoundRobin,
+    make_policy,
+    session_slot,
+)
 from services.master.prefix_index import PrefixIndex
 
 H = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(16)]
@@ -180,6 +186,24 @@ def test_decode_most_free_blocks_then_fewest_running():
     assert route(CacheAware(), cluster(*PD3, loads=[load("d2", free=0)])).decode.id == "d2"
 
 
+def test_conditional_disaggregation_keeps_short_prompts_on_the_decode_worker():
+    loads = [load("d1", free=10), load("d2", free=50)]
+    # 100 uncached tokens < 128: the decode worker computes the prompt itself.
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=loads))
+    assert not plan.HasField("prefill") and plan.decode.id == "d2"
+    assert plan.reason.startswith("local prefill on d2: 100 uncached tokens < 128")
+    # Its own cached prefix counts: 6 blocks of 16 cached there leave 4 of 100 tokens.
+    roomy_d1 = [load("d1", free=60), load("d2", free=50)]
+    view = cluster(*PD3, loads=roomy_d1, cached={"d1": H[:6]})
+    plan = route(CacheAware(max_local_prefill_tokens=8), view)
+    assert not plan.HasField("prefill") and (plan.decode.id, plan.matched_blocks) == ("d1", 6)
+    assert "4 uncached tokens < 8" in plan.reason
+    longer = route(CacheAware(max_local_prefill_tokens=64), cluster(*PD3, loads=loads))
+    assert longer.HasField("prefill") and longer.decode.id == "d2"  # 100 >= 64: PD
+    assert route(CacheAware(), cluster(*PD3, loads=loads)).HasField("prefill")  # 0: always PD
+    assert make_policy("round_robin", 128).max_local_prefill_tokens == 128
+
+
 def test_the_worker_that_answers_first_in_seconds_wins():
     # p2 holds 5 blocks (20 tokens left to compute) but is slow and has a 1 s queue;
     # p1 holds 2 blocks (68 tokens) at 1000 tokens/s: 0.068 s < 1 + 20/100 s.
@@ -297,6 +321,7 @@ def test_master_service_routes_by_nats_events(nats_server: str):
         try:
             await until(lambda: grpc_util.check_health(ns_address), "nameservice")
             flags = ("--nameservice", ns_address, "--nats-url", nats_url, "--namespace", NS)
+            flags += ("--max-local-prefill-tokens", "0")  # 100-token prompts go to prefill
             tasks.append(asyncio.create_task(master_main.serve(args_for(master_main, *flags))))
             masters = await until(lambda: workers[0].list(ns.ROLE_MASTER), "the master")
             for client, m in zip(workers, PD3, strict=True):

@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
     p.add_argument("--no-cache", action="store_true", help="run without the cache service tier")
     p.add_argument("--policy", default="cache_aware")
+    p.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=None,
+        help="PD: prompts with fewer uncached tokens are prefilled on the decode worker "
+        "(the master's default unless given; 0: always disaggregate)",
+    )
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
                    help="int8: weight-only INT8 projections, quantized at load")  # fmt: skip
@@ -166,7 +173,10 @@ def _start(cluster: Cluster, model: str) -> str:
     cluster.spawn("nameservice", "--port", str(ns_port), "--ttl", str(args.ttl),
                   "--nats-url", nats_url, "--metrics-port", str(ns_metrics_port))  # fmt: skip
     common = ["--nameservice", nameservice, "--nats-url", nats_url]
-    cluster.spawn("master", *common, "--policy", args.policy)
+    master = [*common, "--policy", args.policy]
+    if args.max_local_prefill_tokens is not None:
+        master += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+    cluster.spawn("master", *master)
     if not args.no_cache:
         cluster.spawn("cache", *common, "--redis-url", redis_url)
     threads = args.threads or max(1, (os.cpu_count() or 1) // _worker_count(args))

@@ -24,6 +24,10 @@ from services.master.servicer import MasterServicer
 
 log = logging.getLogger(__name__)
 
+# Below this many uncached prompt tokens a PD cluster prefills on the decode worker
+# (measured on one 2-core box with llama-100m; see the serving issue's closing note).
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1024
+
 SERVICE_NAME = "rtp.v1.Master"
 
 
@@ -35,12 +39,21 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "master") -> None:
         default=env("policy", "cache_aware"),
         help="routing policy",
     )
+    p.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=int(env("max_local_prefill_tokens", str(DEFAULT_MAX_LOCAL_PREFILL_TOKENS))),
+        help="PD mode: a prompt with fewer uncached tokens is computed by its decode worker "
+        "(conditional disaggregation); 0 sends every prompt to a prefill worker",
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
     """Run the master until cancelled."""
     view = ClusterView()
-    policy = make_policy(args.policy)
+    if args.max_local_prefill_tokens < 0:
+        raise SystemExit("--max-local-prefill-tokens must be >= 0")
+    policy = make_policy(args.policy, args.max_local_prefill_tokens)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(view, policy), server)
     address = advertised(args, port)

@@ -52,6 +52,7 @@ class RouteReason(enum.StrEnum):
     LEAST_LOADED = "least_loaded"  # lowest predicted cost without a prefix hit
     AFFINITY = "affinity"  # a tie broken by the session id
     ROUND_ROBIN = "round_robin"  # its turn
+    LOCAL_PREFILL = "local_prefill"  # PD mode, but the decode worker computes a short prompt
     NO_WORKERS = "no_workers"  # no route (NoWorkersError)
 
 
@@ -111,7 +112,11 @@ def uncached_tokens(view: ClusterView, worker_id: str, num_prompt_tokens: int, m
 class Policy(ABC):
     name: str
 
-    def __init__(self) -> None:
+    def __init__(self, max_local_prefill_tokens: int = 0) -> None:
+        # Conditional disaggregation: in PD mode a prompt whose uncached part is shorter than
+        # this is computed by its decode worker itself; moving its KV would cost more than
+        # the prefill it saves (0: every prompt goes to a prefill worker).
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         # Separate turns for each side, so rotations never lock prefill and decode in step.
         self._first_turn = itertools.count()
         self._decode_turn = itertools.count()
@@ -123,11 +128,18 @@ class Policy(ABC):
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
         first, decode = candidates(view, request.exclude)
+        tokens = request.num_prompt_tokens
+        if decode and self.max_local_prefill_tokens:
+            tail = self._choose_decode(view, decode)
+            local = self._local_prefill(view, request, tail.member)
+            if local is not None:
+                return local
+            # Not short enough: the prefill side is chosen below, and the decode worker again
+            # (it is still the best by its own criterion; the rotation turn is spent).
         head = self._choose_first(view, request, first)
         plan = master_pb2.RoutePlan(
             matched_blocks=head.matched_blocks, policy=self.name, reason=head.reason
         )
-        tokens = request.num_prompt_tokens
         view.charge(
             head.member.id, uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
         )
@@ -142,6 +154,25 @@ class Policy(ABC):
         else:
             plan.decode.CopyFrom(head.member)
         return Decision(plan, head.why)
+
+    def _local_prefill(
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
+    ) -> Decision | None:
+        """A decode-only plan when the prompt's uncached part on `decode` is short."""
+        matched = view.index.match_all(request.block_hashes, [decode.id])[decode.id]
+        tokens = request.num_prompt_tokens
+        todo = uncached_tokens(view, decode.id, tokens, matched)
+        if todo >= self.max_local_prefill_tokens:
+            return None
+        view.charge(decode.id, todo, blocks=math.ceil(tokens / _block_size(view, decode.id)))
+        plan = master_pb2.RoutePlan(
+            decode=decode,
+            matched_blocks=matched,
+            policy=self.name,
+            reason=f"local prefill on {decode.id}: {todo} uncached tokens "
+            f"< {self.max_local_prefill_tokens} (prefix {matched} blocks)",
+        )
+        return Decision(plan, RouteReason.LOCAL_PREFILL)
 
     @abstractmethod
     def _choose_first(
@@ -266,8 +297,8 @@ class CacheAware(Policy):
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (CacheAware, RoundRobin)}
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, max_local_prefill_tokens: int = 0) -> Policy:
     try:
-        return POLICIES[name]()
+        return POLICIES[name](max_local_prefill_tokens)
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
