@@ -82,15 +82,16 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def gemm_peak(dtype: torch.dtype, m: int = 512, k: int = 768, n: int = 4096) -> float:
-    """FLOP/s of a prefill-sized projection through the engine's own large-batch path."""
+def gemm_peak(dtype: torch.dtype, m: int = 1024, k: int = 768, n: int = 4096) -> float:
+    """FLOP/s of a prefill-sized projection through the engine's own large-batch path (the
+    best of 20: on a shared machine the best run is the closest to what the CPU can do)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g).to(dtype)
     op = make_linear(w, dtype, "auto", cpu_kernels(torch.device("cpu")))
     x = torch.randn(m, k, generator=g).to(dtype)
     op(x)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(20):
         t = time.perf_counter()
         op(x)
         best = min(best, time.perf_counter() - t)
@@ -305,6 +306,11 @@ def main() -> None:
     print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, GEMM peak fp32 "
           f"{machine.fp32_peak / 1e9:.0f} GFLOPS, bf16 {machine.bf16_peak / 1e9:.0f} GFLOPS")  # fmt: skip
     rows = bench(model_dir, args, machine)
+    # Measured again after the runs: a peak lower than what prefill reached was noise.
+    again = Machine(copy_bandwidth(), gemm_peak(torch.float32), gemm_peak(torch.bfloat16))
+    if again.fp32_peak > machine.fp32_peak * 1.05 or again.bf16_peak > machine.bf16_peak * 1.05:
+        print(f"note: GEMM peak measured again after the runs: fp32 {again.fp32_peak / 1e9:.0f}, "
+              f"bf16 {again.bf16_peak / 1e9:.0f} GFLOPS (the fractions use the first)")  # fmt: skip
 
     print()
     print(f"cpu: {isa.describe()}")
