@@ -38,7 +38,6 @@ class LlamaWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor
     lm_head: LinearOp  # reads the [vocab, hidden] embedding in place when tied
-    tied: bool
 
     @property
     def nbytes_per_token(self) -> int:
@@ -111,7 +110,6 @@ def load_llama_weights(
         layers=layers,
         norm=take("model.norm.weight"),
         lm_head=lm_head,
-        tied=cfg.tie_word_embeddings,
     )
     tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
     leftover = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
