@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.dtypes import torch_dtype
 from engine.memory import kv_bytes_per_token
-from engine.models.llama import LlamaModel, load_llama_weights
+from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
 from engine.outputs import SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
@@ -58,7 +58,8 @@ class ModelRunner:
             tensors, model_config, self.dtype, self.kernels, config.weight_dtype
         )
         attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
-        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len)
+        norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
+        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm)
         slots = limits.num_kv_blocks * config.block_size
         shape = (
             model_config.num_layers,

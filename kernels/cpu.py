@@ -18,7 +18,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.cpp", "small_gemm.cpp", "rows_gemm.cpp")
+    for name in ("paged_decode.cpp", "small_gemm.cpp", "rows_gemm.cpp", "rms_norm.cpp")
 ]
 
 

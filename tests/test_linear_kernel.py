@@ -177,3 +177,20 @@ def test_isa_levels_cap_but_never_raise():
     with pytest.raises(ValueError, match="RTP_SERVE_ISA"):
         resolve(flags, "sse9")
     assert set(LEVELS) >= {"scalar", "avx2", "amx"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,h", [(1, 768), (3, 13), (300, 576)])
+def test_rms_norm_kernel_matches_the_reference(ops, dtype, rows, h):
+    """float32: within 1e-5; bf16/fp16: HF's two roundings, so at most one ulp apart."""
+    from engine.models.llama import rms_norm
+
+    g = torch.Generator().manual_seed(rows + h)
+    x = (3 * torch.randn(rows, h, generator=g)).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    got, ref = ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rms_norm(x, w.float() if dtype != torch.float32 else w.double(), 1e-5)

@@ -11,6 +11,7 @@ Each projection is a `LinearOp` (kernels/linear.py), prepared once at load for i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -171,10 +172,12 @@ class LlamaModel:
         weights: LlamaWeights,
         attention: AttentionBackend,
         max_len: int,
+        norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
     ) -> None:
         self.cfg = cfg
         self.w = weights
         self.attention = attention
+        self.norm = norm  # the compiled kernel on CPUs (same rounding), else rms_norm
         self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
         self._q = cfg.num_heads * cfg.head_dim
         self._kv = cfg.num_kv_heads * cfg.head_dim
@@ -196,7 +199,7 @@ class LlamaModel:
         sin = self.sin[positions].unsqueeze(1)
         x = self.w.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.w.layers, kv_caches, strict=True):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = self.norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h, layer.qkv_bias)
             # RoPE on q and k together: one set of elementwise ops instead of two.
             qk = apply_rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
@@ -204,8 +207,8 @@ class LlamaModel:
             v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
             x = layer.o(attn.view(-1, self._q), None, x)  # residual fused into the GEMM
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            h = self.norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = layer.down(F.silu(gate) * up, None, x)
-        x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
+        x = self.norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         return self.w.lm_head(x).float()

@@ -142,9 +142,11 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::
                          c10::optional<torch::Tensor> residual);
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
   m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }
