@@ -221,7 +221,7 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
         work = prompts(args.batch, args.work_prompt_len, vocab, seed=2)
         weights = llm.engine.runner.model.w
         weight_bytes = weights.nbytes_per_token
-        params = sum(op.nbytes // op.w.element_size() for op in _ops(weights))
+        params = sum(op.nbytes // op.w.element_size() for op in weights.projections())
         head = weights.lm_head.nbytes // weights.lm_head.w.element_size()
         with torch.inference_mode():
             ours_single(llm, single[:32], 4)
@@ -268,12 +268,6 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
         del llm
         gc.collect()
     return rows
-
-
-def _ops(weights):
-    for layer in weights.layers:
-        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
-    yield weights.lm_head
 
 
 def main() -> None:

@@ -123,12 +123,10 @@ class RowsLinear:
             return self._rows(x, self.w, self.scale, bias, residual)
         if self._packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        elif self._widen and x.dtype != torch.float32:
+        elif self._widen:  # float32 math on the widened weight, the result in x's dtype
             w = self.w.float() if self.scale is None else self.w.float() * self.scale[:, None]
-            out = F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
-        elif self._widen:
-            w = self.w.float() if self.scale is None else self.w.float() * self.scale[:, None]
-            out = F.linear(x, w, bias)
+            b = None if bias is None else bias.float()
+            out = F.linear(x.float(), w, b).to(x.dtype)
         else:
             out = F.linear(x, self.dense(), bias)
         return out if residual is None else out.add_(residual)

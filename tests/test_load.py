@@ -94,6 +94,7 @@ def test_load_report_and_stats_carry_the_wait_estimate(cluster):
     for prompt in PROMPTS[:3]:  # some steps on every worker kind, so rates are measured
         client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8)
     reports: dict[str, events_pb2.LoadReport] = {}
+    roles = {m.id: m.role for m in cluster.workers()}
 
     async def collect():
         bus = await Bus.connect(cluster.info["nats"], "test-load")
@@ -102,11 +103,12 @@ def test_load_report_and_stats_carry_the_wait_estimate(cluster):
             reports[msg.worker_id] = msg
 
         await bus.subscribe(subjects.load_report_all(), events_pb2.LoadReport, keep)
-        await asyncio.sleep(1.0)  # reports come every 0.25 s
+        deadline = time.monotonic() + 10  # reports come every 0.25 s
+        while set(reports) != set(roles) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         await bus.close()
 
     asyncio.run(collect())
-    roles = {m.id: m.role for m in cluster.workers()}
     assert set(reports) == set(roles)
     for worker_id, report in reports.items():
         assert report.max_num_waiting == 256  # the workers' default
@@ -225,8 +227,10 @@ def test_stopping_the_launcher_under_load_is_prompt_and_complete(cluster):
     threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    assert sum(s.num_running for s in cluster.worker_stats().values()) > 0  # under load
+    deadline = time.monotonic() + 30
+    while sum(s.num_running for s in cluster.worker_stats().values()) == 0:  # not loaded yet
+        assert time.monotonic() < deadline, "the load never reached the workers"
+        time.sleep(0.05)
     signal_at = time.monotonic()
     cluster.proc.send_signal(signal.SIGTERM)
     cluster.proc.wait(30)

@@ -11,7 +11,7 @@ Each projection is a `LinearOp` (kernels/linear.py), prepared once at load for i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +40,16 @@ class LlamaWeights:
     norm: torch.Tensor
     lm_head: LinearOp  # reads the [vocab, hidden] embedding in place when tied
 
+    def projections(self) -> Iterator[LinearOp]:
+        """Every projection a decode step runs: those of each layer, then the LM head."""
+        for layer in self.layers:
+            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+        yield self.lm_head
+
     @property
     def nbytes_per_token(self) -> int:
         """Weight bytes a decode step reads (all projections and the head, not the embedding)."""
-        ops = [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up)]
-        ops += [layer.down for layer in self.layers] + [self.lm_head]
-        return sum(op.nbytes for op in ops)
+        return sum(op.nbytes for op in self.projections())
 
 
 def load_llama_weights(
@@ -61,17 +65,14 @@ def load_llama_weights(
     is usual for weight-only INT8) quantized per output channel; "auto" keeps `dtype`.
     """
 
-    def take(name: str) -> torch.Tensor:
-        try:
-            return tensors.pop(name).to(dtype).contiguous()
-        except KeyError:
-            raise ValueError(f"checkpoint is missing tensor {name!r}") from None
-
     def raw(name: str) -> torch.Tensor:
         try:
             return tensors.pop(name)
         except KeyError:
             raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+
+    def take(name: str) -> torch.Tensor:
+        return raw(name).to(dtype).contiguous()
 
     def proj(*names: str, quantize: bool = True) -> LinearOp:
         """[out, in] checkpoint weights, concatenated on `out`, as one projection. INT8 is

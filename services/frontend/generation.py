@@ -9,14 +9,14 @@
 
 A worker that fails before its first token is swapped for another (excluded from the next
 route); one that fails later is resumed elsewhere from prompt + tokens so far, so the
-client sees one uninterrupted stream.
+client sees one uninterrupted stream. Closing a stream cancels its worker call, which makes
+the worker abort the request and free its blocks.
 
 A request with a deadline (`timeout`) gives every call on its path (master, worker, and
 through the worker the prefill worker) what is left of it as the gRPC deadline, so all hops
 give up together and free what they held. Passed before the first token: a TIMEOUT error
 (504); passed later: the sequence ends there with finish_reason "length" (a limit the
-request set, like max_tokens; OpenAI clients know no other reason for a cut-off output). Closing a stream cancels its worker call, which makes
-the worker abort the request and free its blocks.
+request set, like max_tokens; OpenAI clients know no other reason for a cut-off output).
 """
 
 from __future__ import annotations

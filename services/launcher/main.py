@@ -7,8 +7,8 @@ also get SIGKILL from the kernel if the launcher itself dies (PR_SET_PDEATHSIG):
 
 Stopping drains: the frontend and the workers get SIGTERM first and together (they stop
 taking requests and finish those in flight for up to --drain-timeout); then the master, the
-cache and the nameservice, which stop promptly; whatever still runs at drain timeout + STOP_SLACK_S
-is killed, so the whole cluster is gone within drain timeout + 2 s.
+cache and the nameservice, which stop promptly; whatever still runs at drain timeout +
+STOP_SLACK_S is killed, so the whole cluster is gone within drain timeout + 2 s.
 """
 
 from __future__ import annotations
