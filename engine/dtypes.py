@@ -14,8 +14,11 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 # How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized.
 WEIGHT_DTYPES = ("auto", "int8")
-# How the KV cache is stored: "auto" as the model dtype, or any of DTYPES.
-KV_DTYPES = ("auto", *DTYPES)
+# How the KV cache is stored: "auto" as the model dtype, any of DTYPES, or "int8" with a
+# float32 scale per block and kv head (kernels/kv_quant.py).
+KV_DTYPES = ("auto", *DTYPES, "int8")
+# Every dtype a tensor here is stored in: compute dtypes and the int8 KV cache.
+STORAGE_DTYPES = (*DTYPES, "int8")
 
 
 def resolve_kv_dtype(dtype: str, kv_dtype: str) -> str:
@@ -35,17 +38,17 @@ def kv_numerics(dtype: str, weight_dtype: str = "auto", kv_dtype: str = "auto") 
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype called `name`; ValueError for a name not in DTYPES."""
+    """The torch dtype called `name`; ValueError for a name not in STORAGE_DTYPES."""
     import torch
 
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r} (one of {DTYPES})")
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (one of {STORAGE_DTYPES})")
     return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name of a torch dtype in DTYPES (inverse of torch_dtype)."""
+    """The name of a torch dtype in STORAGE_DTYPES (inverse of torch_dtype)."""
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in STORAGE_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
     return name

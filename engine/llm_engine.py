@@ -156,8 +156,7 @@ class LLMEngine:
         # The blocks were released by this very step, but nothing can reuse them before the
         # next schedule(), so their contents are still this request's KV.
         start = request.export_kv_from or 0
-        k, v = self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
-        return PromptKV(start, k, v)
+        return self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
 
     # -- tiers below the device pool ---------------------------------------------------------
     def num_cached_prefix(self, block_hashes: list[bytes]) -> int:
@@ -169,10 +168,10 @@ class LLMEngine:
             n += 1
         return n
 
-    def import_blocks(self, block_hashes: list[bytes], k, v) -> int:
+    def import_blocks(self, block_hashes: list[bytes], kv: PromptKV) -> int:
         """Put KV fetched from a lower tier into the pool as cached, unreferenced blocks.
 
-        k/v are [layers, len(block_hashes) * block_size, kv_heads, D]. A request submitted
+        kv covers len(block_hashes) whole blocks (its `start` is ignored). A request submitted
         next hits them like any prefix-cache block (they join the back of the eviction
         queue). Blocks already cached are skipped; returns how many were imported.
         """
@@ -184,9 +183,7 @@ class LLMEngine:
             if self.pool.num_free_blocks == 0:
                 break
             (block,) = self.pool.allocate(1)
-            self.runner.write_kv(
-                [block.block_id], 0, k[:, i * bs : (i + 1) * bs], v[:, i * bs : (i + 1) * bs]
-            )
+            self.runner.write_kv([block.block_id], _block_of(kv, i, bs))
             self.pool.cache_block(block, h)
             self.pool.free([block])
             imported += 1
@@ -205,7 +202,7 @@ class LLMEngine:
         for part in sorted(parts, key=lambda p: p.start):
             if part.start != pos:
                 raise ValueError(f"KV for positions from {part.start}, expected from {pos}")
-            pos += part.k.shape[1]
+            pos += part.num_tokens
         if pos != request.num_prompt_tokens:
             raise ValueError(
                 f"KV ends at position {pos}, the prompt at {request.num_prompt_tokens}"
@@ -214,7 +211,7 @@ class LLMEngine:
             raise ValueError(f"first token id {first.token_id} out of range")
         table = self.kv.block_ids(request_id)
         for part in parts:
-            self.runner.write_kv(table, part.start, part.k, part.v)
+            self.runner.write_kv(table, part)
         Sampler.replay_draw(request, self.model_config.vocab_size)
         return _delta(self.scheduler.kv_arrived(request_id, first), first)
 
@@ -275,3 +272,11 @@ def _delta(
         prompt_kv=prompt_kv,
         waiting_for_kv=waiting_for_kv,
     )
+
+
+def _block_of(kv: PromptKV, i: int, block_size: int) -> PromptKV:
+    """Block i of KV that starts at a block boundary, as KV of positions [0, block_size)."""
+    tokens, block = slice(i * block_size, (i + 1) * block_size), slice(i, i + 1)
+    k_scale = None if kv.k_scale is None else kv.k_scale[:, block]
+    v_scale = None if kv.v_scale is None else kv.v_scale[:, block]
+    return PromptKV(0, kv.k[:, tokens], kv.v[:, tokens], k_scale, v_scale)

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 DEFAULT_FRACTION = 0.5  # of the available memory, for weights + KV of all workers here
 MIN_KV_BYTES = 64 << 20  # below this a worker could hold only a few short requests
 _NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a huge number
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+_SCALE_BYTES = 4  # an int8 cache's float32 scale per block, layer, K/V and kv head
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,15 @@ def available_memory_bytes(
 
 
 def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
-    """K and V of every layer for one token."""
+    """K and V of every layer for one token (an int8 cache's per-block scales not counted:
+    see kv_bytes_per_block)."""
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * _ITEMSIZE[dtype]
+
+
+def kv_bytes_per_block(model: ModelConfig, dtype: str, block_size: int) -> int:
+    """One block of the pool: its tokens' K and V, plus the scales of an int8 cache."""
+    scales = 2 * model.num_layers * model.num_kv_heads * _SCALE_BYTES if dtype == "int8" else 0
+    return block_size * kv_bytes_per_token(model, dtype) + scales
 
 
 def weights_bytes(model_dir: str | os.PathLike, dtype: str, weight_dtype: str = "auto") -> int:

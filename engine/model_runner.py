@@ -11,21 +11,26 @@ import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.dtypes import torch_dtype
-from engine.memory import kv_bytes_per_token
+from engine.memory import kv_bytes_per_block
 from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
-from engine.outputs import SampledToken
+from engine.outputs import PromptKV, SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import load_tensors
-from kernels.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from kernels.attention import (
+    AttentionMetadata,
+    LayerCache,
+    PrefillChunk,
+    get_attention_backend,
+)
 from kernels.linear import cpu_kernels
 
 log = logging.getLogger(__name__)
 
 
 def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
-    bytes_per_block = config.block_size * kv_bytes_per_token(model, config.resolved_kv_dtype)
+    bytes_per_block = kv_bytes_per_block(model, config.resolved_kv_dtype, config.block_size)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = min(
         config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -71,7 +76,17 @@ class ModelRunner:
         # Zeroed up front, like a GPU pool reserved at start-up: first-touch page faults would
         # otherwise land on the first requests' steps.
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        # An int8 cache: a float32 scale per layer, K/V, block and kv head.
+        self.kv_scales = None
+        if self.kv_dtype == torch.int8:
+            scales = (model_config.num_layers, 2, limits.num_kv_blocks, model_config.num_kv_heads)
+            self.kv_scales = torch.zeros(scales, dtype=torch.float32, device=self.device)
+        self.kv_caches = [
+            LayerCache(layer[0], layer[1])
+            if self.kv_scales is None
+            else LayerCache(layer[0], layer[1], self.kv_scales[i, 0], self.kv_scales[i, 1])
+            for i, layer in enumerate(self.kv_cache)
+        ]
         self.sampler = Sampler(model_config.eos_token_ids, config.seed)
         isa = self.kernels.isa
         self.cpu_isa = isa.describe() if isa else self.device.type
@@ -101,22 +116,53 @@ class ModelRunner:
         pos = torch.arange(start, end)
         return (table[pos // bs] * bs + pos % bs).to(self.device)
 
-    def read_kv(
-        self, block_ids: list[int], start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of token positions [start, end), each [layers, end - start, kv_heads, D]."""
+    def _blocks(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """The blocks holding positions [start, end), start a multiple of the block size."""
+        if start % self.block_size:
+            raise ValueError(f"int8 KV must start at a block boundary, not at {start}")
+        first, last = start // self.block_size, -(-end // self.block_size)
+        return torch.tensor(block_ids[first:last], dtype=torch.int64, device=self.device)
+
+    def read_kv(self, block_ids: list[int], start: int, end: int) -> PromptKV:
+        """KV of token positions [start, end) as stored: [layers, end - start, kv_heads, D]
+        each, with the covered blocks' scales for an int8 cache."""
         slots = self._slots(block_ids, start, end)
-        return self.kv_cache[:, 0].index_select(1, slots), self.kv_cache[:, 1].index_select(
-            1, slots
+        k, v = (
+            self.kv_cache[:, 0].index_select(1, slots),
+            self.kv_cache[:, 1].index_select(1, slots),
+        )
+        if self.kv_scales is None:
+            return PromptKV(start, k, v)
+        blocks = self._blocks(block_ids, start, end)
+        return PromptKV(
+            start,
+            k,
+            v,
+            self.kv_scales[:, 0].index_select(1, blocks),
+            self.kv_scales[:, 1].index_select(1, blocks),
         )
 
-    def write_kv(self, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        expected = (self.cfg.num_layers, k.shape[1], self.cfg.num_kv_heads, self.cfg.head_dim)
-        if tuple(k.shape) != expected or k.shape != v.shape:
-            raise ValueError(f"KV shape {tuple(k.shape)}/{tuple(v.shape)} != expected {expected}")
-        slots = self._slots(block_ids, start, start + k.shape[1])
-        self.kv_cache[:, 0].index_copy_(1, slots, k.to(self.kv_dtype))
-        self.kv_cache[:, 1].index_copy_(1, slots, v.to(self.kv_dtype))
+    def write_kv(self, block_ids: list[int], kv: PromptKV) -> None:
+        """Store KV read from another pool of this layout (read_kv) into these blocks."""
+        cfg = self.cfg
+        expected = (cfg.num_layers, kv.num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if tuple(kv.k.shape) != expected or kv.k.shape != kv.v.shape:
+            raise ValueError(f"KV shape {tuple(kv.k.shape)}/{tuple(kv.v.shape)} != {expected}")
+        if (kv.k.dtype == torch.int8) != (self.kv_scales is not None):
+            raise ValueError(f"KV of {kv.k.dtype} cannot go into a {self.kv_dtype} cache")
+        end = kv.start + kv.num_tokens
+        slots = self._slots(block_ids, kv.start, end)
+        if self.kv_scales is not None:
+            blocks = self._blocks(block_ids, kv.start, end)
+            scale_shape = (cfg.num_layers, len(blocks), cfg.num_kv_heads)
+            if kv.k_scale is None or kv.v_scale is None:
+                raise ValueError("int8 KV arrived without its scales")
+            if tuple(kv.k_scale.shape) != scale_shape or kv.k_scale.shape != kv.v_scale.shape:
+                raise ValueError(f"KV scales {tuple(kv.k_scale.shape)} != {scale_shape}")
+            self.kv_scales[:, 0].index_copy_(1, blocks, kv.k_scale.float())
+            self.kv_scales[:, 1].index_copy_(1, blocks, kv.v_scale.float())
+        self.kv_cache[:, 0].index_copy_(1, slots, kv.k.to(self.kv_dtype))
+        self.kv_cache[:, 1].index_copy_(1, slots, kv.v.to(self.kv_dtype))
 
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
@@ -160,12 +206,8 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                ctx_slots = None
-                if start:
-                    t = torch.tensor(table[: (start + n + bs - 1) // bs])
-                    ctx_slots = (t[:, None] * bs + torch.arange(bs)).flatten()[: start + n]
-                    ctx_slots = ctx_slots.to(self.device)
-                prefills.append(PrefillChunk(q_start, n, start, ctx_slots))
+                blocks = torch.tensor(table[: -(-(start + n) // bs)], device=self.device)
+                prefills.append(PrefillChunk(q_start, n, start, blocks))
 
         decode_tables_t = decode_lens_t = None
         if decode_tables:

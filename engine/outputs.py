@@ -32,11 +32,21 @@ class SampledToken:
 
 @dataclass(frozen=True, slots=True)
 class PromptKV:
-    """KV of prompt positions [start, start + n) of a request."""
+    """KV of prompt positions [start, start + n) of a request, as the cache stores it.
+
+    An int8 cache's KV carries the scales of the blocks it covers, [layers, blocks, kv_heads]
+    float32 each (kernels/kv_quant.py); `start` is then a multiple of the block size.
+    """
 
     start: int
     k: torch.Tensor  # [layers, n, kv_heads, head_dim]
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,11 @@ A step's new tokens come as one flat batch, decodes first:
                sequence, any context    after `ctx_len` tokens already cached
 
 The cache may be stored in a narrower dtype than the model computes in (bf16 KV for float32
-weights): writes round to it, reads widen from it. Every layer writes the new K/V into their
-slots first, then attends, so a block computed
-in this step can already be read by another sequence of the same step.
+weights, or int8 with a scale per block and kv head: kernels/kv_quant.py): writes round to
+it, reads widen from it. Every layer writes the new K/V into their slots first, then
+attends, so a block computed in this step can already be read by another sequence of the
+same step. Over a narrower cache a prompt attends to its own K/V as stored too, so its
+output does not depend on whether a prefix came from the cache or was just computed.
 `CpuKernelAttention` (decode through the compiled CPU kernel) implements the same interface;
 a GPU backend would too (none exists yet).
 """
@@ -25,14 +27,43 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
     q_start: int  # offset of its first new token in the flat batch
     q_len: int
     ctx_len: int  # tokens already in the cache before this chunk
-    # Slots of all ctx_len + q_len tokens; None when ctx_len == 0 (attend to new K/V only).
-    slots: torch.Tensor | None
+    block_table: torch.Tensor  # [blocks] int64: the blocks of all ctx_len + q_len tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCache:
+    """One layer's KV slots, [num_blocks * block_size, kv_heads, D] each; an int8 cache also
+    has a float32 scale per block and kv head, [num_blocks, kv_heads] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def gather(
+        self, slots: torch.Tensor, block_size: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these slots (any shape), widened to `dtype`: [*slots.shape, Hkv, D]."""
+        k, v = _gather(self.k, slots), _gather(self.v, slots)
+        if self.k_scale is None or self.v_scale is None:
+            return k.to(dtype), v.to(dtype)
+        blocks = slots // block_size
+        return (
+            kv_quant.dequantize(k, self.k_scale[blocks], dtype),
+            kv_quant.dequantize(v, self.v_scale[blocks], dtype),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +82,27 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; writes k/v into the cache."""
         ...
 
 
 def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    block_size: int,
+    write_int8=kv_quant.write_int8,
 ) -> None:
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if cache.k_scale is None or cache.v_scale is None:
+        cache.k.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
+        cache.v.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
+    else:
+        write_int8(cache.k, cache.k_scale, k, slot_mapping, block_size)
+        write_int8(cache.v, cache.v_scale, v, slot_mapping, block_size)
 
 
 class TorchAttention:
@@ -75,43 +110,69 @@ class TorchAttention:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-        self._paged_decode = paged_decode  # a subclass swaps in a kernel with this signature
+        # A subclass swaps in kernels with these signatures.
+        self._paged_decode = paged_decode
+        self._write_int8 = kv_quant.write_int8
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    def forward(self, q, k, v, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(cache, k, v, meta.slot_mapping, meta.block_size, self._write_int8)
         out = torch.empty_like(q)
         b = meta.num_decodes
         if b:
-            out[:b] = self.decode(q[:b], k_cache, v_cache, meta)
+            out[:b] = self.decode(q[:b], cache, meta)
+        as_stored = cache.k.dtype != q.dtype  # read back what the cache holds (see above)
         for chunk in meta.prefills:
             sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-            if chunk.slots is None:
+            if chunk.ctx_len == 0 and not as_stored:
                 out[sl] = _attend(q[sl], k[sl], v[sl], None, self.scale, causal=True)
             else:
-                out[sl] = paged_prefill(
-                    q[sl], k_cache, v_cache, chunk.slots, chunk.ctx_len, self.scale
-                )
+                out[sl] = self.prefill(q[sl], cache, chunk, meta.block_size)
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def prefill(
+        self, q: torch.Tensor, cache: LayerCache, chunk: PrefillChunk, block_size: int
+    ) -> torch.Tensor:
+        return paged_prefill(q, cache, chunk.block_table, chunk.ctx_len, block_size, self.scale)
+
+    def decode(self, q, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         return self._paged_decode(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.decode_block_tables,
             meta.decode_seq_lens,
             meta.block_size,
             self.scale,
+            cache.k_scale,
+            cache.v_scale,
         )
 
 
 class CpuKernelAttention(TorchAttention):
-    """Decode through the compiled CPU kernel (reads K/V in place); prefill as the reference."""
+    """Decode, prefill over a cached prefix and int8 KV writes through the compiled CPU
+    kernels (K/V read in place); a fresh prompt over a full-precision cache as the reference
+    (SDPA over the new K/V, which are at hand)."""
 
     def __init__(self, scale: float, ops) -> None:
         super().__init__(scale)
         self.ops = ops
         self._paged_decode = ops.paged_decode
+        self._write_int8 = ops.kv_write_int8
+
+    def prefill(
+        self, q: torch.Tensor, cache: LayerCache, chunk: PrefillChunk, block_size: int
+    ) -> torch.Tensor:
+        return self.ops.paged_prefill(
+            q,
+            cache.k,
+            cache.v,
+            chunk.block_table,
+            chunk.ctx_len,
+            block_size,
+            self.scale,
+            cache.k_scale,
+            cache.v_scale,
+        )
 
 
 def paged_decode(
@@ -122,13 +183,15 @@ def paged_decode(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its whole cached context. q [B, Hq, D]."""
     lmax = int(seq_lens.max())
     offsets = torch.arange(block_size, device=q.device)
     slots = (block_tables[:, :, None] * block_size + offsets).flatten(1)[:, :lmax]
-    keys = _gather(k_cache, slots).to(q.dtype)  # [B, Lmax, Hkv, D]
-    values = _gather(v_cache, slots).to(q.dtype)
+    cache = LayerCache(k_cache, v_cache, k_scale, v_scale)
+    keys, values = cache.gather(slots, block_size, q.dtype)  # [B, Lmax, Hkv, D]
     mask = None  # all the same length needs no mask
     if int(seq_lens.min()) < lmax:
         valid = torch.arange(lmax, device=q.device)[None, :] < seq_lens[:, None]
@@ -145,16 +208,19 @@ def paged_decode(
 
 def paged_prefill(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    cache: LayerCache,
+    block_table: torch.Tensor,
     ctx_len: int,
+    block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """New tokens attend to `ctx_len` cached tokens plus themselves (causally). q [n, Hq, D]."""
+    """New tokens attend to `ctx_len` cached tokens plus themselves (causally), all read from
+    the cache through the sequence's block table. q [n, Hq, D]."""
     n = q.shape[0]
+    offsets = torch.arange(block_size, device=q.device)
+    slots = (block_table[:, None] * block_size + offsets).flatten()[: ctx_len + n]
     # [ctx_len + n, Hkv, D], widened to the query's dtype if the cache is stored narrower
-    keys, values = _gather(k_cache, slots).to(q.dtype), _gather(v_cache, slots).to(q.dtype)
+    keys, values = cache.gather(slots, block_size, q.dtype)
     # Query i sits at position ctx_len + i and sees keys 0 .. ctx_len + i.
     mask = torch.ones(n, ctx_len + n, dtype=torch.bool, device=q.device).tril(diagonal=ctx_len)
     return _attend(q, keys, values, mask, scale, causal=False)

@@ -18,7 +18,14 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.cpp", "small_gemm.cpp", "rows_gemm.cpp", "rms_norm.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "small_gemm.cpp",
+        "rows_gemm.cpp",
+        "rms_norm.cpp",
+        "kv_quant.cpp",
+        "paged_prefill.cpp",
+    )
 ]
 
 

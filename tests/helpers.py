@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 from engine.request import Request
+from kernels.attention import AttentionMetadata, PrefillChunk
 
 PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
 # Greedy references are computed once for this many tokens; tests compare prefixes of them.
@@ -78,8 +81,29 @@ def make_llm(model_dir: Path, dtype: str = "float32", **engine_args) -> LLM:
     return llm
 
 
+def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """float32 logits of every position of one prompt, run as one fresh prefill into blocks
+    0, 1, ... of the pool (which must hold them)."""
+    runner, n, bs = llm.engine.runner, len(ids), llm.engine.config.block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_size=bs,
+        num_decodes=0,
+        prefills=[PrefillChunk(0, n, 0, torch.arange(-(-n // bs)))],
+    )
+    with torch.inference_mode():
+        return runner.model.forward(
+            torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, torch.arange(n)
+        )
+
+
 def poison_kv(engine: LLMEngine) -> None:
-    engine.runner.kv_cache.fill_(KV_POISON)
+    runner = engine.runner
+    if runner.kv_scales is None:
+        runner.kv_cache.fill_(KV_POISON)
+    else:  # int8: -128 is never written (rows clamp to +-127); a stale scale reads huge
+        runner.kv_cache.fill_(-128)
+        runner.kv_scales.fill_(KV_POISON)
 
 
 def use_torch_attention(engine: LLMEngine) -> None:

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels.attention import AttentionMetadata, PrefillChunk
 from tests import helpers
-from tests.helpers import PRESETS, REF_TOKENS, assert_pool_idle, drive
+from tests.helpers import PRESETS, REF_TOKENS, assert_pool_idle, drive, prompt_logits
 
 GREEDY = SamplingParams(max_tokens=REF_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -143,18 +142,9 @@ def test_preemption_matches_hf(preset, caching, model_dir, hf_greedy, prompts):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_prefill_logits_match_hf(preset, model_dir, hf_model, prompts):
     """Logits of every prompt position from our model forward equal HF's (float32)."""
-    runner = make_llm(model_dir, preset, num_kv_blocks=8).engine.runner
     prompt = prompts[6]
-    n = len(prompt)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_size=16,
-        num_decodes=0,
-        prefills=[PrefillChunk(0, n, 0, None)],
-    )
-    ids, positions = torch.tensor(prompt), torch.arange(n)
+    ours = prompt_logits(make_llm(model_dir, preset, num_kv_blocks=8), prompt)
     with torch.inference_mode():
-        ours = runner.model.forward(ids, positions, runner.kv_caches, meta, torch.arange(n))
         ref = hf_model(preset)(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 

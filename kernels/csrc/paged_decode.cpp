@@ -1,5 +1,5 @@
 // Paged decode attention for CPUs: one query token per sequence against its cached context,
-// stored in the query's dtype or a narrower one,
+// stored in the query's dtype or a narrower one (int8 with a scale per block and kv head),
 // reading K and V in place from the block pool (no gather copy, unlike the torch reference,
 // which materialises every context before attending).
 //
@@ -22,7 +22,7 @@ template <typename scalar_t, typename kv_t>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& seq_lens, int64_t block_size, double scale,
-                   torch::Tensor& out) {
+                   const float* k_scale, const float* v_scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
@@ -57,15 +57,17 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
 
       // Pass 1: scores[h][t] = q_h . k_t.
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
+        const int64_t block = bt[b * max_blocks + t / block_size];
+        const int64_t slot = block * block_size + t % block_size;
         const kv_t* __restrict krow = kp + slot * slot_stride + h0 * head_dim;
+        const float* ks = k_scale ? k_scale + block * num_kv_heads + h0 : nullptr;
         for (int64_t h = 0; h < nq; ++h) {
           const kv_t* __restrict kh = krow + (h / group) * head_dim;
           const float* __restrict qh = qf.data() + h * head_dim;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-          scores[h * len + t] = s;
+          scores[h * len + t] = ks ? s * ks[h / group] : s;
         }
       }
       // Softmax per query head.
@@ -84,11 +86,13 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
       // Pass 2: out_h = sum_t p[h][t] * v_t.
       acc.assign(nq * head_dim, 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
+        const int64_t block = bt[b * max_blocks + t / block_size];
+        const int64_t slot = block * block_size + t % block_size;
         const kv_t* __restrict vrow = vp + slot * slot_stride + h0 * head_dim;
+        const float* vs = v_scale ? v_scale + block * num_kv_heads + h0 : nullptr;
         for (int64_t h = 0; h < nq; ++h) {
           const kv_t* __restrict vh = vrow + (h / group) * head_dim;
-          const float p = scores[h * len + t];
+          const float p = vs ? scores[h * len + t] * vs[h / group] : scores[h * len + t];
           float* __restrict ah = acc.data() + h * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(vh[d]);
@@ -104,7 +108,9 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens,
-                           int64_t block_size, double scale) {
+                           int64_t block_size, double scale,
+                           c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "expected q [B, Hq, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
@@ -115,24 +121,42 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   q = q.contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()),
+              "an int8 cache needs its K and V scales, and only it has them");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (int8) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->size(1) == k_cache.size(1),
+                "scales must be contiguous float32 [blocks, kv_heads]");
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
   auto out = torch::empty_like(q);
   // The cache may be stored narrower than the model computes (bf16 KV for float32 weights).
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     using q_t = scalar_t;
     switch (k_cache.scalar_type()) {
       case at::kFloat:
-        decode_kernel<q_t, float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+        decode_kernel<q_t, float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
+                                  ks, vs, out);
         break;
       case at::kBFloat16:
         decode_kernel<q_t, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, block_size,
-                                          scale, out);
+                                          scale, ks, vs, out);
         break;
       case at::kHalf:
         decode_kernel<q_t, c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, block_size,
-                                      scale, out);
+                                      scale, ks, vs, out);
+        break;
+      case at::kChar:
+        decode_kernel<q_t, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+                                   scale, ks, vs, out);
         break;
       default:
-        TORCH_CHECK(false, "paged_decode: KV cache must be float32, bfloat16 or float16");
+        TORCH_CHECK(false, "paged_decode: KV cache must be float32, bfloat16, float16 or int8");
     }
   });
   return out;
@@ -143,9 +167,23 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
+                            double scale, c10::optional<torch::Tensor> k_scale,
+                            c10::optional<torch::Tensor> v_scale);
+void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
+                   torch::Tensor slot_mapping, int64_t block_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention over a cached prefix (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("ctx_len"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("kv_write_int8", &kv_write_int8, "rows into the int8 KV cache, adapting block scales");
   m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
   m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");

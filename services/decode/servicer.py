@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from engine.async_llm import AsyncLLM
 from engine.block_hash import BlockHash, block_hash_keys
-from engine.outputs import PromptKV, RequestOutput, SampledToken
+from engine.outputs import RequestOutput, SampledToken
 from services.common import grpc_util, tracing
 from services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
 from services.common.metrics import RECEIVED
@@ -149,10 +149,10 @@ class DecodeServicer(WorkerServicer):
             if first is None or not first.token_ids:
                 raise PeerUnavailableError("prefill worker sent no first token")
             layout = self.llm.kv_layout
-            k, v = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, layout)
+            kv = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, layout)
             _end_kv_transfer(spans[0], blocks)
             lp = logprob_from_pb(first.logprobs[0]) if first.logprobs else None
-            self.llm.deliver_kv(rid, [PromptKV(cached, k, v)], SampledToken(first.token_ids[0], lp))
+            self.llm.deliver_kv(rid, [kv], SampledToken(first.token_ids[0], lp))
             spans.append(decode := tracing.tracer.start_span("decode"))
             seen_first = False
             async for out in outputs:

@@ -99,8 +99,7 @@ class PrefillServicer(WorkerServicer):
                 num_cached_tokens=final.num_cached_tokens,
             )
         )
-        kv = final.prompt_kv
-        blocks = split_blocks(kv.k, kv.v, kv.start, self.block_size, hashes)
+        blocks = split_blocks(final.prompt_kv, self.block_size, hashes)
         for block in blocks:
             self.metrics.kv_transfer(SENT, block.ByteSize())
             yield worker_pb2.PrefillResponse(block=block)
@@ -138,12 +137,12 @@ class PrefillServicer(WorkerServicer):
         bs = self.block_size
         end = device + len(found)
         try:
-            k, v = join_blocks(found, device * bs, end * bs, bs, hashes, self.llm.kv_layout)
+            kv = join_blocks(found, device * bs, end * bs, bs, hashes, self.llm.kv_layout)
         except ValueError as exc:  # a bad remote block is a miss, not a failed request
             log.warning("ignoring remote KV blocks: %s", exc)
             return TierHits(device, 0)
         imported = usable[device:end]
-        await self.llm.import_blocks(imported, k, v)
+        await self.llm.import_blocks(imported, kv)
         return TierHits(device, len(found))
 
     def _count_hits(self, num_prompt_tokens: int, hits: TierHits) -> None:

@@ -8,7 +8,7 @@ import logging
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
-from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_token
+from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
 from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,10 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         cfg = ModelConfig.from_dir(model)
         useful = args.max_num_seqs * cfg.max_position_embeddings
         kv_dtype = resolve_kv_dtype(args.dtype, args.kv_dtype)
-        kv_bytes = min(budget.kv_bytes, useful * kv_bytes_per_token(cfg, kv_dtype))
+        useful_blocks = -(-useful // args.block_size)
+        kv_bytes = min(
+            budget.kv_bytes, useful_blocks * kv_bytes_per_block(cfg, kv_dtype, args.block_size)
+        )
         log.info(
             "KV cache size from the machine: %s%s",
             budget.describe(),

@@ -1,8 +1,10 @@
 """KV blocks on the wire: raw tensor bytes plus dtype/shape in rtp.v1.KVBlock, never pickle.
 
 A block carries K and V of every layer for up to `block_size` consecutive token positions,
-each [layers, tokens, kv_heads, head_dim]. The receiver checks shapes, dtype and that the
-tokens it expects are covered, and (for full blocks) the hash key, before writing a byte.
+each [layers, tokens, kv_heads, head_dim], exactly as the sender's cache stores them; an int8
+block also carries its scales, float32 [layers, kv_heads] for K and for V. The receiver checks
+shapes, dtype and that the tokens it expects are covered, and (for full blocks) the hash key,
+before writing a byte.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 
 from engine.config import KVLayout
 from engine.dtypes import dtype_name, torch_dtype
+from engine.outputs import PromptKV
 from services.common.pb import common_pb2
 
 
@@ -24,47 +27,49 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
     t_dtype = torch_dtype(dtype)  # ValueError for an unknown name
-    raw = torch.frombuffer(
-        bytearray(data), dtype=torch.int16 if t_dtype == torch.bfloat16 else t_dtype
-    )
+    raw_dtype = torch.int16 if t_dtype == torch.bfloat16 else t_dtype
     expected = 1
     for n in shape:
         expected *= n
-    if raw.numel() != expected:
-        raise ValueError(f"KV payload has {raw.numel()} elements, shape {shape} needs {expected}")
+    itemsize = raw_dtype.itemsize
+    if len(data) != expected * itemsize:
+        raise ValueError(
+            f"KV payload has {len(data) // itemsize} elements, shape {shape} needs {expected}"
+        )
+    if not expected:
+        return torch.empty(shape, dtype=t_dtype)
+    raw = torch.frombuffer(bytearray(data), dtype=raw_dtype)
     out = raw.view(torch.bfloat16) if t_dtype == torch.bfloat16 else raw
     return out.view(*shape)
 
 
 def split_blocks(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    start: int,
-    block_size: int,
-    block_hashes: list[bytes],
+    kv: PromptKV, block_size: int, block_hashes: list[bytes]
 ) -> list[common_pb2.KVBlock]:
     """Cut KV of prompt positions [start, start + n) into per-block messages.
 
-    `start` is a multiple of block_size; `block_hashes` are the prompt's full-block keys.
+    `kv.start` is a multiple of block_size; `block_hashes` are the prompt's full-block keys.
     """
+    start, k, v = kv.start, kv.k, kv.v
     if start % block_size:
         raise ValueError(f"start {start} is not a multiple of block_size {block_size}")
     blocks = []
-    n = k.shape[1]
-    for offset in range(0, n, block_size):
+    for i, offset in enumerate(range(0, kv.num_tokens, block_size)):
         index = (start + offset) // block_size
         kb, vb = k[:, offset : offset + block_size], v[:, offset : offset + block_size]
-        blocks.append(
-            common_pb2.KVBlock(
-                block_hash=block_hashes[index] if index < len(block_hashes) else b"",
-                index=index,
-                num_tokens=kb.shape[1],
-                dtype=dtype_name(k.dtype),
-                shape=list(kb.shape),
-                k=tensor_bytes(kb),
-                v=tensor_bytes(vb),
-            )
+        block = common_pb2.KVBlock(
+            block_hash=block_hashes[index] if index < len(block_hashes) else b"",
+            index=index,
+            num_tokens=kb.shape[1],
+            dtype=dtype_name(k.dtype),
+            shape=list(kb.shape),
+            k=tensor_bytes(kb),
+            v=tensor_bytes(vb),
         )
+        if kv.k_scale is not None and kv.v_scale is not None:
+            block.k_scale = tensor_bytes(kv.k_scale[:, i])
+            block.v_scale = tensor_bytes(kv.v_scale[:, i])
+        blocks.append(block)
     return blocks
 
 
@@ -75,14 +80,16 @@ def join_blocks(
     block_size: int,
     block_hashes: list[bytes],
     layout: KVLayout,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check and concatenate blocks covering positions [start, end) into K, V tensors.
+) -> PromptKV:
+    """Check and concatenate blocks covering positions [start, end) into one PromptKV.
 
     `layout` is the receiving engine's. Raises ValueError on any mismatch.
     """
     expected_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    scale_shape = [layout.num_layers, 1, layout.num_kv_heads]
+    quantized = layout.dtype == "int8"
     blocks = sorted(blocks, key=lambda b: b.index)
-    ks, vs = [], []
+    ks, vs, k_scales, v_scales = [], [], [], []
     pos = start
     for block in blocks:
         if block.index * block_size != pos:
@@ -101,9 +108,15 @@ def join_blocks(
             raise ValueError(f"KV block {block.index} hash does not match the prompt")
         ks.append(tensor_from_bytes(block.k, block.dtype, list(block.shape)))
         vs.append(tensor_from_bytes(block.v, block.dtype, list(block.shape)))
+        if quantized:  # a block without its scales fails the size check here
+            k_scales.append(tensor_from_bytes(block.k_scale, "float32", scale_shape))
+            v_scales.append(tensor_from_bytes(block.v_scale, "float32", scale_shape))
         pos += tokens
     if pos != end:
         raise ValueError(f"KV covers positions [{start}, {pos}), expected [{start}, {end})")
     if not ks:
         raise ValueError("no KV blocks received")
-    return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+    k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+    if not quantized:
+        return PromptKV(start, k, v)
+    return PromptKV(start, k, v, torch.cat(k_scales, dim=1), torch.cat(v_scales, dim=1))

@@ -1,0 +1,202 @@
+// Paged prefill attention for CPUs: a chunk of new tokens attends causally to a cached prefix
+// plus itself, reading K and V block by block from the pool in place (the torch reference
+// gathers the whole context into a contiguous copy first). The cache is stored in the
+// query's dtype, a narrower float, or int8 with a scale per block and kv head.
+//
+//   keys:    | block 0 | block 1 | ... |   ctx_len cached  | the chunk's own n tokens |
+//   query i (position ctx_len + i) sees keys 0 .. ctx_len + i
+//
+// A task is (tile of query rows, kv head). It widens one block of K (transposed, so the
+// score loop runs over the block's keys) and V to float once, and serves every query head
+// of the kv head's group for every row of the tile with it: an online softmax (running max,
+// running sum, rescaled accumulator) over the blocks, as flash attention does.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileRows = 16;
+
+// exp(x) for x <= 0 (a score minus its running max), written so that loops over it
+// vectorize: 2^(x log2 e) as 2^floor times a degree-6 polynomial of the fraction
+// (relative error 1e-7, float32's own rounding).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504088896341f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  float p = 2.1877505e-4f;
+  p = p * f + 1.2387822e-3f;
+  p = p * f + 9.6845804e-3f;
+  p = p * f + 5.5480428e-2f;
+  p = p * f + 2.4023050e-1f;
+  p = p * f + 6.9314694e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float two_to_whole;
+  std::memcpy(&two_to_whole, &bits, sizeof bits);
+  return p * two_to_whole;
+}
+
+template <typename scalar_t, typename kv_t>
+void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                    int64_t ctx_len, int64_t block_size, double scale, const float* k_scale,
+                    const float* v_scale, torch::Tensor& out) {
+  const int64_t n = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t total = ctx_len + n, bs = block_size;
+  const float fscale = static_cast<float>(scale);
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+
+  at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, run_max, run_sum, kt(dim * bs), vf(bs * dim), s(bs);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % kv_heads;
+      const int64_t i0 = (task / kv_heads) * kTileRows, i1 = std::min(n, i0 + kTileRows);
+      const int64_t nq = (i1 - i0) * group;  // query vectors: row-major (row, group head)
+      qf.resize(nq * dim);
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const scalar_t* src = qp + (i * num_heads + h * group + g) * dim;
+          float* dst = qf.data() + ((i - i0) * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
+        }
+      }
+      acc.assign(nq * dim, 0.f);
+      run_max.assign(nq, -std::numeric_limits<float>::infinity());
+      run_sum.assign(nq, 0.f);
+      const int64_t blocks = (ctx_len + i1 + bs - 1) / bs;  // all the tile's last row sees
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t j0 = blk * bs, jn = std::min(bs, total - j0);
+        const int64_t phys = table[blk];
+        const float ks = k_scale ? k_scale[phys * kv_heads + h] : 1.f;
+        const float vs = v_scale ? v_scale[phys * kv_heads + h] : 1.f;
+        if (jn < bs) {  // the last block: its unwritten rows may hold anything, even NaN
+          std::fill(kt.begin(), kt.end(), 0.f);
+          std::fill(vf.begin(), vf.end(), 0.f);
+        }
+        for (int64_t j = 0; j < jn; ++j) {
+          const kv_t* krow = kp + ((phys * bs + j) * kv_heads + h) * dim;
+          const kv_t* vrow = vp + ((phys * bs + j) * kv_heads + h) * dim;
+          float* vj = vf.data() + j * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            kt[d * bs + j] = static_cast<float>(krow[d]) * ks;
+            vj[d] = static_cast<float>(vrow[d]) * vs;
+          }
+        }
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t i = i0 + r / group;
+          const int64_t visible = std::min(jn, ctx_len + i + 1 - j0);
+          if (visible <= 0) continue;  // this row's causal window ends before the block
+          const float* qr = qf.data() + r * dim;
+          std::fill(s.begin(), s.end(), 0.f);
+          for (int64_t d = 0; d < dim; ++d) {
+            const float qd = qr[d];
+            const float* kd = kt.data() + d * bs;
+#pragma omp simd
+            for (int64_t j = 0; j < bs; ++j) s[j] += qd * kd[j];
+          }
+          float mx = run_max[r];
+          for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+          const float correction = exp_nonpositive(run_max[r] - mx);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < bs; ++j) {
+            const float p = j < visible ? exp_nonpositive(s[j] - mx) : 0.f;
+            s[j] = p;
+            sum += p;
+          }
+          run_sum[r] = run_sum[r] * correction + sum;
+          run_max[r] = mx;
+          float* ar = acc.data() + r * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float p = s[j];
+            const float* vj = vf.data() + j * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
+          }
+        }
+      }
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t i = i0 + r / group, g = r % group;
+        const float inv = 1.f / run_sum[r];
+        scalar_t* dst = op + (i * num_heads + h * group + g) * dim;
+        const float* ar = acc.data() + r * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
+                            double scale, c10::optional<torch::Tensor> k_scale,
+                            c10::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "expected q [n, Hq, D] and caches [slots, Hkv, D]");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "q and the cache must share head_dim");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_table.dim() == 1 &&
+                  block_table.size(0) * block_size >= ctx_len + q.size(0),
+              "the block table must cover ctx_len + n tokens");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()),
+              "an int8 cache needs its K and V scales, and only it has them");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (int8) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->size(1) == k_cache.size(1),
+                "scales must be contiguous float32 [blocks, kv_heads]");
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
+  q = q.contiguous();
+  block_table = block_table.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(q);
+  if (q.size(0) == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    using q_t = scalar_t;
+    switch (k_cache.scalar_type()) {
+      case at::kFloat:
+        prefill_kernel<q_t, float>(q, k_cache, v_cache, block_table, ctx_len, block_size, scale,
+                                   ks, vs, out);
+        break;
+      case at::kBFloat16:
+        prefill_kernel<q_t, c10::BFloat16>(q, k_cache, v_cache, block_table, ctx_len, block_size,
+                                           scale, ks, vs, out);
+        break;
+      case at::kHalf:
+        prefill_kernel<q_t, c10::Half>(q, k_cache, v_cache, block_table, ctx_len, block_size,
+                                       scale, ks, vs, out);
+        break;
+      case at::kChar:
+        prefill_kernel<q_t, int8_t>(q, k_cache, v_cache, block_table, ctx_len, block_size, scale,
+                                    ks, vs, out);
+        break;
+      default:
+        TORCH_CHECK(false, "paged_prefill: KV cache must be float32, bfloat16, float16 or int8");
+    }
+  });
+  return out;
+}
