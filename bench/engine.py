@@ -11,6 +11,7 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
   fp32       float32 weights, activations and KV
   fp32-kv16  float32 weights and activations, bf16 KV cache
   bf16       bf16 weights, activations and KV
+  bf16-kv8   bf16 weights and activations, INT8 KV cache (a scale per block and kv head)
   int8       weight-only INT8 projections, float32 activations and KV
   int8-bf16  weight-only INT8 projections, bf16 activations and KV
 
@@ -51,6 +52,7 @@ CONFIGS = {
     "fp32": ("float32", "auto", "auto"),
     "fp32-kv16": ("float32", "auto", "bfloat16"),
     "bf16": ("bfloat16", "auto", "auto"),
+    "bf16-kv8": ("bfloat16", "auto", "int8"),
     "int8": ("float32", "int8", "auto"),
     "int8-bf16": ("bfloat16", "int8", "auto"),
 }

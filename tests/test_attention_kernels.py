@@ -153,14 +153,25 @@ def _prefill_impls():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
-    "ctx_len,n,bs",
-    [(0, 7, 4), (16, 5, 4), (20, 33, 4), (3, 1, 4), (32, 40, 16), (45, 19, 16), (0, 50, 16)],
+    "ctx_len,n,bs,d",
+    [
+        (0, 7, 4, 16),
+        (16, 5, 4, 16),
+        (20, 33, 4, 16),
+        (3, 1, 4, 16),
+        # block size 16 with head dim 64 or 128 take the kernel's fixed-size loops
+        (32, 40, 16, 64),
+        (45, 19, 16, 64),
+        (0, 50, 16, 64),
+        (17, 3, 16, 128),
+        (5, 21, 16, 32),
+    ],
 )
-def test_paged_prefill_matches_dense(ctx_len, n, bs, kv_dtype):
+def test_paged_prefill_matches_dense(ctx_len, n, bs, d, kv_dtype):
     """New tokens after a cached prefix (block boundaries, chunks spanning several blocks and
     query tiles), read in place, against dense attention over what the cache holds."""
     torch.manual_seed(1)
-    hq, hkv, d = 8, 2, 16
+    hq, hkv = 8, 2
     k, v = torch.randn(ctx_len + n, hkv, d), torch.randn(ctx_len + n, hkv, d)
     cache, (table,) = scatter_cache([(k, v)], 64, bs, kv_dtype)
     q = torch.randn(n, hq, d)

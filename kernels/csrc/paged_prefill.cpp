@@ -45,29 +45,36 @@ inline float exp_nonpositive(float x) {
   return p * two_to_whole;
 }
 
-template <typename scalar_t, typename kv_t>
+// The kernel's inner loops, for a block size and head dim fixed at compile time (kBs, kDim;
+// 0 = read them at run time). Fixed sizes let the compiler keep a micro-tile of scores
+// (kRows query vectors x kBs keys) and a query's accumulator row in registers.
+constexpr int64_t kRows = 4;
+
+template <int64_t kBs, int64_t kDim, typename scalar_t, typename kv_t>
 void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
                     int64_t ctx_len, int64_t block_size, double scale, const float* k_scale,
                     const float* v_scale, torch::Tensor& out) {
-  const int64_t n = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const int64_t n = q.size(0), num_heads = q.size(1);
+  const int64_t dim = kDim ? kDim : q.size(2), bs = kBs ? kBs : block_size;
   const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const kv_t* kp = k_cache.data_ptr<kv_t>();
   const kv_t* vp = v_cache.data_ptr<kv_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t total = ctx_len + n, bs = block_size;
+  const int64_t total = ctx_len + n;
   const float fscale = static_cast<float>(scale);
   const int64_t tiles = (n + kTileRows - 1) / kTileRows;
 
   at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, run_max, run_sum, kt(dim * bs), vf(bs * dim), s(bs);
+    std::vector<float> qf, acc, run_max, run_sum, kt(dim * bs), vf(bs * dim), s(kRows * bs);
+    std::vector<int64_t> visible(kRows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads;
       const int64_t i0 = (task / kv_heads) * kTileRows, i1 = std::min(n, i0 + kTileRows);
       const int64_t nq = (i1 - i0) * group;  // query vectors: row-major (row, group head)
-      qf.resize(nq * dim);
+      qf.assign(((nq + kRows - 1) / kRows) * kRows * dim, 0.f);  // padded to micro-tiles
       for (int64_t i = i0; i < i1; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const scalar_t* src = qp + (i * num_heads + h * group + g) * dim;
@@ -97,38 +104,53 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
             vj[d] = static_cast<float>(vrow[d]) * vs;
           }
         }
-        for (int64_t r = 0; r < nq; ++r) {
-          const int64_t i = i0 + r / group;
-          const int64_t visible = std::min(jn, ctx_len + i + 1 - j0);
-          if (visible <= 0) continue;  // this row's causal window ends before the block
-          const float* qr = qf.data() + r * dim;
-          std::fill(s.begin(), s.end(), 0.f);
+        for (int64_t r0 = 0; r0 < nq; r0 += kRows) {
+          // Scores of kRows query vectors against the block's keys: s[rr][j].
+          float local[kRows * (kBs ? kBs : 1)];
+          float* __restrict st = kBs ? local : s.data();
+          for (int64_t x = 0; x < kRows * bs; ++x) st[x] = 0.f;
           for (int64_t d = 0; d < dim; ++d) {
-            const float qd = qr[d];
-            const float* kd = kt.data() + d * bs;
+            const float* __restrict kd = kt.data() + d * bs;
+            for (int64_t rr = 0; rr < kRows; ++rr) {
+              const float qd = qf[(r0 + rr) * dim + d];
 #pragma omp simd
-            for (int64_t j = 0; j < bs; ++j) s[j] += qd * kd[j];
+              for (int64_t j = 0; j < bs; ++j) st[rr * bs + j] += qd * kd[j];
+            }
           }
-          float mx = run_max[r];
-          for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
-          const float correction = exp_nonpositive(run_max[r] - mx);
-          float sum = 0.f;
+          const int64_t rows = std::min(kRows, nq - r0);
+          for (int64_t rr = 0; rr < rows; ++rr) {
+            const int64_t r = r0 + rr, i = i0 + r / group;
+            const int64_t vis = std::min(jn, ctx_len + i + 1 - j0);
+            visible[rr] = vis;
+            if (vis <= 0) continue;  // this row's causal window ends before the block
+            float* __restrict sr = st + rr * bs;
+            float mx = run_max[r];
+            for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, sr[j]);
+            const float correction = exp_nonpositive(run_max[r] - mx);
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < bs; ++j) {
-            const float p = j < visible ? exp_nonpositive(s[j] - mx) : 0.f;
-            s[j] = p;
-            sum += p;
-          }
-          run_sum[r] = run_sum[r] * correction + sum;
-          run_max[r] = mx;
-          float* ar = acc.data() + r * dim;
+            for (int64_t j = 0; j < bs; ++j) {
+              const float p = j < vis ? exp_nonpositive(sr[j] - mx) : 0.f;
+              sr[j] = p;
+              sum += p;
+            }
+            run_sum[r] = run_sum[r] * correction + sum;
+            run_max[r] = mx;
+            // acc_r = acc_r * correction + sum_j p_j v_j, the row held in registers.
+            float a[kDim ? kDim : 1];
+            float* __restrict ar = kDim ? a : acc.data() + r * dim;
+            float* __restrict stored = acc.data() + r * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
-          for (int64_t j = 0; j < visible; ++j) {
-            const float p = s[j];
-            const float* vj = vf.data() + j * dim;
+            for (int64_t d = 0; d < dim; ++d) ar[d] = stored[d] * correction;
+            for (int64_t j = 0; j < vis; ++j) {
+              const float p = sr[j];
+              const float* __restrict vj = vf.data() + j * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
+              for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
+            }
+            if (kDim) {
+              for (int64_t d = 0; d < dim; ++d) stored[d] = ar[d];
+            }
           }
         }
       }
@@ -141,6 +163,25 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
       }
     }
   });
+}
+
+template <typename scalar_t, typename kv_t>
+void dispatch_sizes(const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                    int64_t ctx_len, int64_t block_size, double scale, const float* ks,
+                    const float* vs, torch::Tensor& out) {
+  const int64_t dim = q.size(2);
+#define RTP_PREFILL(BS, DIM) \
+  prefill_kernel<BS, DIM, scalar_t, kv_t>(q, k_cache, v_cache, block_table, ctx_len, \
+                                          block_size, scale, ks, vs, out)
+  if (block_size == 16 && dim == 64) {
+    RTP_PREFILL(16, 64);
+  } else if (block_size == 16 && dim == 128) {
+    RTP_PREFILL(16, 128);
+  } else {
+    RTP_PREFILL(0, 0);
+  }
+#undef RTP_PREFILL
 }
 
 }  // namespace
@@ -179,19 +220,19 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     using q_t = scalar_t;
     switch (k_cache.scalar_type()) {
       case at::kFloat:
-        prefill_kernel<q_t, float>(q, k_cache, v_cache, block_table, ctx_len, block_size, scale,
+        dispatch_sizes<q_t, float>(q, k_cache, v_cache, block_table, ctx_len, block_size, scale,
                                    ks, vs, out);
         break;
       case at::kBFloat16:
-        prefill_kernel<q_t, c10::BFloat16>(q, k_cache, v_cache, block_table, ctx_len, block_size,
+        dispatch_sizes<q_t, c10::BFloat16>(q, k_cache, v_cache, block_table, ctx_len, block_size,
                                            scale, ks, vs, out);
         break;
       case at::kHalf:
-        prefill_kernel<q_t, c10::Half>(q, k_cache, v_cache, block_table, ctx_len, block_size,
+        dispatch_sizes<q_t, c10::Half>(q, k_cache, v_cache, block_table, ctx_len, block_size,
                                        scale, ks, vs, out);
         break;
       case at::kChar:
-        prefill_kernel<q_t, int8_t>(q, k_cache, v_cache, block_table, ctx_len, block_size, scale,
+        dispatch_sizes<q_t, int8_t>(q, k_cache, v_cache, block_table, ctx_len, block_size, scale,
                                     ks, vs, out);
         break;
       default:

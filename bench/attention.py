@@ -1,0 +1,118 @@
+"""Paged attention kernels against the torch reference, side by side in one run.
+
+    python bench/attention.py [--threads 2] [--heads 12 4] [--head-dim 64]
+
+Header: the CPU's ISA level and flags. Per KV dtype (float32, bfloat16, int8; the query in
+float32, or bfloat16 over a bf16 cache):
+  decode   batch 48, contexts of 200..296 tokens (the engine benchmark's offline workload)
+  prefill  256 new tokens after a cached prefix of 1024 (a prefix-cache hit, a later chunk)
+  write    256 new rows into the cache (int8: the adaptive scale writer)
+Each cell is the best of several runs, in milliseconds; the reference gathers the context
+into a contiguous copy, the kernels read the blocks in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+from kernels import cpu  # noqa: E402
+from kernels.attention import LayerCache, paged_decode, paged_prefill, write_kv  # noqa: E402
+from kernels.isa import cpu_isa  # noqa: E402
+from kernels.kv_quant import write_int8  # noqa: E402
+
+BLOCK = 16
+
+
+def best_ms(fn, reps: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def make_cache(num_blocks: int, kv_heads: int, dim: int, dtype: torch.dtype) -> LayerCache:
+    slots = num_blocks * BLOCK
+    k, v = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    if dtype != torch.int8:
+        return LayerCache(k.to(dtype), v.to(dtype))
+    cache = LayerCache(
+        torch.empty(slots, kv_heads, dim, dtype=torch.int8),
+        torch.empty(slots, kv_heads, dim, dtype=torch.int8),
+        torch.zeros(num_blocks, kv_heads),
+        torch.zeros(num_blocks, kv_heads),
+    )
+    write_kv(cache, k, v, torch.arange(slots), BLOCK)
+    return cache
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--heads", type=int, nargs=2, default=(12, 4), metavar=("Q", "KV"))
+    p.add_argument("--head-dim", type=int, default=64)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = cpu.load()
+    print(f"cpu: {cpu_isa().describe()}; threads {args.threads}")
+    if ops is None:
+        print("compiled kernels unavailable: only the reference runs")
+    print(f"{'kv dtype':<10}{'op':<9}{'reference ms':>14}{'kernel ms':>11}{'speedup':>9}")
+    for kv_dtype in (torch.float32, torch.bfloat16, torch.int8):
+        for op, ref, kernel in cases(kv_dtype, ops, *args.heads, args.head_dim):
+            name, ref_ms = str(kv_dtype).removeprefix("torch."), best_ms(ref)
+            if kernel is None:
+                print(f"{name:<10}{op:<9}{ref_ms:>14.2f}{'-':>11}{'-':>9}")
+                continue
+            k_ms = best_ms(kernel)
+            print(f"{name:<10}{op:<9}{ref_ms:>14.2f}{k_ms:>11.2f}{ref_ms / k_ms:>8.2f}x")
+
+
+def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
+    """(op, reference, kernel or None) for one KV dtype."""
+    scale = d**-0.5
+    q_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(200, 297, (48,), generator=g)
+    per_seq = -(-int(lens.max()) // BLOCK)
+    tables = torch.randperm(48 * per_seq, generator=g).view(48, per_seq)
+    ctx, n = 1024, 256
+    prefill_table = torch.randperm(-(-(ctx + n) // BLOCK), generator=g)
+    cache = make_cache(48 * per_seq, hkv, d, kv_dtype)
+    sc = (cache.k_scale, cache.v_scale)
+    q1 = torch.randn(48, hq, d).to(q_dtype)
+    qn = torch.randn(n, hq, d).to(q_dtype)
+    yield (
+        "decode",
+        lambda: paged_decode(q1, cache.k, cache.v, tables, lens, BLOCK, scale, *sc),
+        ops and (lambda: ops.paged_decode(q1, cache.k, cache.v, tables, lens, BLOCK, scale, *sc)),
+    )
+    yield (
+        "prefill",
+        lambda: paged_prefill(qn, cache, prefill_table, ctx, BLOCK, scale),
+        ops
+        and (
+            lambda: ops.paged_prefill(qn, cache.k, cache.v, prefill_table, ctx, BLOCK, scale, *sc)
+        ),
+    )
+    if kv_dtype == torch.int8:
+        rows = torch.randn(n, hkv, d)
+        slots = torch.arange(n) + 7 * BLOCK  # from a block boundary
+        yield (
+            "write",
+            lambda: write_int8(cache.k, cache.k_scale, rows, slots, BLOCK),
+            ops and (lambda: ops.kv_write_int8(cache.k, cache.k_scale, rows, slots, BLOCK)),
+        )
+
+
+if __name__ == "__main__":
+    main()
