@@ -6,17 +6,20 @@ import itertools
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
+from engine.dtypes import resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, OutputCollector
 from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "float32", **engine_args) -> None:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
+        """`dtype` "auto" serves the checkpoint's own dtype (engine.dtypes.resolve_dtype)."""
         if model is None:
             from engine.make_model import ensure_model
 
             model = str(ensure_model())
+        dtype = resolve_dtype(dtype, model)
         self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -86,3 +86,25 @@ def test_chat_template_jinja_and_named_templates(model_dir, tmp_path):
     ]
     (named / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert Tokenizer(named).apply_chat_template(chat) == "D"
+
+
+@pytest.mark.parametrize(
+    ("saved", "served"),
+    [
+        ({"torch_dtype": "bfloat16"}, "bfloat16"),
+        ({"dtype": "float16"}, "float16"),  # transformers 5's key
+        ({"torch_dtype": "float32"}, "float32"),
+        ({"torch_dtype": "float64"}, "float32"),  # none we run: float32
+        ({}, "float32"),
+    ],
+)
+def test_auto_dtype_serves_the_checkpoints_own(tmp_path, model_dir, saved, served):
+    from engine import LLM
+    from engine.dtypes import resolve_dtype
+
+    path = _with_config(model_dir("tiny-llama"), tmp_path / "m", **({"torch_dtype": None} | saved))
+    assert resolve_dtype("auto", path) == served
+    assert resolve_dtype("bfloat16", path) == "bfloat16"  # an explicit dtype wins
+    assert LLM(str(path), num_kv_blocks=4).engine.config.dtype == served
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("int4", path)

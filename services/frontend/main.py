@@ -13,7 +13,7 @@ import os
 
 from aiohttp import web
 
-from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES, kv_numerics
+from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, kv_numerics, resolve_dtype
 from engine.tokenizer import Tokenizer
 from services.common import grpc_util
 from services.common.flags import add_common_flags, add_drain_flag, advertised, env
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
     # The workers' numerics salt the block hashes: give the frontend the same three.
-    p.add_argument("--dtype", default=env("dtype", "float32"), choices=DTYPES,
+    p.add_argument("--dtype", default=env("dtype", "auto"), choices=MODEL_DTYPES,
                    help="the workers' --dtype (part of the block hash salt)")  # fmt: skip
     p.add_argument("--weight-dtype", default=env("weight_dtype", "auto"), choices=WEIGHT_DTYPES,
                    help="the workers' --weight-dtype (part of the block hash salt)")  # fmt: skip
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    numerics = kv_numerics(args.dtype, args.weight_dtype, args.kv_dtype)
+    numerics = kv_numerics(resolve_dtype(args.dtype, args.model), args.weight_dtype, args.kv_dtype)
     model = ModelInfo.load(
         args.model, args.served_model_name, args.block_size, numerics, args.max_model_len
     )

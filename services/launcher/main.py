@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES
+from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
 from services.launcher import servers
 
@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="PD: prompts with fewer uncached tokens are prefilled on the decode worker "
         "(the master's default unless given; 0: always disaggregate)",
     )
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
+                   help="compute dtype; auto: the checkpoint's (config.json torch_dtype)")  # fmt: skip
     p.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
                    help="int8: weight-only INT8 projections, quantized at load")  # fmt: skip
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,

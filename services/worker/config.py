@@ -7,7 +7,7 @@ import logging
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
-from engine.dtypes import DTYPES, KV_DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
+from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
 from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
 
@@ -28,7 +28,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
     add_drain_flag(p, "requests in flight")
     p.add_argument("--model", default=env("model"), help=f"model directory ({DEFAULT_MODEL_HELP})")
-    p.add_argument("--dtype", default=env("dtype", "float32"), choices=DTYPES)
+    p.add_argument(
+        "--dtype",
+        default=env("dtype", "auto"),
+        choices=MODEL_DTYPES,
+        help="compute dtype; auto: the checkpoint's (config.json torch_dtype)",
+    )
     p.add_argument(
         "--weight-dtype",
         default=env("weight_dtype", "auto"),
@@ -87,10 +92,11 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         from engine.make_model import ensure_model
 
         model = str(ensure_model())
+    dtype = resolve_dtype(args.dtype, model)
     if args.kv_cache_mib is None:
         budget = kv_budget(
             model,
-            args.dtype,
+            dtype,
             args.memory_fraction,
             args.memory_share,
             weight_dtype=args.weight_dtype,
@@ -98,7 +104,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         # No more than every sequence at full context could use.
         cfg = ModelConfig.from_dir(model)
         useful = args.max_num_seqs * cfg.max_position_embeddings
-        kv_dtype = resolve_kv_dtype(args.dtype, args.kv_dtype)
+        kv_dtype = resolve_kv_dtype(dtype, args.kv_dtype)
         useful_blocks = -(-useful // args.block_size)
         kv_bytes = min(
             budget.kv_bytes, useful_blocks * kv_bytes_per_block(cfg, kv_dtype, args.block_size)
@@ -112,7 +118,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         kv_bytes = args.kv_cache_mib << 20
     config = EngineConfig(
         model=model,
-        dtype=args.dtype,
+        dtype=dtype,
         weight_dtype=args.weight_dtype,
         kv_dtype=args.kv_dtype,
         device=args.device,
