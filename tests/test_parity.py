@@ -97,17 +97,20 @@ def test_prefix_cache_hits_match_hf(preset, model_dir, hf_greedy, corpus_ids):
     a = shared + corpus_ids[150:156]
     b = shared + corpus_ids[170:178]
     c = corpus_ids[80:144]  # exactly four blocks: the last must still be computed
+    d = shared + corpus_ids[200:240]  # after the hit, 42 new tokens over three blocks
     llm = make_llm(model_dir, preset)
 
     [out_a] = llm.generate([a], GREEDY)
     [out_b] = llm.generate([b], GREEDY)
     [out_c1] = llm.generate([c], GREEDY)
     [out_c2] = llm.generate([c], GREEDY)
+    [out_d] = llm.generate([d], GREEDY)
     assert out_a.num_cached_tokens == 0
     assert out_b.num_cached_tokens == 48
     assert out_c1.num_cached_tokens == 0
     assert out_c2.num_cached_tokens == 48
-    for prompt, out in [(a, out_a), (b, out_b), (c, out_c1), (c, out_c2)]:
+    assert out_d.num_cached_tokens == 48
+    for prompt, out in [(a, out_a), (b, out_b), (c, out_c1), (c, out_c2), (d, out_d)]:
         assert out.num_cached_tokens % 16 == 0
         assert out.token_ids == hf_greedy(preset, prompt)[0]
     assert_pool_idle(llm.engine)
