@@ -14,7 +14,7 @@ callers free a request's blocks tail first, so its tail goes before its head.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -40,7 +40,14 @@ class KVEvent:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        record_events: bool = False,
+        on_evict: Callable[[KVBlock], None] | None = None,
+    ) -> None:
+        """`on_evict(block)` sees a cached block just before allocation reuses it, while it
+        still holds its hash and its KV (the engine spills it to the host tier)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +56,7 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         self._record_events = record_events
         self._events: list[KVEvent] = []
+        self._on_evict = on_evict
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -87,6 +95,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                if self._on_evict is not None:
+                    self._on_evict(block)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -126,6 +126,8 @@ class EngineConfig:
     # KV pool size: an explicit block count wins over the memory budget.
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 << 20
+    # T1, a host-memory tier under the KV pool (engine/host_tier.py); 0: none.
+    host_kv_cache_bytes: int = 0
     max_num_seqs: int = 64
     # Requests that may wait for a slot or for blocks; past it a new one is refused at once
     # (QueueFullError), so a caller can go elsewhere instead of queueing without bound.
@@ -148,6 +150,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -13,6 +13,7 @@ from engine.block_hash import BlockHash, cache_salt
 from engine.block_pool import BlockPool, KVEvent
 from engine.config import EngineConfig, KVLayout, ModelConfig
 from engine.dtypes import kv_numerics
+from engine.host_tier import HostTier, HostTierStats
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_limits
 from engine.outputs import PromptKV, RequestOutput, SampledToken
@@ -36,6 +37,7 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_queued_tokens: int  # prompt/recompute tokens not yet computed
+    host_tier: HostTierStats | None = None  # T1, where configured
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,13 @@ class LLMEngine:
         self.limits = resolve_limits(self.model_config, config)
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(self.model_config, config, self.limits)
-        self.pool = BlockPool(self.limits.num_kv_blocks, record_events=record_kv_events)
+        # T1 below the device pool: blocks evicted from it spill there (engine/host_tier.py).
+        self.host = HostTier(config.host_kv_cache_bytes) if config.host_kv_cache_bytes else None
+        self.pool = BlockPool(
+            self.limits.num_kv_blocks,
+            record_events=record_kv_events,
+            on_evict=self._spill if self.host is not None else None,
+        )
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -112,6 +120,9 @@ class LLMEngine:
         )
 
     def add_request(self, request: Request) -> None:
+        # The last prompt token is always computed (its logits give the next token).
+        usable = (request.num_prompt_tokens - 1) // self.config.block_size
+        self._copy_up(request.block_hashes[:usable])
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -160,7 +171,9 @@ class LLMEngine:
 
     # -- tiers below the device pool ---------------------------------------------------------
     def num_cached_prefix(self, block_hashes: list[bytes]) -> int:
-        """How many leading blocks of these keys the device pool holds right now."""
+        """How many leading blocks of these keys the device pool holds right now (after
+        copying up what the host tier has)."""
+        self._copy_up(block_hashes)
         n = 0
         for h in block_hashes:
             if self.pool.get_cached(h) is None:
@@ -176,18 +189,51 @@ class LLMEngine:
         queue). Blocks already cached are skipped; returns how many were imported.
         """
         bs = self.config.block_size
-        imported = 0
-        for i, h in enumerate(block_hashes):
-            if self.pool.get_cached(h) is not None:
-                continue
-            if self.pool.num_free_blocks == 0:
+        parts = [_block_of(kv, i, bs) for i in range(len(block_hashes))]
+        return self._adopt(list(block_hashes), parts, protect=[])
+
+    def _copy_up(self, block_hashes: list[bytes]) -> None:
+        """Copy the blocks after the device pool's prefix of these keys up from the host
+        tier, as far as it holds them."""
+        if self.host is None or not block_hashes:
+            return
+        held = []
+        for h in block_hashes:
+            block = self.pool.get_cached(h)
+            if block is None:
                 break
-            (block,) = self.pool.allocate(1)
-            self.runner.write_kv([block.block_id], _block_of(kv, i, bs))
-            self.pool.cache_block(block, h)
-            self.pool.free([block])
-            imported += 1
-        return imported
+            held.append(block)
+        rest = block_hashes[len(held) :]
+        found = self.host.lookup(rest)
+        if found:
+            self._adopt(rest[: len(found)], found, protect=held)
+
+    def _adopt(self, block_hashes: list[bytes], parts: list[PromptKV], protect: list) -> int:
+        """Write one block of KV per key into free blocks and cache them. `protect` (device
+        blocks of the same prefix) and the blocks written so far are referenced meanwhile, so
+        making room never evicts them; all are released tail first, as a request frees."""
+        self.pool.touch(protect)
+        held, adopted = list(protect), 0
+        try:
+            for h, part in zip(block_hashes, parts, strict=True):
+                if self.pool.get_cached(h) is not None:
+                    continue
+                if self.pool.num_free_blocks == 0:
+                    break
+                (block,) = self.pool.allocate(1)
+                held.append(block)
+                self.runner.write_kv([block.block_id], part)
+                self.pool.cache_block(block, h)
+                adopted += 1
+        finally:
+            self.pool.free(reversed(held))
+        return adopted
+
+    def _spill(self, block) -> None:
+        """The pool is about to reuse a cached block: keep its KV in the host tier."""
+        assert self.host is not None and block.block_hash is not None
+        kv = self.runner.read_kv([block.block_id], 0, self.config.block_size)
+        self.host.put(block.block_hash, kv)
 
     # -- PD decode side --------------------------------------------------------------------
     def write_remote_kv(
@@ -229,6 +275,7 @@ class LLMEngine:
             num_free_blocks=self.pool.num_free_blocks,
             num_total_blocks=self.pool.num_blocks,
             num_queued_tokens=queued,
+            host_tier=None if self.host is None else self.host.stats(),
         )
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -246,6 +293,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
 
 
 def _delta(

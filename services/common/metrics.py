@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 PREFIX = "rtp:"
 
 # Label values (each label keeps a small, fixed vocabulary).
-TIER_DEVICE, TIER_REMOTE = "device", "remote"  # worker prefix cache: own pool, cache service
+# worker prefix cache: own pool, its host-memory tier below it, the cache service
+TIER_DEVICE, TIER_HOST, TIER_REMOTE = "device", "host", "remote"
 TIER_MEMORY, TIER_REDIS = "memory", "redis"  # cache service: its LRU, the Redis tier
 SENT, RECEIVED = "sent", "received"  # KV transfer direction (prefill sends, decode receives)
 ABORT = "abort"  # finished_reason of a sequence that ended without finishing

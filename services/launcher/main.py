@@ -81,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "workers started here, less their weights",
     )
     p.add_argument(
+        "--host-kv-cache-mib",
+        type=int,
+        default=0,
+        help="each worker's host-memory KV tier (T1) in MiB; 0: none",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -203,6 +209,7 @@ def _start(cluster: Cluster, model: str) -> str:
                 "--kv-dtype", args.kv_dtype]  # fmt: skip
     worker = [*common, *drain, "--model", model, *numerics, "--threads", str(threads),
               "--kv-cache-mib", str(args.kv_cache_mib),
+              "--host-kv-cache-mib", str(args.host_kv_cache_mib),
               "--memory-share", str(_worker_count(args))]  # fmt: skip
     for flag in ("max_num_seqs", "max_num_waiting"):
         if getattr(args, flag) is not None:

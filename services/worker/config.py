@@ -57,6 +57,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "container's limit counts), split among memory-share workers, less the weights",
     )
     p.add_argument(
+        "--host-kv-cache-mib",
+        type=int,
+        default=int(env("host_kv_cache_mib", "0")),
+        help="a host-memory KV tier under the pool (T1): blocks the pool evicts spill there "
+        "and are copied back up on a prefix hit; 0: none",
+    )
+    p.add_argument(
         "--memory-fraction",
         type=float,
         default=float(env("memory_fraction", str(DEFAULT_FRACTION))),
@@ -124,6 +131,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes,
+        host_kv_cache_bytes=args.host_kv_cache_mib << 20,
         max_num_seqs=args.max_num_seqs,
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,

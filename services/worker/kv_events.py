@@ -54,6 +54,7 @@ async def publish_events(
                     s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks
                 )
                 load_metrics.wait(wait_s, rate.prefill_tokens_per_s)
+                load_metrics.host_tier(s.host_tier)
             await bus.publish(
                 load_subject,
                 events_pb2.LoadReport(

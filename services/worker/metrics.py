@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from services.common.metrics import PREFIX, TIER_DEVICE, TIER_REMOTE, default_families, role_label
+from engine.host_tier import HostTierStats
+from services.common.metrics import (
+    PREFIX,
+    TIER_DEVICE,
+    TIER_HOST,
+    TIER_REMOTE,
+    default_families,
+    role_label,
+)
 
 
 class WorkerFamilies:
@@ -61,6 +69,12 @@ class WorkerFamilies:
             [*w, "tier"],
             registry=registry,
         )
+        self.host_tier_bytes = Gauge(
+            PREFIX + "host_kv_tier_bytes",
+            "Bytes of KV held in the worker's host-memory tier (T1), and its capacity.",
+            ["role", "model_name", "kind"],
+            registry=registry,
+        )
         self.kv_transfer_bytes = Counter(
             PREFIX + "kv_transfer_bytes",
             "KV block bytes moved between prefill and decode workers (serialized KVBlock).",
@@ -88,6 +102,7 @@ class WorkerMetrics:
         "capacity",
         "wait_estimate",
         "prefill_rate",
+        "_host_seen",
     )
 
     def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
@@ -100,6 +115,7 @@ class WorkerMetrics:
         self.capacity = families.kv_cache_capacity_tokens.labels(role, model_name)
         self.wait_estimate = families.queue_wait_estimate_seconds.labels(role, model_name)
         self.prefill_rate = families.prefill_throughput.labels(role, model_name)
+        self._host_seen = (0, 0)  # the host tier's cumulative (hits, misses) already counted
 
     def kv_capacity(self, num_blocks: int, block_size: int) -> None:
         self.capacity.set(num_blocks * block_size)
@@ -124,6 +140,18 @@ class WorkerMetrics:
         if remote_queried:
             f.prefix_cache_queries.labels(*labels, TIER_REMOTE).inc(remote_queried)
             f.prefix_cache_hits.labels(*labels, TIER_REMOTE).inc(remote_hits)
+
+    def host_tier(self, stats: HostTierStats | None) -> None:
+        """The host tier's lookups since the last call, and its size."""
+        if stats is None:
+            return
+        f, labels = self.families, (self.role, self.model_name)
+        hits, misses = stats.hits - self._host_seen[0], stats.misses - self._host_seen[1]
+        self._host_seen = (stats.hits, stats.misses)
+        f.prefix_cache_queries.labels(*labels, TIER_HOST).inc(hits + misses)
+        f.prefix_cache_hits.labels(*labels, TIER_HOST).inc(hits)
+        f.host_tier_bytes.labels(*labels, "used").set(stats.used_bytes)
+        f.host_tier_bytes.labels(*labels, "capacity").set(stats.capacity_bytes)
 
     def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
         labels = (self.role, self.model_name, direction)
