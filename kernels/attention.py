@@ -13,10 +13,9 @@ The cache may be stored in a narrower dtype than the model computes in (bf16 KV 
 weights, or int8 with a scale per block and kv head: kernels/kv_quant.py): writes round to
 it, reads widen from it. Every layer writes the new K/V into their slots first, then
 attends, so a block computed in this step can already be read by another sequence of the
-same step. Over a narrower cache a prompt attends to its own K/V as stored too, so its
-output does not depend on whether a prefix came from the cache or was just computed.
-`CpuKernelAttention` (decode through the compiled CPU kernel) implements the same interface;
-a GPU backend would too (none exists yet).
+same step. Over a narrower cache a prompt attends to its own K/V as stored too: the values
+a later prefix hit reads. `CpuKernelAttention` (the compiled CPU kernels, reading the blocks
+in place) implements the same interface; a GPU backend would too (none exists yet).
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ class LayerCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
 
     def gather(
         self, slots: torch.Tensor, block_size: int, dtype: torch.dtype
