@@ -215,10 +215,57 @@ def test_client_disconnect_frees_blocks(cluster):
         assert s.held_blocks == 0 and s.num_running == 0, (worker_id, s)
 
 
+def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, reference, model):
+    """Every role uses the remote tier: the blocks one fused worker computed are written
+    back to the cache service, and another fused worker imports them instead of computing."""
+    if cluster.mode != "fused":
+        pytest.skip("prefill workers' use of the tier is covered by the PD cluster's requests")
+    from engine.block_hash import block_hash_keys, cache_salt
+    from services.common.convert import params_to_pb
+    from services.common.pb import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    deadline = time.monotonic() + 30
+    while len(workers := cluster.workers()) < 2:
+        assert time.monotonic() < deadline, "the second fused worker never registered"
+        time.sleep(0.1)
+    first, second = workers[:2]
+    prompt = reference.tokenizer.encode("a prefix that travels between workers, " * 8)[:70]
+    keys = block_hash_keys(prompt, 16, cache_salt(model, "float32"))[:4]
+    params = params_to_pb(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+    async def generate(address: str, rid: str):
+        async with grpc_util.channel(address) as ch:
+            request = worker_pb2.GenerateRequest(
+                request_id=rid, prompt_token_ids=prompt, params=params
+            )
+            return [m async for m in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=30)]
+
+    (cache,) = cluster.members(nameservice_pb2.ROLE_CACHE)
+
+    async def stored() -> int:
+        async with grpc_util.channel(cache.address) as ch:
+            reply = await cache_pb2_grpc.CacheStub(ch).Exists(
+                cache_pb2.ExistsRequest(block_hashes=keys), timeout=5
+            )
+            return reply.num_prefix
+
+    async def run():
+        computed = await generate(first.address, "tier-a")
+        deadline = time.monotonic() + 10
+        while await stored() < len(keys):  # the write-back runs off the request path
+            assert time.monotonic() < deadline, "the blocks never reached the cache service"
+            await asyncio.sleep(0.05)
+        return computed, await generate(second.address, "tier-b")
+
+    computed, fetched = asyncio.run(run())
+    assert computed[-1].num_cached_tokens == 0
+    assert fetched[-1].num_cached_tokens == 64  # four blocks imported from the remote tier
+    tokens = [[t for m in msgs for t in m.token_ids] for msgs in (computed, fetched)]
+    assert tokens[0] == tokens[1] == reference(prompt)[0]
+
+
 def test_remote_tier_down_degrades_not_fails(cluster, reference):
-    """Kill the cache service and Redis: PD requests still succeed (blocks are recomputed)."""
-    if cluster.mode != "pd":
-        pytest.skip("fused workers do not use the remote tier")
+    """Kill the cache service and Redis: requests still succeed (blocks are recomputed)."""
     for entry in cluster.info["pids"]:
         if entry["name"] in ("cache", "redis"):
             os.kill(entry["pid"], signal.SIGKILL)

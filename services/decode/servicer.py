@@ -1,6 +1,7 @@
 """The token stream of a request: the Generate RPC of decode and fused workers.
 
-Fused (no prefill_address): the local engine runs prefill and decode.
+Fused (no prefill_address): the local engine runs prefill and decode, the prompt's prefix
+resolved through the tiers first and its computed blocks written back (worker/tiers.py).
 PD: reserve KV blocks here (the request waits for remote KV as a scheduler state), ask the
 prefill worker to fill them, forward its first token to the caller at once, hand the
 received KV to the engine, and decode on.
@@ -17,14 +18,17 @@ from opentelemetry import trace
 from engine.async_llm import AsyncLLM
 from engine.block_hash import BlockHash, block_hash_keys
 from engine.outputs import RequestOutput, SampledToken
+from services.cache.client import CacheClient
 from services.common import grpc_util, tracing
 from services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
 from services.common.metrics import RECEIVED
+from services.common.naming import NameClient
 from services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
 from services.worker.drain import drained
 from services.worker.kv_wire import join_blocks
 from services.worker.servicer import PeerUnavailableError, WorkerServicer, abort_status
+from services.worker.tiers import Tiers
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,11 @@ def _response(out: RequestOutput) -> worker_pb2.GenerateResponse:
 
 class DecodeServicer(WorkerServicer):
     def __init__(
-        self, llm: AsyncLLM, allow_fused: bool, role: int = nameservice_pb2.ROLE_DECODE
+        self,
+        llm: AsyncLLM,
+        allow_fused: bool,
+        role: int = nameservice_pb2.ROLE_DECODE,
+        cache: CacheClient | None = None,
     ) -> None:
         super().__init__(llm)
         self.allow_fused = allow_fused
@@ -53,6 +61,10 @@ class DecodeServicer(WorkerServicer):
         self._channels = grpc_util.ChannelCache()
         self._warned_salt = False
         self.metrics = metrics.worker(role, llm.model)
+        self.tiers = Tiers(llm, cache, self.metrics)
+
+    async def background(self, names: NameClient | None) -> None:
+        await self.tiers.follow(names)
 
     @drained
     async def Generate(
@@ -95,14 +107,20 @@ class DecodeServicer(WorkerServicer):
             )
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
-        first = True
+        hits = await self.tiers.resolve(prompt, hashes)
+        # With a remote tier, the prompt's KV past the hits comes back with the last output,
+        # to be written back (the blocks are intact until the engine's next step).
+        export = hits.blocks * self.block_size if self.tiers.remote else None
         async for out in self.llm.generate(
-            prompt, params, request.request_id, request.priority, block_hashes=hashes
+            prompt,
+            params,
+            request.request_id,
+            request.priority,
+            block_hashes=hashes,
+            export_kv_from=export,
         ):
-            if first:  # the prompt's prefix-cache hit is known once it has been computed
-                first = False
-                usable = (len(prompt) - 1) // self.block_size  # the engine's lookup limit
-                self.metrics.prefix_cache(usable, out.num_cached_tokens // self.block_size)
+            if out.prompt_kv is not None:
+                self.tiers.write_back_kv(out.prompt_kv, hashes, hits)
             yield _response(out)
 
     async def _pd(self, request, prompt, params, hashes: list[BlockHash], context):

@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-from services.cache.client import CacheClient
 from services.common.pb import nameservice_pb2
 from services.prefill.servicer import PrefillServicer
 from services.worker.config import add_worker_arguments
 from services.worker.serve import serve_worker
+from services.worker.tiers import add_tier_arguments, cache_client
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     add_worker_arguments(p)
-    p.add_argument(
-        "--no-remote-cache",
-        action="store_true",
-        help="do not use the cache service tier (found through the nameservice)",
-    )
+    add_tier_arguments(p)
 
 
 async def serve(args: argparse.Namespace) -> None:
     def make(llm, args):
-        cache = None if args.no_remote_cache else CacheClient([])
-        return PrefillServicer(llm, cache)
+        return PrefillServicer(llm, cache_client(args))
 
     await serve_worker(args, nameservice_pb2.ROLE_PREFILL, make)

@@ -1,15 +1,12 @@
 """The prefill worker's Prefill RPC: compute a prompt, stream its first token at once, then
 the prompt's KV blocks (those the decode side does not already cache).
 
-Each prompt block is resolved through the tiers first (Algorithm 1 of the paper): found in
-the device pool, it is reused; else found in the remote tier (cache service, backed by
-Redis), it is fetched and imported into the pool; else it is computed. Full blocks computed
-here are written back to the remote tier off the request path.
+The prompt's prefix is resolved through the tiers first (services/worker/tiers.py), and the
+full blocks computed here are written back to the remote tier.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 
@@ -22,41 +19,26 @@ from services.cache.client import CacheClient
 from services.common import tracing
 from services.common.convert import logprob_to_pb, params_from_pb
 from services.common.metrics import SENT
-from services.common.naming import MemberSet, NameClient
+from services.common.naming import NameClient
 from services.common.pb import nameservice_pb2, worker_pb2
 from services.worker import metrics
 from services.worker.drain import drained
-from services.worker.kv_wire import join_blocks, split_blocks
+from services.worker.kv_wire import split_blocks
 from services.worker.servicer import WorkerServicer, abort_status
+from services.worker.tiers import TierHits, Tiers
 
 log = logging.getLogger(__name__)
-MAX_PENDING_PUTS = 16
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TierHits:
-    device: int  # leading blocks found in the device pool
-    remote: int  # further blocks fetched from the cache service
 
 
 class PrefillServicer(WorkerServicer):
     def __init__(self, llm: AsyncLLM, cache: CacheClient | None) -> None:
         super().__init__(llm)
-        self.cache = cache
         self.block_size = llm.block_size
-        self._puts: set[asyncio.Task] = set()
         self.metrics = metrics.worker(nameservice_pb2.ROLE_PREFILL, llm.model)
+        self.tiers = Tiers(llm, cache, self.metrics)
 
     async def background(self, names: NameClient | None) -> None:
-        """Follow the cache service instances in the nameservice."""
-        if names is None or self.cache is None:
-            return
-        members = MemberSet()
-        async for event in names.watch():
-            members.apply(event)
-            if event.member.role == nameservice_pb2.ROLE_CACHE:
-                caches = members.with_role(nameservice_pb2.ROLE_CACHE)
-                self.cache.set_addresses([m.address for m in caches])
+        await self.tiers.follow(names)
 
     @drained
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -72,8 +54,7 @@ class PrefillServicer(WorkerServicer):
             skip = request.skip_blocks * self.block_size
             if skip >= len(prompt):
                 raise ValueError(f"skip_blocks {request.skip_blocks} covers the whole prompt")
-            hits = await self._resolve(prompt, hashes)
-            self._count_hits(len(prompt), hits)
+            hits = await self.tiers.resolve(prompt, hashes)
             final = None
             with tracing.tracer.start_as_current_span("prefill") as span:
                 async for out in self.llm.generate(
@@ -111,9 +92,7 @@ class PrefillServicer(WorkerServicer):
             extra={"request_id": request.request_id},
         )
         _trace_kv_sent(trace.get_current_span(), blocks)
-        self._write_back(
-            [b for b in blocks if b.block_hash and b.index >= hits.device + hits.remote]
-        )
+        self.tiers.write_back(blocks, hits)
 
     def _prompt_keys(self, prompt: list[int], given: list[BlockHash]) -> list[BlockHash]:
         """The decode worker's keys for this prompt after a cheap check, else our own."""
@@ -124,38 +103,6 @@ class PrefillServicer(WorkerServicer):
                 "block_hashes do not match this worker's (another model, KV dtype or block size?)"
             )
         return given
-
-    async def _resolve(self, prompt: list[int], hashes: list[BlockHash]) -> TierHits:
-        # At least one prompt token is always computed: its logits give the first token.
-        usable = hashes[: (len(prompt) - 1) // self.block_size]
-        device = await self.llm.num_cached_prefix(usable)
-        if self.cache is None or device == len(usable):
-            return TierHits(device, 0)
-        found = await self.cache.get_prefix(usable[device:])
-        if not found:
-            return TierHits(device, 0)
-        bs = self.block_size
-        end = device + len(found)
-        try:
-            kv = join_blocks(found, device * bs, end * bs, bs, hashes, self.llm.kv_layout)
-        except ValueError as exc:  # a bad remote block is a miss, not a failed request
-            log.warning("ignoring remote KV blocks: %s", exc)
-            return TierHits(device, 0)
-        imported = usable[device:end]
-        await self.llm.import_blocks(imported, kv)
-        return TierHits(device, len(found))
-
-    def _count_hits(self, num_prompt_tokens: int, hits: TierHits) -> None:
-        usable = (num_prompt_tokens - 1) // self.block_size  # as _resolve looks them up
-        remote = usable - hits.device if self.cache is not None else 0
-        self.metrics.prefix_cache(usable, hits.device, remote, hits.remote)
-
-    def _write_back(self, blocks: list) -> None:
-        if self.cache is None or not blocks or len(self._puts) >= MAX_PENDING_PUTS:
-            return
-        task = asyncio.create_task(self.cache.put(blocks))
-        self._puts.add(task)
-        task.add_done_callback(self._puts.discard)
 
 
 def _trace_prefill(span: trace.Span, num_prompt_tokens: int, hits: TierHits, final) -> None:

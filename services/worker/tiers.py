@@ -1,0 +1,116 @@
+"""How a worker resolves a prompt's prefix through the KV tiers before computing it.
+
+Each prompt block is resolved through the tiers first (Algorithm 1 of the paper): found in
+the device pool (or copied up from the engine's host tier), it is reused; else found in the
+remote tier (the cache service instances, backed by Redis), it is fetched and imported into
+the pool; else it is computed. Full blocks computed here are written back to the remote tier
+off the request path. Prefill workers and fused workers both do this. The remote tier is an
+optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
+uses its own pool alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+
+from engine.async_llm import AsyncLLM
+from engine.block_hash import BlockHash
+from engine.outputs import PromptKV
+from services.cache.client import CacheClient
+from services.common.naming import MemberSet, NameClient
+from services.common.pb import common_pb2, nameservice_pb2
+from services.worker.kv_wire import join_blocks, split_blocks
+from services.worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+MAX_PENDING_PUTS = 16
+
+
+def add_tier_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-remote-cache",
+        action="store_true",
+        help="do not use the cache service tier (found through the nameservice)",
+    )
+
+
+def cache_client(args: argparse.Namespace) -> CacheClient | None:
+    """The remote tier's client (its instances come from the nameservice), unless disabled."""
+    return None if args.no_remote_cache else CacheClient([])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierHits:
+    device: int  # leading blocks found in the device pool
+    remote: int  # further blocks fetched from the cache service
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.remote
+
+
+class Tiers:
+    def __init__(self, llm: AsyncLLM, cache: CacheClient | None, metrics: WorkerMetrics) -> None:
+        self.llm = llm
+        self.cache = cache
+        self.metrics = metrics
+        self.block_size = llm.block_size
+        self._puts: set[asyncio.Task] = set()
+
+    async def follow(self, names: NameClient | None) -> None:
+        """Follow the cache service instances in the nameservice."""
+        if names is None or self.cache is None:
+            return
+        members = MemberSet()
+        async for event in names.watch():
+            members.apply(event)
+            if event.member.role == nameservice_pb2.ROLE_CACHE:
+                caches = members.with_role(nameservice_pb2.ROLE_CACHE)
+                self.cache.set_addresses([m.address for m in caches])
+
+    async def resolve(self, prompt: list[int], hashes: list[BlockHash]) -> TierHits:
+        """Make the pool hold as much of the prompt's prefix as the tiers have; count it."""
+        # At least one prompt token is always computed: its logits give the next token.
+        usable = hashes[: (len(prompt) - 1) // self.block_size]
+        hits = await self._fetch(usable, hashes)
+        remote_queried = len(usable) - hits.device if self.cache is not None else 0
+        self.metrics.prefix_cache(len(usable), hits.device, remote_queried, hits.remote)
+        return hits
+
+    async def _fetch(self, usable: list[BlockHash], hashes: list[BlockHash]) -> TierHits:
+        device = await self.llm.num_cached_prefix(usable)
+        if self.cache is None or device == len(usable):
+            return TierHits(device, 0)
+        found = await self.cache.get_prefix(usable[device:])
+        if not found:
+            return TierHits(device, 0)
+        bs = self.block_size
+        end = device + len(found)
+        try:
+            kv = join_blocks(found, device * bs, end * bs, bs, hashes, self.llm.kv_layout)
+        except ValueError as exc:  # a bad remote block is a miss, not a failed request
+            log.warning("ignoring remote KV blocks: %s", exc)
+            return TierHits(device, 0)
+        await self.llm.import_blocks(usable[device:end], kv)
+        return TierHits(device, len(found))
+
+    def write_back(self, blocks: list[common_pb2.KVBlock], hits: TierHits) -> None:
+        """Put the full blocks computed here (past the hits) into the remote tier, in the
+        background; dropped if too many puts are pending already."""
+        computed = [b for b in blocks if b.block_hash and b.index >= hits.blocks]
+        if self.cache is None or not computed or len(self._puts) >= MAX_PENDING_PUTS:
+            return
+        task = asyncio.create_task(self.cache.put(computed))
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+
+    def write_back_kv(self, kv: PromptKV, hashes: list[BlockHash], hits: TierHits) -> None:
+        if self.cache is not None:
+            self.write_back(split_blocks(kv, self.block_size, hashes), hits)
+
+    @property
+    def remote(self) -> bool:
+        return self.cache is not None
