@@ -186,11 +186,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size
         ids: list[int] = []
-        pos: list[int] = []
-        slot_mapping: list[int] = []
+        # Decodes (first) are one token each; a prefill chunk's positions and slots are
+        # computed as tensors, never token by token.
+        decode_pos: list[int] = []
+        decode_slots: list[int] = []
+        chunk_pos: list[torch.Tensor] = []
+        chunk_slots: list[torch.Tensor] = []
         sample_rows: list[int] = []
         decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         for item in items:
             r: Request = item.request
@@ -198,35 +201,39 @@ class ModelRunner:
             table = block_tables[r.request_id]
             q_start = len(ids)
             ids.extend(r.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if item.samples:
                 sample_rows.append(q_start + n - 1)
             if n == 1:
+                decode_pos.append(start)
+                decode_slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
-                decode_lens.append(start + 1)
             else:
-                blocks = torch.tensor(table[: -(-(start + n) // bs)], device=self.device)
-                prefills.append(PrefillChunk(q_start, n, start, blocks))
+                blocks = torch.tensor(table[: -(-(start + n) // bs)])
+                p = torch.arange(start, start + n)
+                chunk_pos.append(p)
+                chunk_slots.append(blocks[p // bs] * bs + p % bs)
+                prefills.append(PrefillChunk(q_start, n, start, blocks.to(self.device)))
 
         decode_tables_t = decode_lens_t = None
         if decode_tables:
             nblk = max(map(len, decode_tables))
             padded = [t + [0] * (nblk - len(t)) for t in decode_tables]
             decode_tables_t = torch.tensor(padded, device=self.device)
-            decode_lens_t = torch.tensor(decode_lens, device=self.device)
+            decode_lens_t = torch.tensor(decode_pos, device=self.device) + 1
+        dev = self.device
+        positions = torch.cat([torch.tensor(decode_pos, dtype=torch.int64), *chunk_pos])
+        slot_mapping = torch.cat([torch.tensor(decode_slots, dtype=torch.int64), *chunk_slots])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            slot_mapping=slot_mapping.to(dev),
             block_size=bs,
             num_decodes=len(decode_tables),
             decode_block_tables=decode_tables_t,
             decode_seq_lens=decode_lens_t,
             prefills=prefills,
         )
-        dev = self.device
         return (
             torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
+            positions.to(dev),
             meta,
             torch.tensor(sample_rows, device=dev),
         )
