@@ -208,9 +208,8 @@ class Bus:
     async def _on_reconnected(self) -> None:
         self._outage_logged = False
         log.info("%s reconnected to NATS", self._name)
-        if not self._reconnected:
-            return
-        await self.flush()  # the replayed subscriptions are in effect from here on
+        # nats-py calls this after replaying the subscriptions and a PING/PONG: the server
+        # routes our subjects to us again from here on.
         for callback in self._reconnected:
             try:
                 await callback()
