@@ -58,24 +58,39 @@ class Script:
 
 def test_startup_snapshot_then_buffered_batches_replay_in_order():
     s = Script()
-    s.sync.track("a", ResyncReason.STARTUP)
+    s.sync.track("a", ResyncReason.STARTUP)  # a worker with a history the master missed
     assert s.sync.state("a") == WANTED and s.wakes == 1
-    assert s.sync.events(ev(1, stored=[H[0], H[1]]))  # buffered, not applied
+    assert s.sync.events(ev(5, stored=[H[0], H[1]]))  # buffered, not applied
     assert s.held() == set()
     due = s.one_due()
     assert due == Due("a", ResyncReason.STARTUP, 1) and s.sync.state("a") == FETCHING
     assert s.sync.due() == []  # one fetch at a time per worker
-    assert s.sync.events(ev(2, stored=[H[2]]))
-    assert s.sync.events(ev(3, removed=[H[0]]))
-    # The snapshot is as of batch 2: batches 1-2 are in it, batch 3 is replayed on top.
-    assert s.sync.snapshot(due, snap(2, [H[0], H[1], H[2]]))
-    assert s.held() == {H[1], H[2]} and s.sync.position("a") == (7, 3)
+    assert s.sync.events(ev(6, stored=[H[2]]))
+    assert s.sync.events(ev(7, removed=[H[0]]))
+    # The snapshot is as of batch 6: batches 5-6 are in it, batch 7 is replayed on top.
+    assert s.sync.snapshot(due, snap(6, [H[0], H[1], H[2], H[3]]))
+    assert s.held() == {H[1], H[2], H[3]} and s.sync.position("a") == (7, 7)
     assert s.sync.state("a") == LIVE
     st = s.sync.stats
     assert (st.buffered, st.covered, st.applied, st.resyncs) == (3, 2, 1, {"startup": 1})
-    assert not s.sync.events(ev(3, stored=[H[9]]))  # a duplicate: stale, ignored
-    assert s.sync.stats.stale == 1 and s.held() == {H[1], H[2]}
+    assert not s.sync.events(ev(7, stored=[H[9]]))  # a duplicate: stale, ignored
+    assert s.sync.stats.stale == 1 and s.held() == {H[1], H[2], H[3]}
     assert not s.sync.snapshot(due, snap(9, [H[9]]))  # a late second reply: not awaited
+
+
+def test_batch_one_of_a_fresh_worker_needs_no_snapshot():
+    s = Script()
+    s.sync.track("a", ResyncReason.JOINED)
+    due = s.one_due()  # the fetch is under way when the worker's first batch comes
+    assert s.sync.events(ev(1, stored=[H[0], H[1]]))
+    assert s.sync.state("a") == LIVE and s.held() == {H[0], H[1]}
+    assert s.sync.position("a") == (7, 1)
+    assert not s.sync.snapshot(due, snap(0, []))  # the reply is no longer needed
+    assert s.sync.events(ev(2, removed=[H[0]])) and s.held() == {H[1]}
+    # A restart whose batch 1 arrives: the old entries go, batch 1 is the new truth.
+    assert s.sync.events(ev(1, inc=9, stored=[H[5]]))
+    assert s.held() == {H[5]} and s.sync.position("a") == (9, 1) and s.sync.due() == []
+    assert s.sync.stats.resyncs == {"joined": 1, "restart": 1}
 
 
 def test_gap_resyncs_and_a_failed_fetch_backs_off():
@@ -125,7 +140,7 @@ def test_restart_drops_the_old_entries_at_once_and_ignores_stragglers():
     s = Script()
     s.sync.track("a", ResyncReason.JOINED)
     s.sync.snapshot(s.one_due(), snap(3, [H[0], H[1]]))
-    assert s.sync.events(ev(1, inc=9, stored=[H[5]]))  # a newer incarnation
+    assert s.sync.events(ev(2, inc=9, stored=[H[5]]))  # a newer incarnation; 1 was lost
     assert s.held() == set() and s.sync.state("a") == WANTED
     assert not s.sync.events(ev(4, inc=7, stored=[H[2]]))  # the old process, late
     due = s.one_due()
@@ -133,8 +148,8 @@ def test_restart_drops_the_old_entries_at_once_and_ignores_stragglers():
     assert not s.sync.snapshot(due, snap(5, [H[2]], inc=7))  # the old one answered: refused
     assert s.sync.state("a") == WANTED and s.sync.stats.failures == 1
     s.now = 1.0
-    assert s.sync.snapshot(s.one_due(), snap(1, [H[5]], inc=9))
-    assert s.held() == {H[5]} and s.sync.position("a") == (9, 1)
+    assert s.sync.snapshot(s.one_due(), snap(1, [H[4]], inc=9))
+    assert s.held() == {H[4], H[5]} and s.sync.position("a") == (9, 2)  # 2 replayed
     # An idle worker restarted: only its load report says so.
     s.sync.load(report(0, inc=11))
     assert s.held() == set() and s.sync.state("a") == WANTED
@@ -200,12 +215,12 @@ def test_buffer_is_bounded(monkeypatch: pytest.MonkeyPatch):
     s = Script()
     s.sync.track("a", ResyncReason.JOINED)
     due = s.one_due()
-    for seq in range(1, 7):
-        s.sync.events(ev(seq, stored=[H[seq]]))
+    for seq in range(11, 17):
+        s.sync.events(ev(seq, stored=[H[seq - 10]]))
     assert s.sync.stats.overflowed == 3
     s.sync.check_integrity()
-    # Batches 1-3 fell out, but the snapshot covers up to 3: nothing is missing.
-    assert s.sync.snapshot(due, snap(3, [H[1], H[2], H[3]]))
+    # Batches 11-13 fell out, but the snapshot covers up to 13: nothing is missing.
+    assert s.sync.snapshot(due, snap(13, [H[1], H[2], H[3]]))
     assert s.held() == {H[1], H[2], H[3], H[4], H[5], H[6]} and s.sync.state("a") == LIVE
 
 
@@ -225,11 +240,11 @@ def test_view_tracks_workers_with_startup_then_joined_reasons():
     view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("f1", ns.ROLE_FUSED)))
     assert view.sync.workers() == ["f1", "p1"]  # workers only
     assert view.sync.stats.wanted == {"startup": 1, "joined": 1}
-    assert view.apply_kv_events(ev(1, stored=[H[0]], worker="f1"))  # buffered until snapshot
+    assert view.apply_kv_events(ev(4, stored=[H[0]], worker="f1"))  # buffered until snapshot
     assert view.index.workers() == []
     view.apply_membership(Ev(kind=Ev.KIND_LEFT, member=member("f1", ns.ROLE_FUSED)))
     assert view.sync.workers() == ["p1"]
-    assert not view.apply_kv_events(ev(2, stored=[H[0]], worker="f1"))  # departed
+    assert not view.apply_kv_events(ev(5, stored=[H[0]], worker="f1"))  # departed
     view.check_integrity()
 
 

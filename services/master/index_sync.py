@@ -13,6 +13,9 @@ snapshot (Worker.Snapshot) is the worker's whole cache as of batch S. Per worker
     WANTED, FETCHING   batches are buffered (bounded), the old entries stay as hints
     snapshot(S)        replace the worker's entries, drop buffered batches <= S, replay
                        the rest through LIVE (a hole among them starts another round)
+    batch 1            of an incarnation nothing is held of: the stream from an empty cache
+                       (a process starts with none), so it rebuilds the part like a
+                       snapshot at seq 0 would, and no fetch is needed
 
 A resync is wanted when:
 
@@ -175,8 +178,7 @@ class IndexSync:
             self.stats.stale += 1  # a straggler from before a restart
             return False
         if feed.state != SyncState.LIVE:
-            self._buffer(feed, msg)
-            return True
+            return self._held(feed, msg)
         return self._live(feed, msg)
 
     def load(self, report: events_pb2.LoadReport) -> None:
@@ -231,32 +233,7 @@ class IndexSync:
             # Another process answers at that address, or an older one than we have heard.
             self.failed(due, f"snapshot of {snap.worker_id}/{snap.incarnation} refused")
             return False
-        self.index.replace(due.worker_id, snap.block_hashes)
-        buffered, feed.buffer = feed.buffer, []
-        feed.state, feed.incarnation, feed.seq = SyncState.LIVE, snap.incarnation, snap.seq
-        feed.failures, feed.behind_since = 0, None
-        self.stats.resyncs[due.reason] += 1
-        metrics.master().resynced(due.reason)
-        log.info(
-            "index of %s resynced (%s): %d blocks at seq %d, %d buffered batches",
-            due.worker_id,
-            due.reason,
-            len(snap.block_hashes),
-            snap.seq,
-            len(buffered),
-        )
-        for msg in sorted(buffered, key=lambda m: (m.incarnation, m.seq)):
-            if msg.incarnation == feed.incarnation and msg.seq <= feed.seq:
-                self.stats.covered += 1
-            elif msg.incarnation < feed.incarnation:
-                self.stats.stale += 1
-            elif feed.state == SyncState.LIVE:
-                self._live(feed, msg)
-            else:
-                self._buffer(feed, msg)  # a hole among them: kept for the next round
-        if feed.again is not None and feed.state == SyncState.LIVE:
-            self.want(due.worker_id, feed.again)
-        feed.again = None
+        self._rebuild(due.worker_id, feed, snap.incarnation, snap.seq, snap.block_hashes)
         return True
 
     def failed(self, due: Due, error: str) -> None:
@@ -274,11 +251,52 @@ class IndexSync:
         self._wake()
 
     # -- internals -------------------------------------------------------------------------
+    def _rebuild(
+        self, worker_id: str, feed: _Feed, incarnation: int, seq: int, hashes: Iterable[bytes]
+    ) -> None:
+        """Make the worker's entries `hashes`, as of batch `seq` of `incarnation`, then
+        replay the buffered batches that come after it."""
+        hashes = list(hashes)
+        self.index.replace(worker_id, hashes)
+        buffered, feed.buffer = feed.buffer, []
+        feed.state, feed.incarnation, feed.seq = SyncState.LIVE, incarnation, seq
+        feed.failures, feed.behind_since = 0, None
+        again, feed.again = feed.again, None
+        self.stats.resyncs[feed.reason] += 1
+        metrics.master().resynced(feed.reason)
+        log.info(
+            "index of %s resynced (%s): %d blocks at seq %d, %d buffered batches",
+            worker_id,
+            feed.reason,
+            len(hashes),
+            seq,
+            len(buffered),
+        )
+        for msg in sorted(buffered, key=lambda m: (m.incarnation, m.seq)):
+            if msg.incarnation == feed.incarnation and msg.seq <= feed.seq:
+                self.stats.covered += 1
+            elif msg.incarnation < feed.incarnation:
+                self.stats.stale += 1
+            elif feed.state == SyncState.LIVE:
+                self._live(feed, msg)
+            else:
+                self._buffer(feed, msg)  # a hole among them: kept for the next round
+        if again is not None:
+            self.want(worker_id, again)
+
+    def _held(self, feed: _Feed, msg: events_pb2.KVEvents) -> bool:
+        """A batch while the worker's part is not live: buffered; but batch 1 of an
+        incarnation we hold nothing of is the whole stream from an empty cache (a process
+        starts with none), so it rebuilds the part at once, without a snapshot."""
+        self._buffer(feed, msg)
+        if msg.seq == 1 and (msg.incarnation > feed.incarnation or feed.seq == 0):
+            self._rebuild(msg.worker_id, feed, msg.incarnation, 0, ())
+        return True
+
     def _live(self, feed: _Feed, msg: events_pb2.KVEvents) -> bool:
         if msg.incarnation > feed.incarnation:
             self._restarted(msg.worker_id, feed, msg.incarnation)
-            self._buffer(feed, msg)
-            return True
+            return self._held(feed, msg)
         if msg.seq <= feed.seq:
             self.stats.stale += 1
             return False
@@ -287,8 +305,7 @@ class IndexSync:
                 "kv events from %s skipped seq %d..%d", msg.worker_id, feed.seq + 1, msg.seq - 1
             )
             self.want(msg.worker_id, ResyncReason.GAP)
-            self._buffer(feed, msg)
-            return True
+            return self._held(feed, msg)
         self.index.apply(msg)
         feed.seq = msg.seq
         self.stats.applied += 1
