@@ -76,6 +76,10 @@ class BlockPool:
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache: what replaying all events so far would give."""
+        return list(self._cached)
+
     def free_queue_ids(self) -> list[int]:
         """Block ids in eviction order (front first). For tests and debugging."""
         return list(self._free)

@@ -290,7 +290,7 @@ async def test_client_shards_across_two_instances_and_returns_the_prefix() -> No
         assert serialized(got) == serialized(blocks[: min(lead, 5)])
 
 
-def test_rendezvous_sharding_moves_only_the_departed_instances_keys() -> None:
+def test_sharding_moves_only_the_departed_instances_keys() -> None:
     hashes, three = keys(make_blocks(300)), CacheClient(["h1:1", "h2:2", "h3:3"])
     before = {h: three.shard(h) for h in hashes}
     assert min(list(before.values()).count(a) for a in three.addresses) > 60  # balanced

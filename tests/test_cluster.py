@@ -17,7 +17,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from services.common import grpc_util
-from services.common.pb import master_pb2, master_pb2_grpc, nameservice_pb2
+from services.common.pb import (
+    master_pb2,
+    master_pb2_grpc,
+    nameservice_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.cluster import launch
 
 PROMPTS = [
@@ -290,6 +296,42 @@ def _route(master: str, n: int) -> list[str]:
         return [plan.decode.id for plan in plans]
 
     return asyncio.run(run())
+
+
+def test_master_index_equals_what_the_workers_hold(cluster):
+    """The master's prefix index (Master.Index) is exactly the union of the workers'
+    snapshots (Worker.Snapshot), once traffic stops; its metrics say how it got there."""
+    client, model_id = _client(cluster), _model_id(cluster)
+    for prompt in PROMPTS:
+        client.completions.create(model=model_id, prompt=prompt * 4, max_tokens=2)
+    master = cluster.members(nameservice_pb2.ROLE_MASTER)[0]
+    workers = cluster.workers()
+
+    async def state() -> tuple[dict[str, set[bytes]], dict[str, set[bytes]]]:
+        async with grpc_util.channel(master.address) as ch:
+            reply = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest())
+        index = {w.worker_id: set(w.block_hashes) for w in reply.workers if w.block_hashes}
+        truth = {}
+        for m in workers:
+            async with grpc_util.channel(m.address) as ch:
+                snap = await worker_pb2_grpc.WorkerStub(ch).Snapshot(
+                    worker_pb2.KVSnapshotRequest(), timeout=5
+                )
+            assert snap.worker_id == m.id
+            if snap.block_hashes:
+                truth[m.id] = set(snap.block_hashes)
+        return index, truth
+
+    deadline = time.monotonic() + 10
+    while (got := asyncio.run(state()))[0] != got[1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    index, truth = got
+    assert index == truth and truth
+    text = httpx.get(f"http://{master.metrics_address}/metrics", timeout=5).text
+    resyncs = [line for line in text.splitlines() if line.startswith("rtp:index_resyncs_total{")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in resyncs) >= len(workers)  # each once
+    for worker_id, hashes in truth.items():
+        assert f'rtp:index_blocks{{worker="{worker_id}"}} {float(len(hashes))}' in text
 
 
 def test_sigkill_worker_is_dropped_and_traffic_moves(cluster, reference):

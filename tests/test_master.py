@@ -70,22 +70,22 @@ def route(policy, view, tokens=100, hashes=H[:6], session="", exclude=()) -> mas
 # -- prefix index ------------------------------------------------------------------------
 def test_prefix_index_scripted():
     idx = PrefixIndex()
-    assert idx.apply(kv("a", 1, stored=H[:4]))
-    assert idx.apply(kv("b", 1, stored=[H[0], H[1], H[3]]))
+    idx.apply(kv("a", 1, stored=H[:4]))
+    idx.apply(kv("b", 1, stored=[H[0], H[1], H[3]]))
     idx.check_integrity()
     assert idx.match("a", H[:6]) == 4
     assert idx.match("b", H[:6]) == 2  # stops at the first miss (H[2])
     assert idx.match_all(H[:6], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
     assert idx.match_all(H[:2], ["a", "b"]) == {"a": 2, "b": 2}
     assert idx.match_all([], ["a"]) == {"a": 0}
-    assert idx.apply(kv("a", 2, removed=[H[1]]))
+    idx.apply(kv("a", 2, removed=[H[1]]))
     assert idx.match_all(H[:6], ["a", "b"]) == {"a": 1, "b": 2}
-    assert not idx.apply(kv("a", 2, stored=[H[1]]))  # stale seq: ignored
-    assert idx.stats.stale == 1 and idx.match("a", H) == 1
-    assert idx.apply(kv("a", 5, stored=[H[1]]))  # gap: applied and counted
-    assert idx.stats.gaps == 1 and idx.match("a", H) == 4
-    assert idx.apply(kv("a", 1, stored=[H[9]], cleared=True))  # cleared resets, seq too
+    idx.apply(kv("a", 3, stored=[H[1]]))  # order is index_sync's business: applied
+    assert idx.match("a", H) == 4 and idx.sizes() == {"a": 4, "b": 3}
+    idx.apply(kv("a", 1, stored=[H[9]], cleared=True))  # cleared first, then stored
     assert idx.match("a", H) == 0 and idx.holds("a", H[9]) and len(idx) == 4
+    idx.replace("b", [H[5], H[6]])  # a resync: exactly these
+    assert idx.hashes("b") == {H[5], H[6]} and not idx.holds("b", H[0])
     idx.check_integrity()
     idx.drop_worker("b")
     assert idx.workers() == ["a"] and idx.match("b", H) == 0
@@ -137,12 +137,13 @@ def test_longest_prefix_wins():
 
 
 def test_clearly_more_loaded_worker_loses_its_prefix():
-    busy = cluster(*PD3, cached=CACHED, loads=[load("p2", queued=500)])
+    idle = [load("p1"), load("p3")]
+    busy = cluster(*PD3, cached=CACHED, loads=[*idle, load("p2", queued=500)])
     plan = route(CacheAware(), busy)
     assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)  # 68 < 520 < 100
-    slightly = cluster(*PD3, cached=CACHED, loads=[load("p2", queued=40)])
+    slightly = cluster(*PD3, cached=CACHED, loads=[*idle, load("p2", queued=40)])
     assert route(CacheAware(), slightly).prefill.id == "p2"  # 60 < 68
-    big_blocks = cluster(*PD3, cached=CACHED, loads=[load("p1", block_size=64)])
+    big_blocks = cluster(*PD3, cached=CACHED, loads=[*idle, load("p1", block_size=64)])
     assert route(CacheAware(), big_blocks).prefill.id == "p1"  # 2 * 64 covers the prompt
 
 
@@ -154,8 +155,8 @@ def test_ties_session_affinity_then_fewest_running():
     spread = {route(CacheAware(), cluster(*PD3), session=f"s{i}").prefill.id for i in range(20)}
     assert spread == {"p1", "p2", "p3"}
     assert "tie of 3 broken by session" in route(CacheAware(), cluster(*PD3), session="x").reason
-    loaded = cluster(*PD3, loads=[load("p1", running=3), load("p2", running=1)])
-    plan = route(CacheAware(), loaded)  # p3 has no report yet: 0 running
+    loaded = cluster(*PD3, loads=[load("p1", running=3), load("p2", running=1), load("p3")])
+    plan = route(CacheAware(), loaded)
     assert plan.prefill.id == "p3" and "(tie of 3 broken by fewest running)" in plan.reason
     even = cluster(*PD3, loads=[load(w, running=1) for w in ("p1", "p2", "p3")])
     plan = route(CacheAware(), even)

@@ -1,10 +1,8 @@
 """`CacheClient`: how prefill workers use the remote KV tier (the cache service instances).
 
-Keys are sharded across instances by rendezvous (highest-random-weight) hashing: each key
-goes to the instance whose `mix(key, instance)` weight is highest. Unlike hash-mod-N, a
-membership change moves only the keys of the instance that joined or left (about 1/N of
-them), so the other instances' LRUs stay warm; unlike a hash ring it needs no virtual nodes
-to balance and no state beyond the address list. N is small, so O(N) per key is cheap.
+Keys are sharded across instances with consistent hashing (`ring.HashRing`, virtual
+nodes): unlike hash-mod-N, a membership change moves only about 1/N of the keys, from or
+to the instance that joined or left, so the other instances' LRUs stay warm.
 
 The remote tier is an optimisation: every call has a short deadline and any failure
 (instance down, slow, bad reply) reads as "not cached", so the caller recomputes.
@@ -23,7 +21,6 @@ a suffix.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from services.cache import MAX_KEYS
+from services.cache.ring import HashRing
 from services.common import grpc_util
 from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
 
@@ -39,17 +37,9 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 # Put batches are split below gRPC's message limit, and to at most this many blocks.
 _MAX_PUT_BYTES = 64 << 20
 _MAX_PUT_BLOCKS = 4096
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finalizer: a cheap, well-distributed 64-bit permutation."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-    return x ^ (x >> 31)
 
 
 class CacheClient:
@@ -63,7 +53,7 @@ class CacheClient:
         self.timeout_s = timeout_s
         self.warn_interval_s = warn_interval_s
         self._addresses: list[str] = []
-        self._seeds: list[int] = []
+        self._ring = HashRing(())
         self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
         self._channels = grpc_util.ChannelCache()
         self._last_warning: dict[str, float] = {}
@@ -75,11 +65,8 @@ class CacheClient:
 
     def set_addresses(self, addresses: Sequence[str]) -> None:
         """Follow membership: shard over `addresses` from now on; close dropped channels."""
-        self._addresses = sorted(set(addresses))
-        self._seeds = [
-            int.from_bytes(hashlib.blake2b(a.encode(), digest_size=8).digest(), "little")
-            for a in self._addresses
-        ]
+        self._ring = HashRing(addresses)
+        self._addresses = self._ring.nodes
         for address in [a for a in self._stubs if a not in self._addresses]:
             del self._stubs[address]
             self._channels.drop(address, grace=self.timeout_s)
@@ -149,11 +136,7 @@ class CacheClient:
         await self._channels.close()
 
     def _shard_index(self, block_hash: bytes) -> int:
-        if len(self._seeds) == 1:
-            return 0
-        key = int.from_bytes(block_hash[:8], "little")
-        weights = [_mix(key ^ seed) for seed in self._seeds]
-        return weights.index(max(weights))
+        return self._ring.index(block_hash)
 
     def _group(self, hashes: list[bytes]) -> dict[int, list[int]]:
         """shard index -> positions in `hashes` it owns, ascending."""

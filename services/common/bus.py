@@ -7,7 +7,9 @@ degrade a service, never break it:
 - If NATS is down at start, `connect` returns anyway and keeps connecting in the background;
   subscriptions made meanwhile take effect once it connects.
 - While disconnected, `publish` drops the message and counts it (`dropped`); it never raises.
-- nats-py replays subscriptions after a reconnect, so handlers keep receiving.
+- nats-py replays subscriptions after a reconnect, so handlers keep receiving; what was
+  published meanwhile is lost, so `on_reconnected` callbacks run once the server has the
+  subscriptions again (the master resyncs its prefix index there).
 
 Subject names come from `services.common.subjects` only. A message published inside a
 trace carries its W3C context in NATS headers, and the subscriber's handler runs in it.
@@ -56,6 +58,7 @@ class Bus:
         self._outage_logged = False
         self._first_failure = asyncio.Event()
         self._closing = False
+        self._reconnected: list[Callable[[], Awaitable[None]]] = []
         self.published = 0
         self.dropped = 0
 
@@ -117,6 +120,11 @@ class Bus:
             self._pending.append(sub)  # _connect subscribes it once connected
             return
         await self._subscribe(sub)
+
+    def on_reconnected(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Call `callback()` after each reconnect (not the first connect), once the server
+        has this connection's subscriptions; its exceptions are logged."""
+        self._reconnected.append(callback)
 
     async def flush(self, timeout: float = 1.0) -> None:
         """Wait until the server has processed everything sent so far; no-op when not
@@ -200,3 +208,10 @@ class Bus:
     async def _on_reconnected(self) -> None:
         self._outage_logged = False
         log.info("%s reconnected to NATS", self._name)
+        # nats-py calls this after replaying the subscriptions and a PING/PONG: the server
+        # routes our subjects to us again from here on.
+        for callback in self._reconnected:
+            try:
+                await callback()
+            except Exception:
+                log.exception("reconnect callback of %s failed", self._name)

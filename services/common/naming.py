@@ -36,12 +36,17 @@ WATCH_BACKOFF_S = (0.1, 2.0)  # first and largest wait between Watch reconnects
 
 
 def make_member(
-    role: pb.Role, address: str, model: str = "", capacity: int = 0, metrics_address: str = ""
+    role: pb.Role,
+    address: str,
+    model: str = "",
+    capacity: int = 0,
+    metrics_address: str = "",
+    member_id: str | None = None,
 ) -> pb.Member:
-    """A member with a fresh unique id such as "decode-3f2a9c1b"."""
+    """A member with `member_id`, else a fresh unique id such as "decode-3f2a9c1b"."""
     role_name = pb.Role.Name(role).removeprefix("ROLE_").lower()
     return pb.Member(
-        id=f"{role_name}-{uuid.uuid4().hex[:8]}",
+        id=member_id or f"{role_name}-{uuid.uuid4().hex[:8]}",
         role=role,
         address=address,
         model=model,

@@ -9,20 +9,30 @@ vanished meanwhile as LEFT. As a second line of defence, members we knew that a 
 snapshot does not confirm are dropped when the snapshot ends (at the first non-SNAPSHOT
 event); until then they stay routable. LEFT removes a member at once: it is never routed to
 again, and its prefix-index entries and load are dropped.
+
+The prefix index is kept exact by `index_sync.IndexSync` (sequence numbers, snapshots);
+`resync_forever` is the loop that fetches the snapshots it asks for. A load report counts
+for LOAD_TTL_S after it arrives; after that the worker's load is unknown (`load` is None),
+which the policies treat as "maybe down", never as idle.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common import subjects
+import grpc
+
+from services.common import grpc_util, subjects
 from services.common.bus import Bus
-from services.common.pb import events_pb2, nameservice_pb2
+from services.common.pb import events_pb2, nameservice_pb2, worker_pb2, worker_pb2_grpc
+from services.master.index_sync import Due, IndexSync, ResyncReason
 from services.master.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -33,6 +43,16 @@ _MAX_DEPARTED = 4096  # ids remembered so late NATS events of a gone worker are 
 # Charged work is forgotten this long after it started piling up, even without a LoadReport
 # (without NATS none ever comes): by then the worker has it, or has finished it.
 PENDING_TTL_S = 2.0
+# A load report stops counting after this long: 4 report intervals (workers report every
+# 0.25 s, services/worker/kv_events.py). Without reports a worker is unknown, not idle.
+LOAD_TTL_S = 1.0
+WORKER_ROLES = frozenset(
+    (nameservice_pb2.ROLE_PREFILL, nameservice_pb2.ROLE_DECODE, nameservice_pb2.ROLE_FUSED)
+)
+SNAPSHOT_TIMEOUT_S = 5.0
+MAX_CONCURRENT_SNAPSHOTS = 4
+
+FetchSnapshot = Callable[[Member], Awaitable[worker_pb2.KVSnapshot]]
 
 
 class NameWatcher(Protocol):
@@ -53,14 +73,19 @@ class Pending:
 
 
 class ClusterView:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, load_ttl_s: float = LOAD_TTL_S
+    ) -> None:
         self._clock = clock
+        self._load_ttl_s = load_ttl_s
         self._members: dict[str, Member] = {}
-        self._loads: dict[str, events_pb2.LoadReport] = {}
+        self._loads: dict[str, tuple[events_pb2.LoadReport, float]] = {}  # report, arrival
         self._pending: dict[str, Pending] = {}
         self._unconfirmed: set[str] | None = None  # None: not inside a snapshot
         self._departed: OrderedDict[str, None] = OrderedDict()
+        self._started = False  # the first membership snapshot has ended
         self.index = PrefixIndex()
+        self.sync = IndexSync(self.index, clock)
 
     # -- queries ---------------------------------------------------------------------------
     def members(self, role: int | None = None) -> list[Member]:
@@ -74,7 +99,11 @@ class ClusterView:
         return self._members.get(worker_id)
 
     def load(self, worker_id: str) -> events_pb2.LoadReport | None:
-        return self._loads.get(worker_id)
+        """The worker's latest load report; None if none came within the load TTL."""
+        entry = self._loads.get(worker_id)
+        if entry is None or self._clock() - entry[1] > self._load_ttl_s:
+            return None
+        return entry[0]
 
     def pending(self, worker_id: str) -> Pending:
         pending = self._pending.get(worker_id)
@@ -119,11 +148,12 @@ class ClusterView:
         """Drop the members the latest snapshot did not confirm (no-op outside one)."""
         if self._unconfirmed is None:
             return
+        self._started = True
         unconfirmed, self._unconfirmed = self._unconfirmed, None
         for worker_id in sorted(unconfirmed):
             self._remove(worker_id, "absent from snapshot")
         # Events of workers that never joined would otherwise stay forever.
-        for worker_id in set(self.index.workers()) | set(self._loads):
+        for worker_id in set(self.index.workers()) | set(self._loads) | set(self.sync.workers()):
             if worker_id not in self._members:
                 self._forget(worker_id)
 
@@ -135,6 +165,10 @@ class ClusterView:
         if member.id not in self._members:
             log.info("member %s joined (%s at %s)", member.id, _role(member.role), member.address)
         self._members[member.id] = member
+        if member.role in WORKER_ROLES:
+            # In the first snapshot the master itself is new: it knows nothing of anyone.
+            started = self._started or self._unconfirmed is None
+            self.sync.track(member.id, ResyncReason.JOINED if started else ResyncReason.STARTUP)
 
     def _remove(self, worker_id: str, reason: str) -> None:
         if self._members.pop(worker_id, None) is not None:
@@ -149,21 +183,24 @@ class ClusterView:
 
     def _forget(self, worker_id: str) -> None:
         self.index.drop_worker(worker_id)
+        self.sync.forget(worker_id)
         self._loads.pop(worker_id, None)
         self._pending.pop(worker_id, None)
 
     # -- worker events ---------------------------------------------------------------------
     def apply_kv_events(self, events: events_pb2.KVEvents) -> bool:
-        """Apply a worker's KV events; False if ignored (a gone worker, or stale seq)."""
+        """Apply (or, during a resync, buffer) a worker's KV events; False if ignored (a
+        gone worker, or stale seq)."""
         if events.worker_id in self._departed:
             return False
-        return self.index.apply(events)
+        return self.sync.events(events)
 
     def apply_load(self, report: events_pb2.LoadReport) -> bool:
         if not report.worker_id or report.worker_id in self._departed:
             return False
-        self._loads[report.worker_id] = report
+        self._loads[report.worker_id] = (report, self._clock())
         self._pending.pop(report.worker_id, None)  # the report counts what we had routed
+        self.sync.load(report)
         return True
 
     # -- invariants ------------------------------------------------------------------------
@@ -176,19 +213,32 @@ class ClusterView:
         assert self._pending.keys() <= self._members.keys(), "pending work of a non-member"
         if self._unconfirmed is not None:
             assert self._unconfirmed <= self._members.keys(), "unconfirmed non-member"
+        assert not self._departed.keys() & set(self.sync.workers()), "sync kept departed"
+        self.sync.check_integrity()
 
     # -- feeding ---------------------------------------------------------------------------
     async def run(
         self, name_client: NameWatcher, bus: Bus | None = None, namespace: str = "default"
     ) -> None:
-        """Feed this view until cancelled: NATS kv/load events (if `bus`) and the
-        nameservice Watch stream of `name_client` (a services.common.naming.NameClient)."""
+        """Feed this view until cancelled: NATS kv/load events (if `bus`), the nameservice
+        Watch stream of `name_client` (a services.common.naming.NameClient), and the index
+        resyncs (over the workers' Snapshot RPC)."""
         if bus is not None:
             await self.subscribe(bus, namespace)
-        await self.follow(name_client.watch())
+        fetch = SnapshotClient()
+        resync = asyncio.create_task(self.resync_forever(fetch), name="index-resync")
+        try:
+            await self.follow(name_client.watch())
+        finally:
+            resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await resync
+            await fetch.close()
 
     async def subscribe(self, bus: Bus, namespace: str = "default") -> None:
-        """Apply every worker's KV events and load reports from now on."""
+        """Apply every worker's KV events and load reports from now on; resync every
+        worker's index part when the connection comes back after an outage."""
+        bus.on_reconnected(self._on_reconnected)
         await bus.subscribe(
             subjects.kv_events_all(namespace), events_pb2.KVEvents, self._on_kv_events
         )
@@ -209,6 +259,66 @@ class ClusterView:
 
     async def _on_load(self, msg: events_pb2.LoadReport, headers: dict[str, str]) -> None:
         self.apply_load(msg)
+
+    async def _on_reconnected(self) -> None:
+        self.sync.want_all(ResyncReason.RECONNECT)
+
+    # -- resync ----------------------------------------------------------------------------
+    async def resync_forever(
+        self, fetch: FetchSnapshot, max_concurrent: int = MAX_CONCURRENT_SNAPSHOTS
+    ) -> None:
+        """Fetch the snapshots `self.sync` wants (from members only), until cancelled."""
+        wake = asyncio.Event()
+        self.sync.on_wanted = wake.set
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(due: Due, member: Member) -> None:
+            try:
+                snap = await fetch(member)
+            except Exception as e:
+                self.sync.failed(due, _describe(e))
+            else:
+                self.sync.snapshot(due, snap)
+            wake.set()  # a slot is free, and a retry may be due
+
+        try:
+            while True:
+                wake.clear()
+                free = max_concurrent - len(running)
+                for due in self.sync.due(lambda w: w in self._members, free) if free else ():
+                    task = asyncio.create_task(one(due, self._members[due.worker_id]))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                next_due = self.sync.next_due()
+                timeout = None if next_due is None else max(0.01, next_due - self._clock())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout)
+        finally:
+            self.sync.on_wanted = None
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+
+class SnapshotClient:
+    """Worker.Snapshot over gRPC: the default `FetchSnapshot`."""
+
+    def __init__(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._channels = grpc_util.ChannelCache()
+
+    async def __call__(self, member: Member) -> worker_pb2.KVSnapshot:
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(member.address))
+        return await stub.Snapshot(worker_pb2.KVSnapshotRequest(), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return repr(error)
 
 
 def _role(role: int) -> str:

@@ -13,12 +13,15 @@ import contextlib
 import logging
 import os
 
+from prometheus_client import REGISTRY
+
 from services.common import grpc_util, metrics
 from services.common.bus import Bus
 from services.common.flags import add_common_flags, advertised, env
 from services.common.naming import NameClient, make_member
 from services.common.pb import master_pb2_grpc, nameservice_pb2
-from services.master.cluster import ClusterView
+from services.master.cluster import ClusterView, SnapshotClient
+from services.master.metrics import IndexSizeCollector
 from services.master.policy import POLICIES, make_policy
 from services.master.servicer import MasterServicer
 
@@ -51,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "master") -> None:
 async def serve(args: argparse.Namespace) -> None:
     """Run the master until cancelled."""
     view = ClusterView()
+    REGISTRY.register(IndexSizeCollector(view.index.sizes))
     if args.max_local_prefill_tokens < 0:
         raise SystemExit("--max-local-prefill-tokens must be >= 0")
     policy = make_policy(args.policy, args.max_local_prefill_tokens)
@@ -64,6 +68,9 @@ async def serve(args: argparse.Namespace) -> None:
     bus = await Bus.connect(args.nats_url, member.id)
     names = NameClient(args.nameservice) if args.nameservice else None
     feeder: asyncio.Task[None] | None = None
+    fetch = SnapshotClient()
+    # The index starts empty: every worker of the first membership snapshot gets resynced.
+    resync = asyncio.create_task(view.resync_forever(fetch), name="index-resync")
     try:
         await server.start()
         if bus.enabled:
@@ -90,9 +97,11 @@ async def serve(args: argparse.Namespace) -> None:
             await asyncio.Event().wait()
     finally:
         await grpc_util.set_serving(health, SERVICE_NAME, False)
-        if feeder is not None:
-            feeder.cancel()
-            await asyncio.gather(feeder, return_exceptions=True)
+        for task in (feeder, resync):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await fetch.close()
         if names is not None:
             with contextlib.suppress(Exception):
                 await names.close()

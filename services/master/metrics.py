@@ -1,8 +1,13 @@
-"""The master's metric families: route decisions by policy and reason."""
+"""The master's metric families: route decisions by policy and reason; prefix-index
+resyncs by reason, and the index's size per worker (read from the view at scrape time)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.common.metrics import PREFIX, default_families
 
@@ -16,8 +21,45 @@ class MasterMetrics:
             registry=registry,
         )
 
+        self.index_resyncs = Counter(
+            PREFIX + "index_resyncs",
+            "Workers' prefix-index parts rebuilt from their snapshot, by reason "
+            "(services.master.index_sync.ResyncReason).",
+            ["reason"],
+            registry=registry,
+        )
+        self.index_resync_failures = Counter(
+            PREFIX + "index_resync_failures",
+            "Snapshot fetches that failed or were refused (retried with backoff).",
+            registry=registry,
+        )
+
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()
+
+    def resynced(self, reason: str) -> None:
+        self.index_resyncs.labels(reason).inc()
+
+    def resync_failed(self) -> None:
+        self.index_resync_failures.inc()
+
+
+class IndexSizeCollector(Collector):
+    """`rtp:index_blocks{worker}`: block hashes the index holds per worker, read at scrape
+    time from `sizes()` (so departed workers disappear with their entries)."""
+
+    def __init__(self, sizes: Callable[[], dict[str, int]]) -> None:
+        self._sizes = sizes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            PREFIX + "index_blocks",
+            "Block hashes in the master's prefix index, by worker.",
+            labels=["worker"],
+        )
+        for worker_id, n in sorted(self._sizes().items()):
+            family.add_metric([worker_id], n)
+        yield family
 
 
 def master() -> MasterMetrics:

@@ -17,6 +17,9 @@ term, so it wins unless that worker's queue takes longer than the prefill it sav
 whose rate is not measured yet counts its queued_tokens at the mean rate of those that are;
 when none is, every cost is in tokens (rate 1). A worker whose waiting queue is at its
 max_num_waiting is skipped while another candidate has room (it would refuse the request).
+A worker without a load report within the view's load TTL (none yet, or its reports went
+stale: maybe down, or cut off from NATS) is skipped while another has a fresh one: unknown
+load is not an idle worker.
 Ties: session affinity (a stable hash of session_id over the tied workers), else fewest
 running, else rotation. The decode side (PD) goes to the worker with the most free KV blocks
 (less those routed to it since its report), then fewest running, then rotation, skipping
@@ -218,6 +221,13 @@ def with_room(view: ClusterView, members: list[Member]) -> list[Member]:
     return room or members
 
 
+def reporting(view: ClusterView, members: list[Member]) -> list[Member]:
+    """The members with a fresh load report; all of them when none has one (no NATS, or
+    all just started: then costs count only what was routed here)."""
+    known = [m for m in members if view.load(m.id) is not None]
+    return known or members
+
+
 def _prefill_rates(view: ClusterView, members: list[Member]) -> dict[str, float]:
     """Each member's measured prompt rate (tokens/s); the mean of the measured ones for
     those not measured yet; 1 for all when none is (costs then compare in tokens)."""
@@ -252,7 +262,7 @@ class CacheAware(Policy):
     def _choose_first(
         self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
     ) -> Choice:
-        first = with_room(view, first)
+        first = reporting(view, with_room(view, first))
         matched = view.index.match_all(request.block_hashes, [m.id for m in first])
         rates = _prefill_rates(view, first)
         costs = {

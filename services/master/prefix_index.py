@@ -1,8 +1,10 @@
 """The master's global prefix index: which workers hold which KV block hashes.
 
-Fed by every worker's rtp.v1.KVEvents. Keys are chained (DESIGN "KV cache"), so a worker
-that holds key_i normally holds key_0..key_{i-1} too; `match` still stops at the first
-miss, because a prefix with a hole in it is only reusable up to the hole.
+Fed by every worker's rtp.v1.KVEvents in order, and resynced from its snapshot, by
+services.master.index_sync (which owns the sequence numbers; this is only the sets). Keys
+are chained (DESIGN "KV cache"), so a worker that holds key_i normally holds key_0..key_{i-1}
+too; `match` still stops at the first miss, because a prefix with a hole in it is only
+reusable up to the hole.
 
     holders:  hash -> {worker ids}      (what `match_all` walks, one dict lookup per block)
     blocks:   worker id -> {hashes}     (what `drop_worker` / `cleared` walk)
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from services.common.pb import events_pb2
 
@@ -26,19 +27,10 @@ log = logging.getLogger(__name__)
 BLOCK_HASH_BYTES = 16
 
 
-@dataclass(slots=True)
-class IndexStats:
-    applied: int = 0  # KVEvents messages applied
-    stale: int = 0  # dropped: seq not newer than the last one applied
-    gaps: int = 0  # messages that skipped seq numbers (events were lost)
-
-
 class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
-        self._last_seq: dict[str, int] = {}
-        self.stats = IndexStats()
 
     # -- queries ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -48,8 +40,16 @@ class PrefixIndex:
     def workers(self) -> list[str]:
         return sorted(self._blocks)
 
+    def sizes(self) -> dict[str, int]:
+        """worker id -> number of hashes it holds."""
+        return {w: len(hs) for w, hs in self._blocks.items()}
+
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
+
+    def hashes(self, worker_id: str) -> set[bytes]:
+        """A copy of the hashes held by `worker_id`."""
+        return set(self._blocks.get(worker_id, ()))
 
     def holds(self, worker_id: str, block_hash: bytes) -> bool:
         return worker_id in self._holders.get(block_hash, ())
@@ -83,33 +83,20 @@ class PrefixIndex:
         return result
 
     # -- mutations -------------------------------------------------------------------------
-    def apply(self, events: events_pb2.KVEvents) -> bool:
-        """Apply one worker's event batch; False if it was stale (seq not newer) and ignored.
-
-        seq 0 means "unsequenced" and is always applied. A gap in seq means events were
-        lost; there is no resync message yet, so the batch is applied and the gap counted
-        (the index is a routing hint: a wrong entry costs a cache miss, never correctness).
-        """
+    def apply(self, events: events_pb2.KVEvents) -> None:
+        """Apply one worker's event batch (its order is index_sync's business)."""
         worker_id = events.worker_id
         if not worker_id:
             raise ValueError("KVEvents without worker_id")
-        last = self._last_seq.get(worker_id)
-        if events.seq:
-            if last is not None and events.seq <= last and not events.cleared:
-                self.stats.stale += 1
-                return False
-            if last is not None and events.seq > last + 1 and not events.cleared:
-                self.stats.gaps += 1
-                log.warning(
-                    "kv events from %s skipped seq %d..%d", worker_id, last + 1, events.seq - 1
-                )
-            self._last_seq[worker_id] = events.seq
         if events.cleared:
             self._drop_blocks(worker_id)
         self.remove(worker_id, events.removed)
         self.store(worker_id, events.stored)
-        self.stats.applied += 1
-        return True
+
+    def replace(self, worker_id: str, hashes: Iterable[bytes]) -> None:
+        """Make `hashes` exactly what `worker_id` holds (a resync from its snapshot)."""
+        self._drop_blocks(worker_id)
+        self.store(worker_id, hashes)
 
     def store(self, worker_id: str, hashes: Iterable[bytes]) -> None:
         blocks = self._blocks.get(worker_id)
@@ -137,7 +124,6 @@ class PrefixIndex:
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything about a worker (it left the cluster)."""
         self._drop_blocks(worker_id)
-        self._last_seq.pop(worker_id, None)
 
     def _drop_blocks(self, worker_id: str) -> None:
         for h in self._blocks.pop(worker_id, ()):

@@ -1,4 +1,5 @@
-"""rtp.v1.Master over gRPC: validate the request, ask the policy, map errors to status codes."""
+"""rtp.v1.Master over gRPC: validate the request, ask the policy, map errors to status codes;
+and the prefix index as it stands (Index)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,20 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 }
             )
         return plan
+
+    async def Index(
+        self, request: master_pb2.IndexRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.IndexReply:
+        view = self.view
+        reply = master_pb2.IndexReply()
+        for worker_id in sorted(set(view.index.workers()) | set(view.sync.workers())):
+            incarnation, seq = view.sync.position(worker_id)
+            state = view.sync.state(worker_id)
+            reply.workers.add(
+                worker_id=worker_id,
+                incarnation=incarnation,
+                seq=seq,
+                state=state.value if state is not None else "",
+                block_hashes=sorted(view.index.hashes(worker_id)),
+            )
+        return reply

@@ -47,6 +47,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         choices=KV_DTYPES,
         help="KV cache storage; auto: --dtype (bfloat16 under float32 holds 2x the tokens)",
     )
+    p.add_argument(
+        "--worker-id",
+        default=env("worker_id"),
+        help="member id, kept across restarts (e.g. a StatefulSet pod name); default: a "
+        "fresh one per start. A restart under the same id is told apart by its incarnation",
+    )
     p.add_argument("--device", default=env("device", "cpu"), help="cpu, cuda, cuda:1, ...")
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
     p.add_argument(

@@ -1,49 +1,100 @@
 """A worker's cluster events: the engine's prefix-cache changes (rtp.v1.KVEvents) and its
-load (rtp.v1.LoadReport), published on NATS at a bounded rate."""
+load (rtp.v1.LoadReport), published on NATS at a bounded rate; and the snapshot
+(rtp.v1.KVSnapshot) the master resyncs its index from.
+
+Batches are numbered 1, 2, 3, ... within one incarnation (the process's start time), and a
+number is spent even when NATS drops the batch: that hole is how the master learns it
+missed something. A snapshot drains the engine's pending events into the next batch in the
+same engine call that lists the cache, under the lock that orders batches, so
+
+    snapshot(seq=S) == apply(batch 1..S)        and batches > S hold only later changes
+
+which is all the master needs to replace its entries and then replay what comes after.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Sequence
 
 from engine.async_llm import AsyncLLM
-from engine.block_pool import KVEventKind
+from engine.block_pool import KVEvent, KVEventKind
 from services.common import subjects
 from services.common.bus import Bus
-from services.common.pb import events_pb2
+from services.common.pb import events_pb2, worker_pb2
 from services.worker.metrics import WorkerMetrics
 
+log = logging.getLogger(__name__)
+
 EVENT_INTERVAL_S = 0.05  # KV events: at most 20 messages a second
-LOAD_INTERVAL_S = 0.25
+LOAD_INTERVAL_S = 0.25  # the master ignores reports older than a few of these
+
+
+class KVEventFeed:
+    """Numbers and publishes one worker's KV event batches; serves consistent snapshots."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        bus: Bus,
+        worker_id: str,
+        namespace: str = subjects.DEFAULT_NAMESPACE,
+        incarnation: int | None = None,
+    ) -> None:
+        self.llm = llm
+        self.bus = bus
+        self.worker_id = worker_id
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
+        self.seq = 0  # the last batch numbered (published or dropped)
+        self._subject = subjects.kv_events(worker_id, namespace)
+        self._lock = asyncio.Lock()  # one batch numbered at a time
+
+    async def flush(self) -> None:
+        """Publish the engine's pending events as the next batch (none pending: nothing)."""
+        async with self._lock:
+            await self._publish(await self.llm.take_kv_events())
+
+    async def snapshot(self) -> worker_pb2.KVSnapshot:
+        """Every hash held now, and the batch number it is consistent with."""
+        async with self._lock:
+            events, hashes = await self.llm.kv_snapshot()
+            await self._publish(events)  # its batch number is the snapshot's: covered
+            return worker_pb2.KVSnapshot(
+                worker_id=self.worker_id,
+                incarnation=self.incarnation,
+                seq=self.seq,
+                block_hashes=hashes,
+            )
+
+    async def _publish(self, events: Sequence[KVEvent]) -> None:
+        if not events:
+            return
+        # Net the batch: only each hash's last event counts (stored then evicted = gone).
+        last = {event.block_hash: event.kind for event in events}
+        self.seq += 1
+        msg = events_pb2.KVEvents(
+            worker_id=self.worker_id,
+            seq=self.seq,
+            incarnation=self.incarnation,
+            stored=[h for h, kind in last.items() if kind == KVEventKind.STORED],
+            removed=[h for h, kind in last.items() if kind == KVEventKind.REMOVED],
+        )
+        await self.bus.publish(self._subject, msg)
 
 
 async def publish_events(
-    llm: AsyncLLM,
-    bus: Bus,
-    worker_id: str,
-    namespace: str,
-    load_metrics: WorkerMetrics | None = None,
+    feed: KVEventFeed, namespace: str, load_metrics: WorkerMetrics | None = None
 ) -> None:
     """Forward the engine's stored/removed block events and load until cancelled; the load
     also goes to `load_metrics` (the Prometheus gauges)."""
-    seq = 0
+    llm, bus = feed.llm, feed.bus
     last_load = 0.0
-    kv_subject = subjects.kv_events(worker_id, namespace)
-    load_subject = subjects.load_report(worker_id, namespace)
+    load_subject = subjects.load_report(feed.worker_id, namespace)
     while True:
         await asyncio.sleep(EVENT_INTERVAL_S)
-        events = await llm.take_kv_events()
-        if events:
-            # Net the batch: only each hash's last event counts (stored then evicted = gone).
-            last = {event.block_hash: event.kind for event in events}
-            seq += 1
-            msg = events_pb2.KVEvents(
-                worker_id=worker_id,
-                seq=seq,
-                stored=[h for h, kind in last.items() if kind == KVEventKind.STORED],
-                removed=[h for h, kind in last.items() if kind == KVEventKind.REMOVED],
-            )
-            await bus.publish(kv_subject, msg)
+        await feed.flush()
         now = time.monotonic()
         if now - last_load >= LOAD_INTERVAL_S:
             last_load = now
@@ -55,10 +106,11 @@ async def publish_events(
                 )
                 load_metrics.wait(wait_s, rate.prefill_tokens_per_s)
                 load_metrics.host_tier(s.host_tier)
+            # Published after the batch it names, on the same connection: NATS keeps the order.
             await bus.publish(
                 load_subject,
                 events_pb2.LoadReport(
-                    worker_id=worker_id,
+                    worker_id=feed.worker_id,
                     num_waiting=s.num_waiting,
                     num_running=s.num_running,
                     free_blocks=s.num_free_blocks,
@@ -70,5 +122,7 @@ async def publish_events(
                     prefill_tokens_per_s=rate.prefill_tokens_per_s,
                     decode_step_s=rate.decode_step_s,
                     max_num_waiting=llm.max_num_waiting,
+                    incarnation=feed.incarnation,
+                    kv_seq=feed.seq,
                 ),
             )

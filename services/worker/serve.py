@@ -19,7 +19,7 @@ from services.common.naming import NameClient, make_member
 from services.common.pb import nameservice_pb2, worker_pb2_grpc
 from services.worker import metrics as worker_metrics
 from services.worker.config import build_llm
-from services.worker.kv_events import publish_events
+from services.worker.kv_events import KVEventFeed, publish_events
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,15 @@ async def serve_worker(
         model=llm.model,
         capacity=args.max_num_seqs,
         metrics_address=advertised(args, metrics_port),
+        member_id=args.worker_id,
     )
     bus = await Bus.connect(args.nats_url, member.id)
+    feed = KVEventFeed(llm, bus, member.id, args.namespace)
+    servicer.serve_snapshots(feed)
     names = NameClient(args.nameservice) if args.nameservice else None
     load_metrics = worker_metrics.worker(role, llm.model)
     load_metrics.kv_capacity(llm.stats().num_total_blocks, llm.block_size)
-    publisher = asyncio.create_task(
-        publish_events(llm, bus, member.id, args.namespace, load_metrics)
-    )
+    publisher = asyncio.create_task(publish_events(feed, args.namespace, load_metrics))
     background = asyncio.create_task(servicer.background(names))
     await server.start()
     await grpc_util.set_serving(health, "rtp.v1.Worker", True)
@@ -59,9 +60,10 @@ async def serve_worker(
         if names is not None:
             await names.register(member)
         log.info(
-            "worker ready role=%s id=%s address=%s pid=%d",
+            "worker ready role=%s id=%s incarnation=%d address=%s pid=%d",
             nameservice_pb2.Role.Name(role),
             member.id,
+            feed.incarnation,
             address,
             os.getpid(),
         )

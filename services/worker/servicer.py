@@ -1,5 +1,5 @@
-"""The base of every worker role's servicer: the Stats RPC, and engine refusals as gRPC
-statuses."""
+"""The base of every worker role's servicer: the Stats and Snapshot RPCs, and engine
+refusals as gRPC statuses."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from engine.scheduler import QueueFullError
 from services.common.naming import NameClient
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.drain import Drain
+from services.worker.kv_events import KVEventFeed
 
 
 class PeerUnavailableError(RuntimeError):
@@ -17,12 +18,26 @@ class PeerUnavailableError(RuntimeError):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Answers Stats (used by tests and operators to prove no blocks leak); a role adds its
+    """Answers Stats (used by tests and operators to prove no blocks leak) and Snapshot (the
+    master's index resync, once `serve_snapshots` gave it the event feed); a role adds its
     RPCs (the others answer UNIMPLEMENTED)."""
 
     def __init__(self, llm: AsyncLLM) -> None:
         self.llm = llm
         self.drain = Drain()  # a role's streaming RPCs go through drain.guard
+        self._feed: KVEventFeed | None = None
+
+    def serve_snapshots(self, feed: KVEventFeed) -> None:
+        """Answer Snapshot from `feed` (the member id it carries exists only after the
+        servicer, so this comes after construction)."""
+        self._feed = feed
+
+    async def Snapshot(
+        self, request: worker_pb2.KVSnapshotRequest, context
+    ) -> worker_pb2.KVSnapshot:
+        if self._feed is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not started yet")
+        return await self._feed.snapshot()
 
     async def background(self, names: NameClient | None) -> None:
         """Work a role runs beside its RPCs for the worker's lifetime (cancelled at exit)."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x65vents.proto\x12\x06rtp.v1\"\\\n\x08KVEvents\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08\"\x94\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x15\n\rqueued_tokens\x18\x06 \x01(\x04\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0f\n\x07unix_ms\x18\x08 \x01(\x03\x12\x14\n\x0cqueue_wait_s\x18\t \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0b \x01(\x01\x12\x17\n\x0fmax_num_waiting\x18\x0c \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x65vents.proto\x12\x06rtp.v1\"q\n\x08KVEvents\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\"\xb9\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x15\n\rqueued_tokens\x18\x06 \x01(\x04\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0f\n\x07unix_ms\x18\x08 \x01(\x03\x12\x14\n\x0cqueue_wait_s\x18\t \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0b \x01(\x01\x12\x17\n\x0fmax_num_waiting\x18\x0c \x01(\r\x12\x13\n\x0bincarnation\x18\r \x01(\x04\x12\x0e\n\x06kv_seq\x18\x0e \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVEVENTS']._serialized_start=24
-  _globals['_KVEVENTS']._serialized_end=116
-  _globals['_LOADREPORT']._serialized_start=119
-  _globals['_LOADREPORT']._serialized_end=395
+  _globals['_KVEVENTS']._serialized_end=137
+  _globals['_LOADREPORT']._serialized_start=140
+  _globals['_LOADREPORT']._serialized_end=453
 # @@protoc_insertion_point(module_scope)

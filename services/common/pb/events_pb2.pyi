@@ -7,21 +7,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVEvents(_message.Message):
-    __slots__ = ("worker_id", "seq", "stored", "removed", "cleared")
+    __slots__ = ("worker_id", "seq", "stored", "removed", "cleared", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     cleared: bool
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "incarnation", "kv_seq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +36,8 @@ class LoadReport(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    KV_SEQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -46,4 +50,6 @@ class LoadReport(_message.Message):
     prefill_tokens_per_s: float
     decode_step_s: float
     max_num_waiting: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., unix_ms: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    kv_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., unix_ms: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., incarnation: _Optional[int] = ..., kv_seq: _Optional[int] = ...) -> None: ...

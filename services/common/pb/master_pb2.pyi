@@ -36,3 +36,27 @@ class RoutePlan(_message.Message):
     policy: str
     reason: str
     def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class IndexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerIndex(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "seq", "state", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: int
+    seq: int
+    state: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class IndexReply(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerIndex]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerIndex, _Mapping]]] = ...) -> None: ...

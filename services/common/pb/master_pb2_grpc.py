@@ -39,6 +39,11 @@ class MasterStub:
                 request_serializer=master__pb2.RouteRequest.SerializeToString,
                 response_deserializer=master__pb2.RoutePlan.FromString,
                 _registered_method=True)
+        self.Index = channel.unary_unary(
+                '/rtp.v1.Master/Index',
+                request_serializer=master__pb2.IndexRequest.SerializeToString,
+                response_deserializer=master__pb2.IndexReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -50,6 +55,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Index(self, request, context):
+        """The prefix index as the master holds it now (operators and tests).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=master__pb2.RouteRequest.FromString,
                     response_serializer=master__pb2.RoutePlan.SerializeToString,
+            ),
+            'Index': grpc.unary_unary_rpc_method_handler(
+                    servicer.Index,
+                    request_deserializer=master__pb2.IndexRequest.FromString,
+                    response_serializer=master__pb2.IndexReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Master:
             '/rtp.v1.Master/Route',
             master__pb2.RouteRequest.SerializeToString,
             master__pb2.RoutePlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Index(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Master/Index',
+            master__pb2.IndexRequest.SerializeToString,
+            master__pb2.IndexReply.FromString,
             options,
             channel_credentials,
             insecure,

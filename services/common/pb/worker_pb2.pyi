@@ -108,3 +108,19 @@ class WorkerStats(_message.Message):
     cpu_isa: str
     linear_kernels: str
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., linear_kernels: _Optional[str] = ...) -> None: ...
+
+class KVSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVSnapshot(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "seq", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: int
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.WorkerStatsRequest.SerializeToString,
                 response_deserializer=worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/rtp.v1.Worker/Snapshot',
+                request_serializer=worker__pb2.KVSnapshotRequest.SerializeToString,
+                response_deserializer=worker__pb2.KVSnapshot.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -72,6 +77,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """The master resyncs its prefix index from this after a gap, a restart or an outage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=worker__pb2.WorkerStatsRequest.FromString,
                     response_serializer=worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=worker__pb2.KVSnapshotRequest.FromString,
+                    response_serializer=worker__pb2.KVSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class Worker:
             '/rtp.v1.Worker/Stats',
             worker__pb2.WorkerStatsRequest.SerializeToString,
             worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Worker/Snapshot',
+            worker__pb2.KVSnapshotRequest.SerializeToString,
+            worker__pb2.KVSnapshot.FromString,
             options,
             channel_credentials,
             insecure,
