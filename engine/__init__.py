@@ -16,9 +16,18 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
+    "StructuredOutputs": "engine.structured",
 }
 
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "StructuredOutputs",
+]
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -27,6 +36,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput
     from engine.sampling_params import SamplingParams
+    from engine.structured import StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,8 +23,9 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_rate import StepTimer
+from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
-from engine.validation import check_prompt, check_stop_token_ids
+from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,10 @@ class LLMEngine:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
         )
         self.step_timer = StepTimer()  # measured rates, for the workers' wait estimate
+        # Structured outputs: specs compiled for this model's tokenizer, cached by spec.
+        self.grammars = Grammars(
+            Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
+        )
 
     # -- requests --------------------------------------------------------------------------
     def make_request(
@@ -107,6 +113,15 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         check_prompt(token_ids, vocab, self.limits.max_model_len)
         check_stop_token_ids(params.stop_token_ids, vocab)
+        guide = None
+        if params.structured is not None:
+            resumed = params.structured.resume_tokens
+            if not 0 <= resumed < len(token_ids):
+                raise InvalidRequestError(
+                    f"resume_tokens {resumed} not below the prompt length", "structured_outputs"
+                )
+            made = token_ids[len(token_ids) - resumed :] if resumed else []
+            guide = self.grammars.guide(params.structured, made)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -117,6 +132,7 @@ class LLMEngine:
             block_hashes=block_hashes or [],
             export_kv_from=export_kv_from,
             remote_prefill=remote_prefill,
+            guide=guide,
         )
 
     def add_request(self, request: Request) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from engine.block_hash import BlockHash, block_hash_keys
 from engine.sampling_params import SamplingParams
+from engine.structured import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +73,9 @@ class Request:
     export_kv_from: int | None = None
     # PD decode side: the prompt is computed by another worker (see RequestStatus).
     remote_prefill: bool = False
+    # Structured output: the request's matcher (params.structured compiled); advanced with
+    # every token appended, it masks the logits and ends the request when its grammar does.
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,8 +1,14 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs,
+structured outputs.
 
 Greedy rows are decided by one batched argmax. Random rows draw from their own
 `torch.Generator` when seeded, so a seeded request samples the same tokens whatever else
-shares its batch. Logprobs are of the raw model distribution (before temperature/top-k/p).
+shares its batch. Logprobs are of the raw model distribution (before temperature/top-k/p and grammars).
+
+A row with a grammar (`Request.guide`) may only take the tokens its grammar allows next:
+the allowed sets of all such rows are computed together (one bitmask row each, filled in
+parallel off the GIL by engine/structured.py) and every other token's logit is set to -inf
+before greedy or random choice. Unconstrained rows in the same batch are not touched.
 """
 
 from __future__ import annotations
@@ -11,17 +17,19 @@ import torch
 
 from engine.outputs import SampledToken, TokenLogprobs
 from engine.request import Request
+from engine.structured import fill_bitmask
 
 
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
+        self._bits = torch.arange(32, dtype=torch.int32)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """logits [N, V] float32, one row per request that samples this step."""
         raw = logits
-        masked = self._mask_early_stops(logits, requests)
+        masked = self._mask_guided(self._mask_early_stops(logits, requests), requests)
         greedy = masked.argmax(dim=-1).tolist()
         out = []
         for i, request in enumerate(requests):
@@ -49,6 +57,23 @@ class Sampler:
             if banned:
                 logits[i, banned] = float("-inf")
         return logits
+
+    def _mask_guided(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Forbid every token a row's grammar does not allow next."""
+        rows = [i for i, r in enumerate(requests) if r.guide is not None]
+        if not rows:
+            return logits
+        vocab = logits.shape[-1]
+        words = (vocab + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        fill_bitmask([requests[i].guide for i in rows], bitmask.data_ptr(), words)
+        # bit t % 32 of word t // 32 says whether token t is allowed
+        allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)[:, :vocab]
+        index = torch.tensor(rows, device=logits.device)
+        forbidden = allowed.to(logits.device) == 0
+        masked = logits.clone()
+        masked[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        return masked
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:
         params = request.params

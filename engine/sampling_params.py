@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.structured import StructuredOutputs
 from engine.validation import InvalidRequestError
 
 
@@ -20,6 +21,8 @@ class SamplingParams:
     min_tokens: int = 0
     # Return the log-probability of each sampled token plus this many top alternatives.
     logprobs: int | None = None
+    # The output must match this grammar (JSON schema, regex, choice, ...): engine/structured.py.
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, message: str) -> InvalidRequestError:
@@ -43,6 +46,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise bad("structured", f"must be a StructuredOutputs, got {self.structured!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative integers: {self.stop_token_ids}")
         # Tuples keep the object hashable and immutable even if a list was passed.

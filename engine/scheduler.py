@@ -9,16 +9,22 @@ a prefix hit starts `num_computed_tokens` above zero, and preemption resets it t
 A PD decode request (`remote_prefill`) queues like any other; admitted, it takes blocks for
 its whole prompt and waits in WAITING_FOR_REMOTE_KV (counted as running, never computed or
 preempted) until `kv_arrived` hands it the prefill worker's first token.
+
+A request with a grammar (`Request.guide`) advances it with every token appended here,
+the first token from a prefill worker included, and stops when the grammar is complete.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import SampledToken
 from engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,9 +244,21 @@ class Scheduler:
         # Same order as vLLM: a token that reaches the length limit reports "length" even if
         # it is also a stop token.
         params = request.params
+        guide = request.guide
+        if guide is not None and not guide.accept(token_id):
+            # Only a token sampled without this grammar gets here (a peer that ignored it).
+            log.error(
+                "request %s: token %d breaks its grammar (%s); aborting it",
+                request.request_id,
+                token_id,
+                guide.error,
+            )
+            return RequestStatus.FINISHED_ABORTED
         n_out = request.num_output_tokens
         if n_out >= params.max_tokens or len(request.token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if guide is not None and guide.done:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if n_out < params.min_tokens:
             return None
         if not params.ignore_eos and token_id in self.eos_token_ids:

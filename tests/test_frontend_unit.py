@@ -144,7 +144,8 @@ def test_invalid_chat_parameters(tiny, body: dict, param: str) -> None:
     [
         ("/v1/completions", completion(foo=1), "foo"),
         ("/v1/chat/completions", chat(foo=1), "foo"),
-        ("/v1/completions", completion(response_format={"type": "json_object"}), "response_format"),
+        ("/v1/completions", completion(response_format={"type": "xml"}), "response_format.type"),
+        ("/v1/chat/completions", chat(guided_decoding_backend="x"), "guided_decoding_backend"),
         ("/v1/chat/completions", chat(presence_penalty=0.5), "presence_penalty"),
         ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "x": 1}]), None),
     ],

@@ -1,5 +1,5 @@
-"""Protobuf <-> engine conversions for sampling parameters and logprobs: the one mapping of
-each (torch-free)."""
+"""Protobuf <-> engine conversions for sampling parameters, structured-output specs and
+logprobs: the one mapping of each (torch-free)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from services.common.pb import common_pb2
+from engine.structured import GuideKind, StructuredOutputs
+from services.common.pb import common_pb2, worker_pb2
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -43,9 +44,50 @@ def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
     }
 
 
-def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError (naming the field) for invalid parameters."""
-    return SamplingParams(**params_fields_from_pb(msg))
+def params_from_pb(
+    msg: common_pb2.SamplingParams, structured: worker_pb2.StructuredOutput | None = None
+) -> SamplingParams:
+    """Raises ValueError (naming the field) for invalid parameters. `structured`: the
+    request's grammar (a message field that is unset reads as None)."""
+    return SamplingParams(**params_fields_from_pb(msg), structured=structured_from_pb(structured))
+
+
+def structured_to_pb(so: StructuredOutputs | None) -> worker_pb2.StructuredOutput | None:
+    if so is None:
+        return None
+    msg = worker_pb2.StructuredOutput(resume_tokens=so.resume_tokens)
+    match so.kind:
+        case GuideKind.JSON:
+            msg.json_schema = so.spec
+        case GuideKind.JSON_OBJECT:
+            msg.json_object = True
+        case GuideKind.REGEX:
+            msg.regex = so.spec
+        case GuideKind.CHOICE:
+            msg.choice.choices.extend(so.choices)
+        case GuideKind.GRAMMAR:
+            msg.grammar = so.spec
+    return msg
+
+
+def structured_from_pb(msg: worker_pb2.StructuredOutput | None) -> StructuredOutputs | None:
+    """None for no message, or a message with no kind set (an unset field)."""
+    kind = None if msg is None else msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    resume = msg.resume_tokens
+    match kind:
+        case "json_schema":
+            return StructuredOutputs(GuideKind.JSON, msg.json_schema, resume_tokens=resume)
+        case "json_object":
+            return StructuredOutputs(GuideKind.JSON_OBJECT, resume_tokens=resume)
+        case "regex":
+            return StructuredOutputs(GuideKind.REGEX, msg.regex, resume_tokens=resume)
+        case "choice":
+            choices = tuple(msg.choice.choices)
+            return StructuredOutputs(GuideKind.CHOICE, choices=choices, resume_tokens=resume)
+        case _:
+            return StructuredOutputs(GuideKind.GRAMMAR, msg.grammar, resume_tokens=resume)
 
 
 def logprob_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:

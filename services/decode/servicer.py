@@ -73,7 +73,7 @@ class DecodeServicer(WorkerServicer):
         prompt = list(request.prompt_token_ids)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
-            params = params_from_pb(request.params)
+            params = params_from_pb(request.params, request.structured)
             # Hashed once here; the engine and the prefill worker reuse these keys.
             hashes = block_hash_keys(prompt, self.block_size, self.llm.cache_salt)
             if request.block_hashes and list(request.block_hashes) != hashes:
@@ -145,6 +145,7 @@ class DecodeServicer(WorkerServicer):
                     priority=request.priority,
                     skip_blocks=cached // self.block_size,
                     block_hashes=hashes,
+                    structured=request.structured if request.HasField("structured") else None,
                 ),
                 timeout=context.time_remaining(),
             )

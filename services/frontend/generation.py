@@ -154,6 +154,7 @@ class Generator:
                 priority=inp.priority,
                 prefill_address=route.prefill_address,
                 block_hashes=hashes,
+                structured=_resumed(inp.structured, len(produced)),
             )
             stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
             left = inp.remaining()
@@ -262,6 +263,18 @@ class Generator:
 
 def _passed(remaining: float | None) -> bool:
     return remaining is not None and remaining <= 0
+
+
+def _resumed(
+    structured: worker_pb2.StructuredOutput | None, done: int
+) -> worker_pb2.StructuredOutput | None:
+    """The grammar of a sequence resumed after `done` output tokens (now in its prompt)."""
+    if structured is None or done == 0:
+        return structured
+    rest = worker_pb2.StructuredOutput()
+    rest.CopyFrom(structured)
+    rest.resume_tokens = structured.resume_tokens + done
+    return rest
 
 
 def _continued(params: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
+from engine.validation import InvalidRequestError
 from services.common import tracing
-from services.common.convert import params_fields_from_pb
+from services.common.convert import params_fields_from_pb, structured_from_pb
 from services.common.pb import frontend_pb2, frontend_pb2_grpc
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.generation import Generator
@@ -27,8 +28,15 @@ def options_from_pb(
     `timeout`: what is left of the caller's gRPC deadline (the workers give up with it)."""
     sampling = params_fields_from_pb(request.params)
     sampling["max_tokens"] = sampling["max_tokens"] or None
+    structured = structured_from_pb(request.structured)
+    if structured is not None:
+        try:
+            structured.validate("structured")
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), exc.param) from None
     return Options(
         **sampling,
+        structured=structured,
         stop=tuple(request.stop),
         session_id=request.session_id,
         priority=request.priority,

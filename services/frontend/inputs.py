@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputs
 from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
-from services.common.convert import params_to_pb
-from services.common.pb import common_pb2
+from services.common.convert import params_to_pb, structured_to_pb
+from services.common.pb import common_pb2, worker_pb2
 from services.frontend.errors import invalid
 from services.frontend.model_info import ModelInfo
 
@@ -33,6 +34,7 @@ class Options:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
+    structured: StructuredOutputs | None = None  # validated by the ingress
     n: int = 1
     session_id: str = ""
     priority: int = 0
@@ -46,6 +48,7 @@ class GenerateInput:
     request_id: str
     prompt_token_ids: list[int]
     params: common_pb2.SamplingParams
+    structured: worker_pb2.StructuredOutput | None = None
     stop: tuple[str, ...] = ()
     session_id: str = ""
     priority: int = 0
@@ -111,6 +114,7 @@ def prepare(
                 rid,
                 list(prompt_ids),
                 params_to_pb(p),
+                structured_to_pb(p.structured),
                 opts.stop,
                 opts.session_id,
                 opts.priority,

@@ -11,10 +11,20 @@ is a known OpenAI field it does not implement, unless it is given its no-op valu
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from engine.structured import StructuredOutputs
+from engine.validation import InvalidRequestError
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.inputs import Options
 
@@ -68,6 +78,49 @@ class ChatMessage(_Strict):
         raise ValueError("content must be a string or a list of parts")
 
 
+JsonSchemaObject = Annotated[
+    dict[str, Any], Field(description="A JSON schema (draft 2020-12 subset, as llguidance takes)")
+]
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: OpenAI's structured outputs."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: JsonSchemaObject = Field(default_factory=dict, alias="schema")
+    strict: bool | None = Field(
+        None, description="Accepted either way: every output is made to match the schema"
+    )
+
+
+class ResponseFormat(_Strict):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is required with type json_schema only")
+        return self
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs`: exactly one of its fields."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    json_: JsonSchemaObject | str | None = Field(
+        None, alias="json", description="A JSON schema (an object, or its JSON text)"
+    )
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, description="A Lark (llguidance dialect) or GBNF grammar")
+
+
 class _GenerationRequest(_Strict):
     """What both endpoints take."""
 
@@ -88,20 +141,32 @@ class _GenerationRequest(_Strict):
     priority: int = 0  # lower runs first
     session_id: str | None = None  # affinity key for routing (default: `user`)
     timeout: Timeout | None = None
+    # Structured outputs (engine/structured.py): at most one of these per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: JsonSchemaObject | str | None = Field(
+        None, description="vLLM's older extra: a JSON schema (an object, or its JSON text)"
+    )
+    guided_regex: str | None = Field(None, description="vLLM's older extra: a regex")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="vLLM's older extra: the output is one of these strings"
+    )
+    guided_grammar: str | None = Field(
+        None, description="vLLM's older extra: a Lark (llguidance dialect) or GBNF grammar"
+    )
     # OpenAI fields not implemented: allowed only with their no-op value (see _refuse).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    _spec: StructuredOutputs | None = PrivateAttr(None)
 
     NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
         "frequency_penalty": (0, 0.0),
         "presence_penalty": (0, 0.0),
         "logit_bias": ({},),
-        "response_format": ({"type": "text"},),
         "tools": ([],),
         "tool_choice": ("none",),
         "parallel_tool_calls": (True, False),
@@ -130,6 +195,62 @@ class _GenerationRequest(_Strict):
                 raise invalid(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        self._spec = self._structured()  # validated here, once
+
+    def _structured(self) -> StructuredOutputs | None:
+        """The request's one constraint on its output, validated (400 naming the field)."""
+        asked = [(param, spec) for param, spec in self._structured_fields() if spec is not None]
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise invalid(
+                f"{asked[1][0]}: only one structured output constraint per request "
+                f"({asked[0][0]} is set too)",
+                asked[1][0],
+            )
+        param, spec = asked[0]
+        try:
+            spec.validate(param)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), exc.param) from None
+        return spec
+
+    def _structured_fields(self) -> list[tuple[str, StructuredOutputs | None]]:
+        fields: list[tuple[str, StructuredOutputs | None]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            fields.append(("response_format", StructuredOutputs.json_object()))
+        elif fmt is not None and fmt.json_schema is not None:
+            spec = StructuredOutputs.json(fmt.json_schema.schema_)
+            fields.append(("response_format.json_schema.schema", spec))
+        so = self.structured_outputs
+        if so is not None:
+            given = [
+                (name, value)
+                for name, value in (
+                    ("json", so.json_),
+                    ("json_object", so.json_object or None),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                )
+                if value is not None
+            ]
+            if len(given) != 1:
+                raise invalid(
+                    "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                    f"grammar (got {', '.join(n for n, _ in given) or 'none'})",
+                    "structured_outputs",
+                )
+            name, value = given[0]
+            fields.append((f"structured_outputs.{name}", _spec(name, value)))
+        fields += [
+            ("guided_json", None if self.guided_json is None else _spec("json", self.guided_json)),
+            ("guided_regex", _spec("regex", self.guided_regex)),
+            ("guided_choice", _spec("choice", self.guided_choice)),
+            ("guided_grammar", _spec("grammar", self.guided_grammar)),
+        ]
+        return fields
 
     def _options(self, max_tokens: int | None, logprobs: int | None) -> Options:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -144,6 +265,7 @@ class _GenerationRequest(_Strict):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            structured=self._spec,
             n=self.n,
             session_id=self.session_id or self.user or "",
             priority=self.priority,
@@ -222,6 +344,21 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+
+
+def _spec(kind: str, value: Any) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    match kind:
+        case "json":
+            return StructuredOutputs.json(value)
+        case "json_object":
+            return StructuredOutputs.json_object()
+        case "regex":
+            return StructuredOutputs.regex(value)
+        case "choice":
+            return StructuredOutputs.choice(value)
+    return StructuredOutputs.grammar(value)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

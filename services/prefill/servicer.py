@@ -46,8 +46,9 @@ class PrefillServicer(WorkerServicer):
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
             hashes = self._prompt_keys(prompt, list(request.block_hashes))
-            params = params_from_pb(request.params)
-            # Only the first token is sampled here; the decode side applies every stop rule.
+            params = params_from_pb(request.params, request.structured)
+            # Only the first token is sampled here (under the request's grammar, if any); the
+            # decode side applies every stop rule and advances its own grammar past it.
             first_params = dataclasses.replace(
                 params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
             )

@@ -1,4 +1,5 @@
 from services.common.pb import common_pb2 as _common_pb2
+from services.common.pb import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FrontendGenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "params", "stop", "session_id", "priority")
+    __slots__ = ("text", "token_ids", "params", "stop", "session_id", "priority", "structured")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     params: _common_pb2.SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
     priority: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    structured: _worker_pb2.StructuredOutput
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[_worker_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
