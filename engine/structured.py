@@ -99,7 +99,7 @@ class StructuredOutputs:
         try:
             grammar = self.to_grammar()
         except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc), param) from None
+            raise InvalidRequestError(f"{param}: {exc}", param) from None
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
             raise InvalidRequestError(f"{param}: {error.strip()}", param)

@@ -33,7 +33,8 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("bool", {"type": "boolean"}),
     ("int-bounds", {"type": "integer", "minimum": 10, "maximum": 99}),
-    ("number-bounds", {"type": "number", "minimum": -1.5, "maximum": 2.5}),
+    # multipleOf bounds the digits too: unbounded, a small model may write 1.1000000...
+    ("number-bounds", {"type": "number", "minimum": -1.5, "maximum": 2.5, "multipleOf": 0.25}),
     ("zip", {"type": "string", "pattern": "^[0-9]{5}$"}),
     ("enum-string", {"type": "string", "enum": ["yes", "no", "maybe"]}),
     (
@@ -74,7 +75,10 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("const", {"const": "ok"}),
-    ("null-or-int", {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0}]}),
+    (
+        "null-or-int",
+        {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0, "maximum": 999}]},
+    ),
     (
         "tags",
         {
@@ -119,7 +123,7 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
             "minItems": 2,
         },
     ),
-    ("percent", {"type": "number", "minimum": 0, "maximum": 100}),
+    ("percent", {"type": "number", "exclusiveMinimum": 0, "maximum": 100, "multipleOf": 0.5}),
     (
         "item",
         {
