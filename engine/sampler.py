@@ -3,7 +3,8 @@ structured outputs.
 
 Greedy rows are decided by one batched argmax. Random rows draw from their own
 `torch.Generator` when seeded, so a seeded request samples the same tokens whatever else
-shares its batch. Logprobs are of the raw model distribution (before temperature/top-k/p and grammars).
+shares its batch. Logprobs are of the raw model distribution (before temperature/top-k/p
+and grammars).
 
 A row with a grammar (`Request.guide`) may only take the tokens its grammar allows next:
 the allowed sets of all such rows are computed together (one bitmask row each, filled in
