@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.block_hash import BlockHash, cache_salt
-from engine.block_pool import BlockPool, KVEvent
+from engine.block_pool import BlockPool, KVBlock, KVEvent
 from engine.config import EngineConfig, KVLayout, ModelConfig
 from engine.dtypes import kv_numerics
 from engine.host_tier import HostTier, HostTierStats
@@ -224,7 +224,9 @@ class LLMEngine:
         if found:
             self._adopt(rest[: len(found)], found, protect=held)
 
-    def _adopt(self, block_hashes: list[bytes], parts: list[PromptKV], protect: list) -> int:
+    def _adopt(
+        self, block_hashes: list[bytes], parts: list[PromptKV], protect: list[KVBlock]
+    ) -> int:
         """Write one block of KV per key into free blocks and cache them. `protect` (device
         blocks of the same prefix) and the blocks written so far are referenced meanwhile, so
         making room never evicts them; all are released tail first, as a request frees."""
@@ -245,7 +247,7 @@ class LLMEngine:
             self.pool.free(reversed(held))
         return adopted
 
-    def _spill(self, block) -> None:
+    def _spill(self, block: KVBlock) -> None:
         """The pool is about to reuse a cached block: keep its KV in the host tier."""
         assert self.host is not None and block.block_hash is not None
         kv = self.runner.read_kv([block.block_id], 0, self.config.block_size)

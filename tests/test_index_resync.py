@@ -271,7 +271,8 @@ def test_nats_restart_under_traffic(model, tmp_path: Path):
                 await converged(master, workers)
                 buses = [master.bus, *(w.bus for w in workers)]
                 async with traffic.running():
-                    await asyncio.sleep(0.5)
+                    sent = traffic.sent
+                    await eventually(lambda: traffic.sent >= sent + 3, 30, "traffic before")
                     servers[0].stop()  # every batch from here on is lost
                     sent = traffic.sent
                     await eventually(lambda: traffic.sent >= sent + 6, 30, "traffic in outage")
