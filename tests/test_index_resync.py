@@ -86,13 +86,15 @@ class Master:
     @classmethod
     async def start(cls, nats_url: str, workers: list[Worker]) -> Master:
         view = ClusterView()
+        # Membership first, as the nameservice Watch's snapshot: a batch that arrived before
+        # it would make a worker "joined" instead of "startup", at random under traffic.
+        for w in workers:
+            view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=w.member))
+        view.end_snapshot()
         bus = await Bus.connect(nats_url, "master")
         await view.subscribe(bus)
         fetch = SnapshotClient(timeout_s=2.0)
         resync = asyncio.create_task(view.resync_forever(fetch))
-        for w in workers:  # as a nameservice Watch starts: a snapshot of the members
-            view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=w.member))
-        view.end_snapshot()
         return cls(view, bus, fetch, resync)
 
     def index(self) -> dict[str, set[bytes]]:
