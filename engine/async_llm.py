@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 from engine.block_hash import BlockHash
 from engine.block_pool import KVEvent
 from engine.config import EngineConfig, KVLayout
+from engine.cost_model import CostModel, StepCost
 from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
 from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
-from engine.step_rate import StepRate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -191,9 +191,19 @@ class AsyncLLM:
         """The snapshot taken after the latest step (no locking needed to read it)."""
         return self._stats
 
-    def step_rate(self) -> StepRate:
-        """The rates measured over the recent steps (an immutable snapshot)."""
-        return self.engine.step_timer.rate
+    def step_cost(self) -> StepCost:
+        """The step-time model fitted over the recent steps (an immutable snapshot)."""
+        return self.engine.costs.step()
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block (what a tier fetch moves per block)."""
+        return self.engine.limits.bytes_per_block
+
+    @property
+    def costs(self) -> CostModel:
+        """The engine's fitted step and fetch times (thread-safe)."""
+        return self.engine.costs
 
     def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests end with EngineStoppedError."""

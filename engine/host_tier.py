@@ -34,11 +34,6 @@ class HostTierStats:
     evicted: int  # blocks dropped for capacity
 
 
-def _nbytes(kv: PromptKV) -> int:
-    tensors = (kv.k, kv.v, kv.k_scale, kv.v_scale)
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 class HostTier:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -53,7 +48,7 @@ class HostTier:
 
     def put(self, block_hash: BlockHash, kv: PromptKV) -> None:
         """Keep one block's KV (a copy the caller no longer writes), most recent last."""
-        size = _nbytes(kv)
+        size = kv.nbytes
         if size > self.capacity_bytes:
             return
         if block_hash in self._blocks:
@@ -61,7 +56,7 @@ class HostTier:
             return
         while self._used + size > self.capacity_bytes:
             _, old = self._blocks.popitem(last=False)
-            self._used -= _nbytes(old)
+            self._used -= old.nbytes
             self._evicted += 1
         self._blocks[block_hash] = kv
         self._used += size
@@ -92,6 +87,6 @@ class HostTier:
         )
 
     def check_integrity(self) -> None:
-        used = sum(_nbytes(kv) for kv in self._blocks.values())
+        used = sum(kv.nbytes for kv in self._blocks.values())
         assert used == self._used, f"host tier counts {self._used} bytes, holds {used}"
         assert used <= self.capacity_bytes, "host tier over capacity"

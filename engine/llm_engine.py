@@ -13,6 +13,7 @@ import torch
 from engine.block_hash import BlockHash, cache_salt
 from engine.block_pool import BlockPool, KVBlock, KVEvent
 from engine.config import EngineConfig, KVLayout, ModelConfig
+from engine.cost_model import TIER_HOST, CostModel
 from engine.dtypes import kv_numerics
 from engine.host_tier import HostTier, HostTierStats
 from engine.kv_cache_manager import KVCacheManager
@@ -22,7 +23,6 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_rate import StepTimer
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
@@ -85,7 +85,8 @@ class LLMEngine:
         self.kv_layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
         )
-        self.step_timer = StepTimer()  # measured rates, for the workers' wait estimate
+        # Fitted step and fetch times: the wait estimate here, the master's predictions.
+        self.costs = CostModel(config.max_num_batched_tokens)
         # Structured outputs: specs compiled for this model's tokenizer, cached by spec.
         self.grammars = Grammars(
             Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
@@ -176,7 +177,7 @@ class LLMEngine:
             if r.export_kv_from is not None
         }
         outputs += [_delta(r, sampled[r.request_id], exports.get(r.request_id)) for r in advanced]
-        self.step_timer.observe(time.perf_counter() - started, prompt, decode)
+        self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV:
@@ -220,9 +221,12 @@ class LLMEngine:
                 break
             held.append(block)
         rest = block_hashes[len(held) :]
+        started = time.perf_counter()
         found = self.host.lookup(rest)
         if found:
             self._adopt(rest[: len(found)], found, protect=held)
+            seconds = time.perf_counter() - started
+            self.costs.observe_fetch(TIER_HOST, seconds, sum(p.nbytes for p in found))
 
     def _adopt(
         self, block_hashes: list[bytes], parts: list[PromptKV], protect: list[KVBlock]

@@ -84,8 +84,42 @@ class KVEventFeed:
         await self.bus.publish(self._subject, msg)
 
 
+def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_pb2.LoadReport:
+    """The worker's load now, with its fitted cost model (what the master predicts with)."""
+    s, cost = llm.stats(), llm.step_cost()
+    return events_pb2.LoadReport(
+        worker_id=feed.worker_id,
+        num_waiting=s.num_waiting,
+        num_running=s.num_running,
+        free_blocks=s.num_free_blocks,
+        total_blocks=s.num_total_blocks,
+        queued_tokens=s.num_queued_tokens,
+        block_size=llm.block_size,
+        unix_ms=int(time.time() * 1000),
+        queue_wait_s=cost.queue_wait_s(s.num_queued_tokens, s.num_running),
+        prefill_tokens_per_s=cost.prefill_tokens_per_s,
+        decode_step_s=cost.step_s(0, max(1, s.num_running)) if cost.fitted else 0.0,
+        max_num_waiting=llm.max_num_waiting,
+        incarnation=feed.incarnation,
+        kv_seq=feed.seq,
+        step_fixed_s=cost.fixed_s,
+        step_token_s=cost.token_s,
+        step_row_s=cost.row_s,
+        step_token_budget=cost.token_budget,
+        fetch_costs=[
+            events_pb2.TierFetchCost(tier=tier, fixed_s=c.fixed_s, byte_s=c.byte_s)
+            for tier, c in llm.costs.fetch().items()
+        ],
+        kv_block_bytes=llm.kv_block_bytes,
+        remote_tier=remote_tier,
+    )
+
+
 async def publish_events(
-    feed: KVEventFeed, namespace: str, load_metrics: WorkerMetrics | None = None
+    feed: KVEventFeed,
+    namespace: str,
+    load_metrics: WorkerMetrics | None = None,
+    remote_tier: bool = False,
 ) -> None:
     """Forward the engine's stored/removed block events and load until cancelled; the load
     also goes to `load_metrics` (the Prometheus gauges)."""
@@ -98,31 +132,13 @@ async def publish_events(
         now = time.monotonic()
         if now - last_load >= LOAD_INTERVAL_S:
             last_load = now
-            s, rate = llm.stats(), llm.step_rate()
-            wait_s = rate.queue_wait_s(s.num_queued_tokens, s.num_running)
+            report = load_report(llm, feed, remote_tier)
             if load_metrics is not None:
                 load_metrics.load(
-                    s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks
-                )
-                load_metrics.wait(wait_s, rate.prefill_tokens_per_s)
-                load_metrics.host_tier(s.host_tier)
+                    report.num_running, report.num_waiting, report.free_blocks,
+                    report.total_blocks,
+                )  # fmt: skip
+                load_metrics.wait(report.queue_wait_s, report.prefill_tokens_per_s)
+                load_metrics.host_tier(llm.stats().host_tier)
             # Published after the batch it names, on the same connection: NATS keeps the order.
-            await bus.publish(
-                load_subject,
-                events_pb2.LoadReport(
-                    worker_id=feed.worker_id,
-                    num_waiting=s.num_waiting,
-                    num_running=s.num_running,
-                    free_blocks=s.num_free_blocks,
-                    total_blocks=s.num_total_blocks,
-                    queued_tokens=s.num_queued_tokens,
-                    block_size=llm.block_size,
-                    unix_ms=int(time.time() * 1000),
-                    queue_wait_s=wait_s,
-                    prefill_tokens_per_s=rate.prefill_tokens_per_s,
-                    decode_step_s=rate.decode_step_s,
-                    max_num_waiting=llm.max_num_waiting,
-                    incarnation=feed.incarnation,
-                    kv_seq=feed.seq,
-                ),
-            )
+            await bus.publish(load_subject, report)
