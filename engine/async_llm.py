@@ -175,13 +175,13 @@ class AsyncLLM:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
         return await self.call(lambda engine: engine.take_kv_events())
 
-    async def kv_snapshot(self) -> tuple[list[KVEvent], list[BlockHash]]:
-        """The pending events (as take_kv_events) and every hash the prefix cache holds
-        after them, taken together between steps: the hashes are exactly what applying all
-        events taken so far gives."""
-        return await self.call(
-            lambda engine: (engine.take_kv_events(), engine.pool.cached_hashes())
-        )
+    async def kv_snapshot(
+        self,
+    ) -> tuple[list[KVEvent], tuple[list[BlockHash], list[BlockHash]]]:
+        """The pending events (as take_kv_events) and every hash the device pool and the
+        host tier hold after them, taken together between steps: the hashes are exactly
+        what applying all events taken so far gives."""
+        return await self.call(lambda engine: (engine.take_kv_events(), engine.cached_hashes()))
 
     async def check(self) -> EngineCheck:
         """Stats, held blocks and the integrity check, taken between steps."""

@@ -61,7 +61,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(self.model_config, config, self.limits)
         # T1 below the device pool: blocks evicted from it spill there (engine/host_tier.py).
-        self.host = HostTier(config.host_kv_cache_bytes) if config.host_kv_cache_bytes else None
+        self.host = (
+            HostTier(config.host_kv_cache_bytes, record_events=record_kv_events)
+            if config.host_kv_cache_bytes
+            else None
+        )
         self.pool = BlockPool(
             self.limits.num_kv_blocks,
             record_events=record_kv_events,
@@ -301,8 +305,14 @@ class LLMEngine:
         )
 
     def take_kv_events(self) -> list[KVEvent]:
-        """Blocks stored in / removed from the prefix cache since the previous call."""
-        return self.pool.take_events()
+        """Blocks stored in / removed from the prefix cache (each event names its tier:
+        the device pool or the host tier) since the previous call."""
+        host = self.host.take_events() if self.host is not None else []
+        return self.pool.take_events() + host
+
+    def cached_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Every hash the device pool's prefix cache holds, and every one the host tier does."""
+        return self.pool.cached_hashes(), self.host.hashes() if self.host is not None else []
 
     def check(self) -> EngineCheck:
         error = ""

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from engine.async_llm import AsyncLLM
-from engine.block_pool import KVEvent, KVEventKind
+from engine.block_pool import KVEvent, KVEventKind, KVTier
 from services.common import subjects
 from services.common.bus import Bus
 from services.common.pb import events_pb2, worker_pb2
@@ -59,27 +59,35 @@ class KVEventFeed:
     async def snapshot(self) -> worker_pb2.KVSnapshot:
         """Every hash held now, and the batch number it is consistent with."""
         async with self._lock:
-            events, hashes = await self.llm.kv_snapshot()
+            events, (device, host) = await self.llm.kv_snapshot()
             await self._publish(events)  # its batch number is the snapshot's: covered
             return worker_pb2.KVSnapshot(
                 worker_id=self.worker_id,
                 incarnation=self.incarnation,
                 seq=self.seq,
-                block_hashes=hashes,
+                block_hashes=device,
+                host_block_hashes=host,
             )
 
     async def _publish(self, events: Sequence[KVEvent]) -> None:
         if not events:
             return
-        # Net the batch: only each hash's last event counts (stored then evicted = gone).
-        last = {event.block_hash: event.kind for event in events}
+        # Net the batch: only each hash's last event in each tier counts (stored then
+        # evicted = gone).
+        last = {(event.tier, event.block_hash): event.kind for event in events}
+
+        def hashes(tier: KVTier, kind: KVEventKind) -> list[bytes]:
+            return [h for (t, h), k in last.items() if t == tier and k == kind]
+
         self.seq += 1
         msg = events_pb2.KVEvents(
             worker_id=self.worker_id,
             seq=self.seq,
             incarnation=self.incarnation,
-            stored=[h for h, kind in last.items() if kind == KVEventKind.STORED],
-            removed=[h for h, kind in last.items() if kind == KVEventKind.REMOVED],
+            stored=hashes(KVTier.DEVICE, KVEventKind.STORED),
+            removed=hashes(KVTier.DEVICE, KVEventKind.REMOVED),
+            host_stored=hashes(KVTier.HOST, KVEventKind.STORED),
+            host_removed=hashes(KVTier.HOST, KVEventKind.REMOVED),
         )
         await self.bus.publish(self._subject, msg)
 
