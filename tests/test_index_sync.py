@@ -78,6 +78,30 @@ def test_startup_snapshot_then_buffered_batches_replay_in_order():
     assert not s.sync.snapshot(due, snap(9, [H[9]]))  # a late second reply: not awaited
 
 
+def test_host_tier_entries_follow_the_same_stream_and_snapshots():
+    s = Script()
+    s.sync.track("a", ResyncReason.STARTUP)
+    due = s.one_due()
+    # Batch 4 (covered by the snapshot) and batch 5: the pool evicts H[1] into the host tier.
+    assert s.sync.events(ev(4, stored=[H[0], H[1]]))
+    batch = ev(5, removed=[H[1]])
+    batch.host_stored.append(H[1])
+    assert s.sync.events(batch)
+    snapshot = snap(4, [H[0], H[1]])
+    snapshot.host_block_hashes.append(H[7])
+    assert s.sync.snapshot(due, snapshot)
+    assert s.held() == {H[0]} and s.index.host.hashes("a") == {H[1], H[7]}
+    # The host tier drops H[7]; a restart clears both tiers at once.
+    batch = ev(6)
+    batch.host_removed.append(H[7])
+    assert s.sync.events(batch) and s.index.host.hashes("a") == {H[1]}
+    assert s.sync.events(ev(1, inc=9, stored=[H[5]]))
+    assert s.held() == {H[5]} and s.index.host.hashes("a") == set()
+    assert s.index.workers() == ["a"]
+    s.index.drop_worker("a")
+    assert s.index.workers() == [] and s.index.host.workers() == []
+
+
 def test_batch_one_of_a_fresh_worker_needs_no_snapshot():
     s = Script()
     s.sync.track("a", ResyncReason.JOINED)

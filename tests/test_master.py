@@ -271,6 +271,26 @@ def test_cached_but_busy_loses_to_idle_but_cold_that_fetches():
     assert route(CacheAware(), view).prefill.id == "p2"
 
 
+def test_host_tier_blocks_cost_their_copy_up():
+    # p1's pool holds 2 blocks of the prompt and its host tier the next 4 (copy-up 0.5 ms a
+    # block): 6 blocks for 2 ms + 4 tokens; p2's pool holds 5 blocks: 20 tokens, 20 ms.
+    host = [events_pb2.TierFetchCost(tier="host", fixed_s=0.0, byte_s=0.5e-3)]
+    loads = [fitted("p1", fetch_costs=host, kv_block_bytes=1), fitted("p2"), fitted("p3")]
+    view = cluster(*PD3, cached=CACHED, loads=loads)
+    batch = kv("p1", stored=[])
+    batch.host_stored.extend(H[2:6])
+    assert view.apply_kv_events(batch) and view.index.host.hashes("p1") == set(H[2:6])
+    plan = route(CacheAware(), view)
+    assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)
+    assert plan.predicted_ttft_s == pytest.approx(0.006)
+    assert "fetch 2.0 of 4 blocks" in plan.reason
+    # Untimed, the copy-up earns nothing: p2's 20 tokens beat p1's 68.
+    loads = [fitted("p1"), fitted("p2"), fitted("p3")]
+    view = cluster(*PD3, cached=CACHED, loads=loads)
+    assert view.apply_kv_events(batch)
+    assert route(CacheAware(), view).prefill.id == "p2"
+
+
 def test_hot_prefix_spreads_once_its_holder_is_the_slower_answer():
     # A burst of one hot prompt: each pick is charged to its worker, so the holder wins
     # until its queue outweighs the others' fetch + 4 tokens, then the burst spreads.

@@ -9,15 +9,17 @@ each term with the candidate's own coefficients, fitted online from its measurem
 published in its LoadReport (engine/cost_model.py: StepCost, FetchCost). Where each leading
 prompt block comes from, for candidate w:
 
-    prompt blocks   [ 0 .. local )    [ local .. reachable )       [ reachable .. )
-    source          w's pool (T0)     the remote tier (T2/T3)     computed on w
-    cost            0                 w's "remote" fetch fit       w's step fit
+    prompt blocks  [ 0 .. local )  [ .. + host )      [ .. reachable )         [ reachable .. )
+    source         w's pool (T0)   w's host tier (T1)  the remote tier (T2/T3)  computed on w
+    cost           0               w's "host" fit      w's "remote" fit         w's step fit
 
-`local` is w's match in the prefix index; `reachable` is the longest match of any pool in
-the cluster, when w reads the remote tier: every prefill and fused worker writes the blocks
-it computes back to the cache service, so a block some pool holds is one the remote tier
-was given. The cache service publishes no index of its own yet, so blocks only it still
-holds count as computed (an overestimate, never an underestimate, of the cold worker's cost).
+`local` is w's match in the prefix index, `host` the match of w's host tier after it (the
+index holds both tiers of every worker); `reachable` is the longest match of any worker's
+pool and host tier together, when w reads the remote tier: every prefill and fused worker
+writes the blocks it computes back to the cache service, so a block some worker holds is one
+the remote tier was given. The cache service publishes no index of its own yet, so blocks
+only it still holds count as computed (an overestimate, never an underestimate, of the cold
+worker's cost).
 
 A worker whose step model is not fitted yet borrows the mean coefficients of those that are;
 when none is, costs are in tokens (token_s = 1) and say so. An unfitted fetch costs what
@@ -29,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.cost_model import TIER_REMOTE, FetchCost, StepCost
+from engine.cost_model import TIER_HOST, TIER_REMOTE, FetchCost, StepCost
 from services.common.pb import events_pb2
 
 # Costs when no candidate has a fitted model: one unit per token computed.
@@ -92,33 +94,42 @@ def predict(
     num_prompt_tokens: int,
     block_size: int,
     local_blocks: int,
-    reachable_blocks: int,
+    host_blocks: int = 0,
+    reachable_blocks: int = 0,
 ) -> Prediction:
     """Time to first token on one candidate; `step` is its own fitted model or the one it
-    borrows (see the module docstring)."""
+    borrows (see the module docstring). Of the prompt's leading blocks, `local_blocks` are
+    in its pool, the next `host_blocks` in its host tier, and `reachable_blocks` in all
+    (counted from the first) somewhere in the cluster."""
     queued = (report.queued_tokens if report is not None else 0) + pending_tokens
     running = report.num_running if report is not None else 0
-    local = min(local_blocks, num_prompt_tokens // block_size)
-    fetched = 0
+    full = num_prompt_tokens // block_size
+    local = min(local_blocks, full)
+    # [local, local + host) from its host tier, [.., reachable) from the remote tier; a
+    # tier whose fetches have not been timed yet earns no credit.
+    segments = [(TIER_HOST, min(host_blocks, full - local))]
     if report is not None and report.remote_tier:
-        fetched = max(0, min(reachable_blocks, num_prompt_tokens // block_size) - local)
+        segments.append((TIER_REMOTE, max(0, min(reachable_blocks, full) - local - host_blocks)))
+    fetched, fetch_s = 0, 0.0
+    for tier, blocks in segments:
+        cost = fetch_cost(report, tier)
+        if blocks <= 0:
+            continue
+        if not cost.fitted:
+            break  # counted as computed, and so is all after it
+        fetched += blocks
+        fetch_s += cost.fetch_s(blocks * (report.kv_block_bytes or 1))
     # At least one prompt token is always computed: its logits give the first token.
-    computed = max(1, num_prompt_tokens - local * block_size)
-    fetch = fetch_cost(report, TIER_REMOTE)
-    fetch_s = 0.0
-    if fetched and fetch.fitted:
-        fetch_s = fetch.fetch_s(fetched * (report.kv_block_bytes or 1))
-        computed -= min(computed - 1, fetched * block_size)
+    computed = max(1, num_prompt_tokens - (local + fetched) * block_size)
     in_flight = step.step_s(0, running) if running else 0.0
     ahead = step.prefill_s(queued, running)
     total = step.first_token_s(queued, computed, running)
-    prefill = total - in_flight - ahead
     return Prediction(
         seconds=total + fetch_s,
         wait=in_flight + ahead,
-        prefill=prefill,
+        prefill=total - in_flight - ahead,
         fetch=fetch_s,
         computed_tokens=computed,
-        fetched_blocks=fetched if fetch_s else 0,
+        fetched_blocks=fetched,
         in_tokens=step is TOKEN_UNITS,
     )

@@ -252,12 +252,16 @@ class CacheAware(Policy):
         """Each candidate's prefix match in its own pool, and its predicted time to first
         token."""
         ids = [m.id for m in first]
+        hashes = request.block_hashes
+        host = view.index.host
         if self.uses_cache:
-            matched = view.index.match_all(request.block_hashes, ids)
-            anywhere = view.index.match_all(request.block_hashes, view.index.workers())
-            reachable = max(anywhere.values(), default=0)
+            everyone = view.index.workers()
+            device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
+            below = {w: host.match(w, hashes[n:]) for w, n in device.items()}
+            reachable = max((device[w] + below[w] for w in everyone), default=0)
+            matched = {w: device[w] for w in ids}
         else:
-            matched, reachable = dict.fromkeys(ids, 0), 0
+            matched, below, reachable = dict.fromkeys(ids, 0), dict.fromkeys(ids, 0), 0
         reports = {m.id: view.load(m.id) for m in first}
         borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
         preds = {}
@@ -270,6 +274,7 @@ class CacheAware(Policy):
                 request.num_prompt_tokens,
                 _block_size(view, m.id),
                 matched[m.id],
+                below[m.id],
                 reachable,
             )
         return matched, preds
