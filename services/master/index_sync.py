@@ -27,6 +27,7 @@ A resync is wanted when:
     restart    a newer incarnation under the same worker id (its old entries go at once:
                the process that held them is gone)
     reconnect  the master's own NATS connection came back (anything could be missed)
+    integrity  the view failed its own integrity check (ClusterView.audit_forever)
 
 `IndexSync` is pure and synchronous (tests script it with exact outcomes); the async loop
 that calls Worker.Snapshot is `ClusterView.resync_forever`.
@@ -66,6 +67,7 @@ class ResyncReason(enum.StrEnum):
     BEHIND = "behind"
     RESTART = "restart"
     RECONNECT = "reconnect"
+    INTEGRITY = "integrity"
 
 
 @dataclass(slots=True)
