@@ -224,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> dict[Run, dict]:
                     print(f"# {run.name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
                 for err in rows.get(run, {}).get("error_kinds", []):
                     print(f"# {run.name}: failed: {err}", file=sys.stderr)
+                if run in rows:  # the table so far: a long sweep shows its progress
+                    print(table(rows, prompt_tokens, ceiling), file=sys.stderr, flush=True)
     print(table(rows, prompt_tokens, ceiling))
     return rows
 
