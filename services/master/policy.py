@@ -253,15 +253,16 @@ class CacheAware(Policy):
         token."""
         ids = [m.id for m in first]
         hashes = request.block_hashes
-        host = view.index.host
+        everyone = view.index.workers()
+        device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
+        matched = {w: device[w] for w in ids}
         if self.uses_cache:
-            everyone = view.index.workers()
-            device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
+            host = view.index.host
             below = {w: host.match(w, hashes[n:]) for w, n in device.items()}
             reachable = max((device[w] + below[w] for w in everyone), default=0)
-            matched = {w: device[w] for w in ids}
-        else:
-            matched, below, reachable = dict.fromkeys(ids, 0), dict.fromkeys(ids, 0), 0
+            local = matched
+        else:  # what it would cost with nothing cached anywhere
+            below, reachable, local = dict.fromkeys(ids, 0), 0, dict.fromkeys(ids, 0)
         reports = {m.id: view.load(m.id) for m in first}
         borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
         preds = {}
@@ -273,7 +274,7 @@ class CacheAware(Policy):
                 view.pending(m.id).tokens,
                 request.num_prompt_tokens,
                 _block_size(view, m.id),
-                matched[m.id],
+                local[m.id],
                 below[m.id],
                 reachable,
             )
@@ -300,7 +301,8 @@ class CacheAware(Policy):
         reason = f"prefix {n} blocks on {chosen.id}, cost {pred.describe()}"
         if tie:
             reason += f" (tie of {len(tied)} broken by {tie})"
-        why = RouteReason.PREFIX_HIT if n or pred.fetched_blocks else RouteReason.LEAST_LOADED
+        hit = self.uses_cache and (n or pred.fetched_blocks)
+        why = RouteReason.PREFIX_HIT if hit else RouteReason.LEAST_LOADED
         predicted = 0.0 if pred.in_tokens else pred.seconds
         return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why,
                       predicted, pred.computed_tokens)  # fmt: skip
