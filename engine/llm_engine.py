@@ -141,10 +141,13 @@ class LLMEngine:
         )
 
     def add_request(self, request: Request) -> None:
+        self._copy_up_prefix(request)
+        self.scheduler.add_request(request)
+
+    def _copy_up_prefix(self, request: Request) -> None:
         # The last prompt token is always computed (its logits give the next token).
         usable = (request.num_prompt_tokens - 1) // self.config.block_size
         self._copy_up(request.block_hashes[:usable])
-        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -160,6 +163,11 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        # What was copied up from the host tier at arrival may have been evicted again
+        # while the request waited: copy it up once more just before it is admitted.
+        head = self.scheduler.next_waiting()
+        if self.host is not None and head is not None and head.num_computed_tokens == 0:
+            self._copy_up_prefix(head)
         sched = self.scheduler.schedule()
         outputs = [_delta(r, None, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
