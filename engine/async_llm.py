@@ -269,7 +269,9 @@ class AsyncLLM:
             stream = self._streams.pop(cmd.request_id, None)
             if out is not None and stream is not None:
                 stream.put(out)
-        else:
+        elif cmd.future.set_running_or_notify_cancel():
+            # (A call whose caller was cancelled meanwhile is skipped: nobody waits for it,
+            # and setting its result would raise here and stop the engine thread.)
             try:
                 cmd.future.set_result(cmd.fn(self.engine))
             except Exception as exc:

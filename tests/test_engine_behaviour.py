@@ -6,6 +6,7 @@ References here are our own engine (greedy runs are checked against HF in test_p
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 import json
 from dataclasses import replace
@@ -456,3 +457,32 @@ def test_async_deltas_concatenate_to_the_offline_output(llama_dir, prompts):
     assert [lp for d in deltas for lp in d.new_logprobs] == offline.logprobs
     assert [d.num_output_tokens for d in deltas] == list(range(1, 11))
     assert [d.finished for d in deltas] == [False] * 9 + [True]
+
+
+def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts, greedy_ref):
+    """A caller cancelled while its call waits for the engine thread (a timed-out RPC, a
+    shutdown) must not stop that thread: the call is skipped, later work is served."""
+    llm = _async_llm(llama_dir)
+    ran: list[str] = []
+    try:
+
+        async def main():
+            gate = threading.Event()
+            blocker = asyncio.ensure_future(llm.call(lambda engine: gate.wait(10)))
+            await asyncio.sleep(0.05)  # the engine thread is inside the blocking call
+            cancelled = asyncio.ensure_future(llm.call(lambda engine: ran.append("late")))
+            await asyncio.sleep(0.05)
+            cancelled.cancel()  # queued behind the blocker: cancelled before it runs
+            await asyncio.sleep(0.05)  # (the cancel reaches the engine's future a tick later)
+            gate.set()
+            await blocker
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            # (a dead engine thread would never answer: fail instead of hanging)
+            result, _ = await asyncio.wait_for(_collect(llm, prompts[0], GREEDY), 60)
+            return result
+
+        result = asyncio.run(main())
+        assert ran == [] and result.token_ids == greedy_ref[0]
+    finally:
+        llm.shutdown()
