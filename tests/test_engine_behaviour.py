@@ -6,9 +6,9 @@ References here are our own engine (greedy runs are checked against HF in test_p
 from __future__ import annotations
 
 import asyncio
-import threading
 import contextlib
 import json
+import threading
 from dataclasses import replace
 from pathlib import Path
 
