@@ -15,7 +15,9 @@ cached_tokens over the sum of prompt tokens); that reuse as a share of the ceili
 infinite cache shared by everyone would reuse, computed from the prompts: `ceiling_tokens`);
 and the prompt blocks each tier served, scraped from the workers' and cache service's
 metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's memory,
-T3 Redis. "tiers off" is `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
+T3 Redis; and the mean of actual minus predicted time to first token (ms) over the
+requests the master predicted (rtp:ttft_prediction_error_seconds). "tiers off" is
+`--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
 """
 
 from __future__ import annotations
@@ -111,6 +113,19 @@ def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
     return hits
 
 
+def prediction_error(frontend: str) -> float:
+    """Mean of actual minus predicted time to first token, seconds (nan: none predicted)."""
+    text = httpx.get(f"{frontend}/metrics", timeout=10).text
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "rtp:ttft_prediction_error_seconds_sum":
+                total += s.value
+            elif s.name == "rtp:ttft_prediction_error_seconds_count":
+                count += s.value
+    return total / count if count else math.nan
+
+
 def _metrics_addresses(nameservice: str) -> list[str]:
     from services.common import grpc_util
     from services.common.pb import nameservice_pb2 as ns
@@ -143,14 +158,16 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *run.flags(args)) as c:
         results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
         hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
+        error = prediction_error(c.url)
     out = summarize(results, duration, (50, 95, 99))
-    return out | {"cached_tokens": cached, "hits": hits}
+    return out | {"cached_tokens": cached, "hits": hits, "prediction_error_s": error}
 
 
 def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
     head = (
         f"{'run':<36} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
-        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} " + " ".join(f"{t:>6}" for t in TIERS)
+        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} {'pred err':>8} "
+        + " ".join(f"{t:>6}" for t in TIERS)
     )
     lines = [head]
     rr = {(r.topology, r.tiers): v["p95_ttft_ms"] for r, v in rows.items()
@@ -164,7 +181,7 @@ def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
         lines.append(
             f"{run.name:<36} {r['completed']:>5} {r['failed']:>4} {r['median_ttft_ms']:>9.1f} "
             f"{r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} {ratio:>8.2f} "
-            f"{reused:>7.1%} {share:>7.1%} {tiers}"
+            f"{reused:>7.1%} {share:>7.1%} {r['prediction_error_s'] * 1e3:>8.1f} {tiers}"
         )
     return "\n".join(lines)
 
