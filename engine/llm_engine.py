@@ -25,7 +25,12 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_rate import StepTimer
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
-from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
+from engine.validation import (
+    InvalidRequestError,
+    check_logit_bias,
+    check_prompt,
+    check_stop_token_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +118,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         check_prompt(token_ids, vocab, self.limits.max_model_len)
         check_stop_token_ids(params.stop_token_ids, vocab)
+        check_logit_bias(params.logit_bias, vocab)
         guide = None
         if params.structured is not None:
             resumed = params.structured.resume_tokens
