@@ -68,20 +68,22 @@ def test_logit_bias_equals_hf_sequence_bias(llm, hf_model, prompts) -> None:
 def _by_hand(hf_model, prompt, bias, rep, freq, pres) -> list[int]:
     """OpenAI's / vLLM's formulas in plain Python over HF's raw logits, one step at a time."""
     model = hf_model(PRESET)
-    seq, out = list(prompt), []
+    seq, out, past, step = list(prompt), [], None, list(prompt)
     for _ in range(N):
         with torch.inference_mode():
-            logits = model(torch.tensor([seq])).logits[0, -1].tolist()
-        counts = Counter(out)
+            hf = model(torch.tensor([step]), cache=past, use_cache=True)
+        logits, past = hf.logits[0, -1].tolist(), hf.cache
+        counts, seen = Counter(out), set(seq)  # seen: prompt or output so far
         for t in range(len(logits)):
             x = logits[t] + bias.get(t, 0.0)
-            if t in seq:  # prompt or output so far
+            if t in seen:
                 x = x / rep if x > 0 else x * rep
             x -= freq * counts[t] + pres * (counts[t] > 0)
             logits[t] = x
         token = max(range(len(logits)), key=logits.__getitem__)
         seq.append(token)
         out.append(token)
+        step = [token]
     return out
 
 
