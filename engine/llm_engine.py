@@ -25,7 +25,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
-from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
+from engine.validation import (
+    InvalidRequestError,
+    check_logit_bias,
+    check_prompt,
+    check_stop_token_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +123,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         check_prompt(token_ids, vocab, self.limits.max_model_len)
         check_stop_token_ids(params.stop_token_ids, vocab)
+        check_logit_bias(params.logit_bias, vocab)
         guide = None
         if params.structured is not None:
             resumed = params.structured.resume_tokens

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from engine.logits_processors import process_logits
 from engine.outputs import SampledToken, TokenLogprobs
 from engine.request import Request
 from engine.structured import fill_bitmask
@@ -38,7 +39,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """logits [N, V] float32, one row per request that samples this step."""
         raw = logits
-        masked = self._mask_guided(self._mask_early_stops(logits, requests), requests)
+        processed = process_logits(logits, requests)  # bias and penalties
+        masked = self._mask_guided(self._mask_early_stops(processed, requests), requests)
         greedy = masked.argmax(dim=-1).tolist()
         out = []
         for i, request in enumerate(requests):

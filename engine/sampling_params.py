@@ -3,6 +3,7 @@ a ValueError naming it)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.structured import StructuredOutputs
@@ -23,6 +24,13 @@ class SamplingParams:
     logprobs: int | None = None
     # The output must match this grammar (JSON schema, regex, choice, ...): engine/structured.py.
     structured: StructuredOutputs | None = None
+    # Logits processing (engine/logits_processors.py), vLLM's semantics: presence and
+    # frequency over the output, repetition over prompt and output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to the logits; a dict is taken too.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, message: str) -> InvalidRequestError:
@@ -50,8 +58,31 @@ class SamplingParams:
             raise bad("structured", f"must be a StructuredOutputs, got {self.structured!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative integers: {self.stop_token_ids}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, Mapping) else tuple(map(tuple, bias))
+        for token, value in pairs:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"keys must be token ids, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {value}")
         # Tuples keep the object hashable and immutable even if a list was passed.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty or bias applies (engine/logits_processors.py)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

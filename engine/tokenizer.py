@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -27,7 +28,15 @@ class Tokenizer:
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = _chat_template(path, self.config)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # What transformers' apply_chat_template gives templates: its `tojson` (jinja's
+        # sorts keys and escapes HTML, which would show the model other tool JSON than HF
+        # does) and `raise_exception`.
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
+        # Whether the template renders a `tools` list itself (else the caller writes tools
+        # into the messages: services/frontend/tool_prompt.py).
+        self.renders_tools = bool(template) and "tools" in template
         self.special_ids = frozenset(self._tok.token_to_id(t) for t in self._special_tokens())
 
     def _special_tokens(self) -> list[str]:
@@ -50,16 +59,36 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template")
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.config.get("bos_token", ""),
             eos_token=self.config.get("eos_token", ""),
         )
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
 
 
 def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:

@@ -39,3 +39,11 @@ def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None
         raise InvalidRequestError(
             f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}", "stop_token_ids"
         )
+
+
+def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -> None:
+    bad = [t for t, _ in logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}", "logit_bias"
+        )

@@ -104,7 +104,15 @@ def test_malformed_bodies(tiny, raw: bytes, text: str) -> None:
         (completion(stop_token_ids=[10**9]), "stop_token_ids"),
         (completion(stream_options={"include_usage": True}), "stream_options"),
         (completion(stream="yes"), "stream"),
-        (completion(echo=True), "echo"),
+        (completion(echo=True, logprobs=1), "echo"),
+        (completion(best_of=3), "best_of"),
+        (completion(suffix="x"), "suffix"),
+        (completion(presence_penalty=2.5), "presence_penalty"),
+        (completion(frequency_penalty="1"), "frequency_penalty"),
+        (completion(repetition_penalty=0), "repetition_penalty"),
+        (completion(logit_bias={"a": 1}), "logit_bias"),
+        (completion(logit_bias={"5": 101}), "logit_bias"),
+        (completion(logit_bias={"999999": 1}), "logit_bias"),
         (completion(timeout=0), "timeout"),
         (completion(timeout=-1.5), "timeout"),
         (completion(timeout="3"), "timeout"),
@@ -131,7 +139,7 @@ def test_invalid_completion_parameters(tiny, body: dict, param: str) -> None:
         (chat(logprobs=True, top_logprobs=50), "logprobs"),
         (chat(max_completion_tokens=0), "max_tokens"),
         (chat(logprobs="yes"), "logprobs"),
-        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(tools=[{"type": "function"}]), "tools[0].function"),
         (chat(timeout=0.0), "timeout"),
     ],
 )
@@ -146,7 +154,8 @@ def test_invalid_chat_parameters(tiny, body: dict, param: str) -> None:
         ("/v1/chat/completions", chat(foo=1), "foo"),
         ("/v1/completions", completion(response_format={"type": "xml"}), "response_format.type"),
         ("/v1/chat/completions", chat(guided_decoding_backend="x"), "guided_decoding_backend"),
-        ("/v1/chat/completions", chat(presence_penalty=0.5), "presence_penalty"),
+        ("/v1/chat/completions", chat(modalities=["audio"]), "modalities"),
+        ("/v1/chat/completions", chat(echo=True), "echo"),
         ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "x": 1}]), None),
     ],
 )
@@ -157,8 +166,48 @@ def test_unsupported_fields_are_refused_by_name(tiny, path, body, param) -> None
 
 
 def test_no_op_values_of_unimplemented_fields_are_accepted() -> None:
-    body = completion(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"})
+    body = completion(suffix="", best_of=1, response_format={"type": "text"})
     assert parse(CompletionRequest, body).options.max_tokens == 4
+
+
+def test_harmless_openai_client_fields_are_accepted() -> None:
+    extra = {"service_tier": "auto", "store": False, "metadata": {"k": "v"}, "user": "u"}
+    extra |= {"prompt_cache_key": "p", "safety_identifier": "s"}
+    chat_extra = extra | {"parallel_tool_calls": False, "stream": True}
+    chat_extra |= {"stream_options": {"include_usage": True}}
+    assert parse(CompletionRequest, completion(**extra)).options.session_id == "u"
+    assert parse(ChatCompletionRequest, chat(**chat_extra)).include_usage
+
+
+def test_penalties_and_logit_bias_reach_the_options() -> None:
+    body = completion(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2)
+    o = parse(CompletionRequest, body | {"logit_bias": {"7": -100, "3": 2.5}}).options
+    assert (o.presence_penalty, o.frequency_penalty, o.repetition_penalty) == (0.5, -1, 1.2)
+    assert o.logit_bias == ((7, -100), (3, 2.5))
+
+
+def test_tokenize_and_detokenize_as_transformers(tiny) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny)
+    text = "def f(x):\n    return x  # \u00e9"
+    status, body = call(tiny, "POST", "/tokenize", {"model": MODEL, "prompt": text})
+    assert status == 200, body
+    assert body["tokens"] == hf.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 2048 and body["token_strs"] is None
+    messages = [{"role": "user", "content": "hi"}]
+    status, chat_body = call(
+        tiny, "POST", "/tokenize", {"messages": messages, "return_token_strs": True}
+    )
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat_body["tokens"] == hf.encode(want, add_special_tokens=False)
+    assert chat_body["token_strs"] == hf.convert_ids_to_tokens(chat_body["tokens"])
+    status, detok = call(tiny, "POST", "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert status == 200 and detok["prompt"] == hf.decode(body["tokens"]) == text
+    assert_error(call(tiny, "POST", "/detokenize", {"tokens": [10**7]}), 400, "tokens")
+    assert_error(call(tiny, "POST", "/detokenize", {"tokens": ["a"]}), 400, "tokens[0]")
+    assert_error(call(tiny, "POST", "/tokenize", {"prompt": "x", "foo": 1}), 400, "foo")
+    assert_error(call(tiny, "POST", "/tokenize", {"prompt": "x", "model": "gpt"}), 404, "model")
 
 
 def test_openapi_describes_the_request_models(tiny) -> None:
@@ -174,6 +223,14 @@ def test_openapi_describes_the_request_models(tiny) -> None:
         assert {"model", "stream", "temperature"} <= set(schemas[model]["properties"])
         assert schemas[model]["additionalProperties"] is False
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    for field in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+        assert field in schemas["CompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(
+        schemas["ChatCompletionRequest"]["properties"]
+    )
+    assert {"Tool", "FunctionDef", "NamedToolChoice"} <= set(schemas)
+    for path in ("/tokenize", "/detokenize"):
+        assert "requestBody" in spec["paths"][path]["post"]
     timeout = schemas["CompletionRequest"]["properties"]["timeout"]["anyOf"][0]
     assert timeout["exclusiveMinimum"] == 0 and "504" in timeout["description"]
 

@@ -20,6 +20,10 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
         min_tokens=p.min_tokens,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -30,7 +34,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
 
 def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
     """SamplingParams' fields from the message; proto3 zeros mean "unset" where zero is not
-    a valid value (top_k 0: disabled, top_p 0: 1; max_tokens 0 is left for the caller)."""
+    a valid value (top_k 0: disabled, top_p 0: 1, repetition_penalty 0: 1; max_tokens 0 is
+    left for the caller)."""
     return {
         "max_tokens": msg.max_tokens,
         "temperature": msg.temperature,
@@ -41,6 +46,10 @@ def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         "ignore_eos": msg.ignore_eos,
         "min_tokens": msg.min_tokens,
         "logprobs": msg.logprobs if msg.HasField("logprobs") else None,
+        "presence_penalty": msg.presence_penalty,
+        "frequency_penalty": msg.frequency_penalty,
+        "repetition_penalty": msg.repetition_penalty or 1.0,
+        "logit_bias": dict(msg.logit_bias),
     }
 
 

@@ -23,16 +23,20 @@ from services.common import metrics, tracing
 from services.frontend import metrics as frontend_metrics
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
-from services.frontend.generation import DeltaStream, Generator
+from services.frontend.generation import Delta, DeltaStream, Generator
 from services.frontend.inputs import GenerateInput, prepare
 from services.frontend.openai_responses import Choice, ResponseBuilder
 from services.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     openapi,
     parse,
     parse_json,
 )
+from services.frontend.tool_prompt import inline_tools
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ def build_app(generator: Generator) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
@@ -132,18 +138,75 @@ async def _generate(
         inputs = prepare(
             gen.model, gen.max_n, builder.id, ids, opts, req.default_max_tokens(), prompt_param
         )
-        return await _respond(request, gen, builder, inputs, req.stream, req.include_usage)
+        if isinstance(req, ChatCompletionRequest):
+            choices = [Choice(parser=req.tool_parser()) for _ in inputs]
+        else:  # echo: each choice's text starts with the prompt
+            echo = _prompt_text(gen, req, ids) if req.echo else ""
+            choices = [Choice(text=echo) for _ in inputs]
+        return await _respond(request, gen, builder, inputs, choices, req.stream, req.include_usage)
 
 
 def _prompt_ids(gen: Generator, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
     if isinstance(req, CompletionRequest):
         prompt = req.prompt
         return gen.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return gen.tokenizer.encode(_chat_text(gen, req), add_special_tokens=False)
+
+
+def _prompt_text(gen: Generator, req: CompletionRequest, ids: list[int]) -> str:
+    return req.prompt if isinstance(req.prompt, str) else gen.tokenizer.decode(ids)
+
+
+def _chat_text(
+    gen: Generator, req: ChatCompletionRequest | TokenizeChatRequest, generation_prompt: bool = True
+) -> str:
+    """The chat template applied to the messages, with the tools where the template takes
+    them and written into the messages where it does not (tool_prompt.py)."""
+    tools, messages = req.tool_dicts(), req.message_dicts()
+    tok = gen.tokenizer
     try:
-        text = gen.tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=True)
+        if tok.renders_tools:
+            return tok.apply_chat_template(messages, generation_prompt, tools=tools)
+        return tok.apply_chat_template(inline_tools(messages, tools), generation_prompt)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
-    return gen.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+    gen = request.app[GENERATOR]
+    body = parse_json(await request.read())
+    kind = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+    req = parse(kind, body)
+    if req.model is not None:
+        _check_model(gen, req.model)
+    if isinstance(req, TokenizeChatRequest):
+        text = _chat_text(gen, req, req.add_generation_prompt)
+    else:
+        text = req.prompt
+    tokens = gen.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    strs = [gen.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
+    return web.json_response(
+        {
+            "count": len(tokens),
+            "max_model_len": gen.model.context_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+    )
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    gen = request.app[GENERATOR]
+    req = parse(DetokenizeRequest, parse_json(await request.read()))
+    if req.model is not None:
+        _check_model(gen, req.model)
+    bad = [t for t in req.tokens if t >= gen.model.vocab_size]
+    if bad:
+        raise invalid(f"token ids out of range [0, {gen.model.vocab_size}): {bad[:5]}", "tokens")
+    # As vLLM (transformers' decode): special tokens are kept.
+    text = gen.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return web.json_response({"prompt": text})
 
 
 def _check_model(gen: Generator, model: str) -> None:
@@ -162,6 +225,7 @@ async def _respond(
     gen: Generator,
     builder: ResponseBuilder,
     inputs: list[GenerateInput],
+    choices: list[Choice],
     stream: bool,
     include_usage: bool,
 ) -> web.StreamResponse:
@@ -172,7 +236,6 @@ async def _respond(
     streams = await start_all(gen, inputs)
     if span.is_recording():
         span.set_attribute(tracing.TIME_TO_FIRST_TOKEN, tracing.seconds_since_start(span) or 0.0)
-    choices = [Choice() for _ in inputs]
     try:
         if not stream:
             async with contextlib.aclosing(merge(streams)) as deltas:
@@ -200,12 +263,18 @@ async def _stream_sse(
     try:
         if builder.chat:  # OpenAI opens each chat choice with the assistant role
             for i in range(len(choices)):
-                await _send(resp, builder.chunk(i, None, include_usage, role=True))
+                tools = choices[i].parser is not None
+                await _send(resp, builder.chunk(i, None, include_usage, role=True, tools=tools))
+        for i, choice in enumerate(choices):  # what a choice starts with (echo)
+            if choice.text:
+                start = Delta(choice.text, [], [], None, 0, 0, 0)
+                await _send(resp, builder.chunk(i, start, include_usage))
         try:
             async with contextlib.aclosing(merge(streams)) as deltas:
                 async for i, delta in deltas:
-                    choices[i].add(delta)
-                    await _send(resp, builder.chunk(i, delta, include_usage))
+                    delta, calls = choices[i].add(delta)
+                    if delta.text or calls or delta.logprobs or delta.finish_reason:
+                        await _send(resp, builder.chunk(i, delta, include_usage, tool_calls=calls))
             if include_usage:
                 await _send(resp, builder.usage_chunk(choices))
         except FrontendError as exc:  # the status line is gone: report in the stream

@@ -9,7 +9,12 @@ from dataclasses import dataclass, fields, replace
 
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputs
-from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
+from engine.validation import (
+    InvalidRequestError,
+    check_logit_bias,
+    check_prompt,
+    check_stop_token_ids,
+)
 from services.common.convert import params_to_pb, structured_to_pb
 from services.common.pb import common_pb2, worker_pb2
 from services.frontend.errors import invalid
@@ -35,6 +40,10 @@ class Options:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
     structured: StructuredOutputs | None = None  # validated by the ingress
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1
     session_id: str = ""
     priority: int = 0
@@ -99,6 +108,7 @@ def prepare(
         sampling = {f: getattr(opts, f) for f in _SAMPLING_FIELDS} | {"max_tokens": max_tokens}
         params = SamplingParams(**sampling)
         check_stop_token_ids(params.stop_token_ids, vocab)
+        check_logit_bias(params.logit_bias, vocab)
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
     if opts.timeout is not None and not opts.timeout > 0:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.pb import common_pb2
 from services.frontend.detokenizer import TokenText
 from services.frontend.generation import Delta
+from services.frontend.tool_calls import ToolCallDelta, ToolCallParser
 
 Json = dict[str, Any]
 
@@ -30,14 +31,30 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Chat with tools: reads the output for calls (the text left is the content).
+    parser: ToolCallParser | None = None
 
-    def add(self, delta: Delta) -> None:
+    def add(self, delta: Delta) -> tuple[Delta, list[ToolCallDelta]]:
+        """Take in a sequence's delta; returns it as the client sees it (tool calls out of
+        its text, finish_reason `tool_calls` when the model stopped after calling) and the
+        tool-call deltas it made."""
+        calls: list[ToolCallDelta] = []
+        if self.parser is not None:
+            text, calls = self.parser.push(delta.text)
+            finish = delta.finish_reason
+            if finish is not None:
+                rest, more = self.parser.finish()
+                text, calls = text + rest, calls + more
+                if self.parser.calls and finish == "stop":
+                    finish = "tool_calls"
+            delta = replace(delta, text=text, finish_reason=finish)
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens
         self.cached_tokens = delta.cached_tokens
+        return delta, calls
 
 
 def usage(choices: list[Choice]) -> Json:
@@ -75,7 +92,17 @@ class ResponseBuilder:
     def _choice(self, index: int, c: Choice) -> Json:
         logprobs = self.format_logprobs(index, c.logprobs)
         if self.chat:
-            message = {"role": "assistant", "content": c.text}
+            message: Json = {"role": "assistant", "content": c.text}
+            if c.parser is not None and c.parser.calls:
+                message["content"] = c.text or None
+                message["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                    for call in c.parser.calls
+                ]
             return {
                 "index": index,
                 "message": message,
@@ -90,17 +117,26 @@ class ResponseBuilder:
         }
 
     def chunk(
-        self, index: int, delta: Delta | None, include_usage: bool, role: bool = False
+        self,
+        index: int,
+        delta: Delta | None,
+        include_usage: bool,
+        role: bool = False,
+        tool_calls: list[ToolCallDelta] | None = None,
+        tools: bool = False,
     ) -> Json:
-        """A stream chunk for one choice; `role` (chat): the opening chunk with the role."""
+        """A stream chunk for one choice; `role` (chat): the opening chunk with the role,
+        its content null when the choice may turn out to be tool calls (as OpenAI's)."""
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
         text = delta.text if delta is not None else ""
         finish = delta.finish_reason if delta is not None else None
         logprobs = self.format_logprobs(index, delta.logprobs) if delta is not None else None
         if self.chat:
-            body: Json = {"role": "assistant", "content": ""} if role else {}
+            body: Json = {"role": "assistant", "content": None if tools else ""} if role else {}
             if text:
                 body["content"] = text
+            if tool_calls:
+                body["tool_calls"] = [d.to_json() for d in tool_calls]
             choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -27,6 +27,8 @@ from engine.structured import StructuredOutputs
 from engine.validation import InvalidRequestError
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.inputs import Options
+from services.frontend.tool_calls import ToolCallParser
+from services.frontend.tool_calls import grammar as tool_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
@@ -54,10 +56,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class FunctionCall(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str = Field(description="The arguments as JSON text (an object)")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"arguments must be a JSON object: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object")
+        return value
+
+
+class ToolCallParam(_Strict):
+    """A call in an assistant message of the history, as the API returned it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Annotated[str, Field(min_length=1)]
     # A string, or content parts (text only), flattened to one string.
     content: str = ""
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
 
     @field_validator("content", mode="before")
     @classmethod
@@ -121,6 +150,35 @@ class StructuredOutputsParams(_Strict):
     grammar: str | None = Field(None, description="A Lark (llguidance dialect) or GBNF grammar")
 
 
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: JsonSchemaObject | None = Field(
+        None, description="The arguments' JSON schema (default: any object)"
+    )
+    strict: bool | None = Field(
+        None,
+        description="Accepted either way: under tool_choice required or a named "
+        "function the arguments always match `parameters`",
+    )
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming the one function to call."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class _GenerationRequest(_Strict):
     """What both endpoints take."""
 
@@ -154,23 +212,36 @@ class _GenerationRequest(_Strict):
     guided_grammar: str | None = Field(
         None, description="vLLM's older extra: a Lark (llguidance dialect) or GBNF grammar"
     )
-    # OpenAI fields not implemented: allowed only with their no-op value (see _refuse).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    # Logits processing (engine/logits_processors.py), as vLLM: presence and frequency
+    # count the output, repetition the prompt and the output.
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        1.0, description="vLLM's extra: > 1 discourages any token of the prompt or output"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100]"
+    )
+    # OpenAI fields the client may send that change nothing here: accepted and ignored.
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     _spec: StructuredOutputs | None = PrivateAttr(None)
 
-    NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "frequency_penalty": (0, 0.0),
-        "presence_penalty": (0, 0.0),
-        "logit_bias": ({},),
-        "tools": ([],),
-        "tool_choice": ("none",),
-        "parallel_tool_calls": (True, False),
-    }
+    # OpenAI fields not implemented: allowed only with their no-op value (see _check).
+    NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -266,6 +337,10 @@ class _GenerationRequest(_Strict):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             structured=self._spec,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             n=self.n,
             session_id=self.session_id or self.user or "",
             priority=self.priority,
@@ -284,11 +359,14 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = _GenerationRequest.NO_OP | {
-        "echo": (False,),
-        "suffix": ("",),
-        "best_of": (1,),
-    }
+    NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = _GenerationRequest.NO_OP | {"suffix": ("",)}
+
+    def _check(self) -> None:
+        super()._check()
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid(f"best_of other than n ({self.n}) is not supported", "best_of")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -322,11 +400,74 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (the default with tools): the model may call; required: it calls "
+        "at least one tool; a named function: it calls that one; none: it answers in text. "
+        "required and a named function are enforced by a grammar, so the calls always parse",
+    )
+    parallel_tool_calls: bool = Field(
+        True, description="false: at most one call (enforced under required / a named function)"
+    )
 
     def _check(self) -> None:
+        self._check_tools()
         super()._check()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        for i, tool in enumerate(self.tools or ()):
+            if names.index(tool.function.name) != i:
+                raise invalid(f"tools: two tools are named {tool.function.name!r}", "tools")
+            if tool.function.parameters is not None:
+                param = f"tools[{i}].function.parameters"
+                try:
+                    StructuredOutputs.json(tool.function.parameters).validate(param)
+                except InvalidRequestError as exc:
+                    raise invalid(str(exc), exc.param) from None
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise invalid("tool_choice requires tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid(
+                f"tool_choice names {choice.function.name!r}, which is not in tools",
+                "tool_choice",
+            )
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """A parser for one choice's output; None when the output is not read for calls."""
+        if self.tool_mode == "none":
+            return None
+        names = frozenset(t.function.name for t in self.tools or ())
+        return ToolCallParser(names, stream_arguments=self.tool_mode in ("required", "named"))
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's shape, unset fields left out)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def _structured_fields(self) -> list[tuple[str, StructuredOutputs | None]]:
+        return [("tool_choice", self._tool_grammar()), *super()._structured_fields()]
+
+    def _tool_grammar(self) -> StructuredOutputs | None:
+        """required / a named function: a grammar of the calls the output must be."""
+        if self.tool_mode not in ("required", "named"):
+            return None
+        tools = [
+            (t.function.name, t.function.parameters or {"type": "object"}) for t in self.tools or ()
+        ]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t[0] == self.tool_choice.function.name]
+        parallel = self.parallel_tool_calls and self.tool_mode == "required"
+        return StructuredOutputs.grammar(tool_grammar(tools, parallel))
 
     @property
     def options(self) -> Options:
@@ -338,12 +479,71 @@ class ChatCompletionRequest(_GenerationRequest):
     def default_max_tokens(self) -> int | None:
         return None  # as many as the context leaves room for
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as transformers' chat templates take them: tool calls with their
+        arguments as objects."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.name is not None:
+                d["name"] = m.name
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": c.type,
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": json.loads(c.function.arguments),
+                        },
+                    }
+                    for c in m.tool_calls
+                ]
+            out.append(d)
+        return out
 
 
-R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+class TokenizeCompletionRequest(_Strict):
+    """`POST /tokenize` of a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """`POST /tokenize` of chat messages, through the chat template (vLLM's shape)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    # The same rendering as a chat completion's (they read only messages and tools).
+    message_dicts = ChatCompletionRequest.message_dicts
+    tool_dicts = ChatCompletionRequest.tool_dicts
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+R = TypeVar(
+    "R",
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
 
 
 def _spec(kind: str, value: Any) -> StructuredOutputs | None:
@@ -386,7 +586,8 @@ def parse(cls: type[R], body: dict[str, Any]) -> R:
         request = cls.model_validate(body)
     except ValidationError as exc:
         raise _to_frontend_error(exc) from None
-    request._check()
+    if isinstance(request, _GenerationRequest):
+        request._check()
     return request
 
 
@@ -423,10 +624,20 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 
 
 def openapi() -> dict[str, Any]:
-    """The OpenAPI 3.1 description of the generation endpoints, from the request models."""
+    """The OpenAPI 3.1 description of the endpoints that take a body, from the request
+    models."""
     from pydantic.json_schema import models_json_schema
 
-    models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")]
+    models = [
+        (m, "validation")
+        for m in (
+            CompletionRequest,
+            ChatCompletionRequest,
+            TokenizeCompletionRequest,
+            TokenizeChatRequest,
+            DetokenizeRequest,
+        )
+    ]
     _, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
     error = {
         "description": "An OpenAI error body",
@@ -447,28 +658,36 @@ def openapi() -> dict[str, Any]:
         }
     }
 
-    def post(model: str, summary: str) -> dict[str, Any]:
-        body = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}
+    def post(model: str | tuple[str, ...], summary: str, reply: str) -> dict[str, Any]:
+        names = (model,) if isinstance(model, str) else model
+        refs = [{"$ref": f"#/components/schemas/{m}"} for m in names]
+        body = {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}
         return {
             "post": {
                 "summary": summary,
                 "requestBody": {"required": True, "content": body},
                 "responses": {
-                    "200": {
-                        "description": "The completion (JSON), or server-sent events when "
-                        "stream is true"
-                    },
+                    "200": {"description": reply},
                     **{status: error for status in ("400", "404", "413", "429", "503", "504")},
                 },
             }
         }
 
+    stream = "The completion (JSON), or server-sent events when stream is true"
     return {
         "openapi": "3.1.0",
         "info": {"title": "rtp-serve OpenAI-compatible API", "version": "1"},
         "paths": {
-            "/v1/completions": post("CompletionRequest", "Create a completion"),
-            "/v1/chat/completions": post("ChatCompletionRequest", "Create a chat completion"),
+            "/v1/completions": post("CompletionRequest", "Create a completion", stream),
+            "/v1/chat/completions": post(
+                "ChatCompletionRequest", "Create a chat completion", stream
+            ),
+            "/tokenize": post(
+                ("TokenizeCompletionRequest", "TokenizeChatRequest"),
+                "Tokenize a prompt, or chat messages through the chat template",
+                "{count, max_model_len, tokens, token_strs}",
+            ),
+            "/detokenize": post("DetokenizeRequest", "Token ids to text", "{prompt}"),
         },
         "components": {"schemas": components},
     }
