@@ -20,7 +20,10 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
         min_tokens=p.min_tokens,
+        speculative_advice=p.speculative_advice,
     )
+    if p.num_speculative_tokens is not None:
+        msg.num_speculative_tokens = p.num_speculative_tokens
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -41,6 +44,10 @@ def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         "ignore_eos": msg.ignore_eos,
         "min_tokens": msg.min_tokens,
         "logprobs": msg.logprobs if msg.HasField("logprobs") else None,
+        "num_speculative_tokens": (
+            msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None
+        ),
+        "speculative_advice": tuple(msg.speculative_advice),
     }
 
 

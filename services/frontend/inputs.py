@@ -35,6 +35,8 @@ class Options:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
     structured: StructuredOutputs | None = None  # validated by the ingress
+    num_speculative_tokens: int | None = None  # None: the workers' setting; 0: off
+    speculative_advice: tuple[int, ...] = ()  # token ids (the HTTP ingress tokenizes text)
     n: int = 1
     session_id: str = ""
     priority: int = 0
@@ -99,6 +101,11 @@ def prepare(
         sampling = {f: getattr(opts, f) for f in _SAMPLING_FIELDS} | {"max_tokens": max_tokens}
         params = SamplingParams(**sampling)
         check_stop_token_ids(params.stop_token_ids, vocab)
+        if any(t >= vocab for t in params.speculative_advice):
+            raise InvalidRequestError(
+                f"speculative_advice has token ids outside the vocabulary ({vocab})",
+                "speculative_advice",
+            )
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
     if opts.timeout is not None and not opts.timeout > 0:

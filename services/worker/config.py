@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig, ModelConfig
+from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
 from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
@@ -97,6 +97,20 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         default=int(env("threads", "0")),
         help="torch threads (0: torch's default); workers sharing a machine split its cores",
     )
+    p.add_argument(
+        "--speculative",
+        default=env("speculative", "none"),
+        choices=["none", *(m for m in SPECULATIVE_METHODS if m)],
+        help="speculative decoding: ngram proposes drafts by prompt lookup (and a request's "
+        "speculative_advice); the decode side speculates in PD mode",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=int(env("num_speculative_tokens", "3")),
+        help="with --speculative: draft tokens per request and step at most (adaptive below "
+        "it; a request may ask for its own)",
+    )
 
 
 def build_llm(args: argparse.Namespace) -> AsyncLLM:
@@ -142,5 +156,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads or None,
+        speculative=None if args.speculative == "none" else args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     return AsyncLLM(config, record_kv_events=True)

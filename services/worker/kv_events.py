@@ -106,6 +106,7 @@ async def publish_events(
                 )
                 load_metrics.wait(wait_s, rate.prefill_tokens_per_s)
                 load_metrics.host_tier(s.host_tier)
+                load_metrics.spec_decode(s.spec)
             # Published after the batch it names, on the same connection: NATS keeps the order.
             await bus.publish(
                 load_subject,
