@@ -192,3 +192,19 @@ def test_admission_limit_and_client_disconnect(tiny, script) -> None:
                 assert again.status == 200
 
     run(go())
+
+
+def test_speculative_fields_reach_the_worker(tiny, script) -> None:
+    """num_speculative_tokens as given; speculative_advice as token ids of its text."""
+    worker = FakeWorker(script)
+    advice = "def f(x):\n    return x\n"
+    body = {"prompt": "hi", "max_tokens": 3, "num_speculative_tokens": 4}
+    status, _ = post(tiny, worker, "/v1/completions", body | {"speculative_advice": advice})
+    assert status == 200
+    [request] = worker.requests
+    assert request.params.num_speculative_tokens == 4
+    want = Tokenizer(tiny).encode(advice, add_special_tokens=False)
+    assert list(request.params.speculative_advice) == want
+    worker = FakeWorker(script)
+    assert post(tiny, worker, "/v1/completions", {"prompt": "hi", "max_tokens": 3})[0] == 200
+    assert not worker.requests[0].params.HasField("num_speculative_tokens")

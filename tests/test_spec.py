@@ -360,3 +360,88 @@ def test_speculator_limits_drafts_to_what_the_request_may_still_produce():
     r.params = replace(r.params, num_speculative_tokens=0)
     spec.propose([r])
     assert r.spec_token_ids == []
+
+
+# -- what the worker exports --------------------------------------------------------------
+def test_worker_metrics_count_what_is_new():
+    from prometheus_client import CollectorRegistry
+
+    from engine.spec.stats import SpecStats
+    from services.worker.metrics import WorkerFamilies, WorkerMetrics
+
+    registry = CollectorRegistry()
+    m = WorkerMetrics(WorkerFamilies(registry), "decode", "m")
+    stats = SpecStats(4)
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    m.spec_decode(stats.snapshot())
+    stats.observe(4, 4)
+    m.spec_decode(stats.snapshot())
+    m.spec_decode(stats.snapshot())  # nothing new: nothing counted twice
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"role": "decode", "model_name": "m"} | labels)
+
+    assert value("rtp:spec_decode_num_drafts_total") == 3
+    assert value("rtp:spec_decode_num_draft_tokens_total") == 9
+    assert value("rtp:spec_decode_num_accepted_tokens_total") == 6
+    per_pos = [
+        value("rtp:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(4)
+    ]
+    assert per_pos == [2, 2, 1, 1]
+    rates = [value("rtp:spec_decode_acceptance_rate_per_pos", position=str(i)) for i in range(4)]
+    assert rates == [2 / 3, 2 / 3, 1 / 2, 1 / 1]
+    assert value("rtp:spec_decode_mean_accepted_length") == 1 + 6 / 3
+
+
+def test_worker_flags_build_the_engine_config(model_dir):
+    import argparse
+
+    from services.worker.config import add_worker_arguments, engine_config
+
+    p = argparse.ArgumentParser()
+    add_worker_arguments(p)
+    base = ["--model", str(model_dir(PRESET)), "--kv-cache-mib", "8"]
+    config = engine_config(
+        p.parse_args([*base, "--speculative", "ngram", "--num-speculative-tokens", "4"])
+    )
+    assert (config.speculative, config.num_speculative_tokens) == ("ngram", 4)
+    assert engine_config(p.parse_args(base)).speculative is None
+    with pytest.raises(SystemExit):
+        p.parse_args([*base, "--speculative", "medusa"])
+
+
+# -- the real model -----------------------------------------------------------------------
+def test_smollm2_greedy_equals_no_speculation(smollm2):
+    """An edit-style prompt (advice: the code it repeats), plain n-gram on a chat question,
+    and a request that does not speculate, in one batch."""
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    base = make_llm(smollm2, num_kv_blocks=64).engine
+    tok = base.tokenizer
+
+    def chat(text: str) -> list[int]:
+        t = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tok.encode(t, add_special_tokens=False)
+
+    prompts = [
+        chat(f"Add type hints to this code. Reply with the code only.\n\n{code}"),
+        chat("List the days of the week, then list them again."),
+        chat("What is the capital of France?"),
+    ]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    advice = tuple(tok.encode(code, add_special_tokens=False))
+    params = [
+        replace(greedy, speculative_advice=advice),
+        greedy,
+        replace(greedy, num_speculative_tokens=0),
+    ]
+    want = _run(base, prompts, params)
+    engine = make_llm(
+        smollm2, num_kv_blocks=64, speculative="ngram", num_speculative_tokens=3
+    ).engine
+    got = _run(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = engine.stats().spec
+    assert stats.num_accepted_tokens > 10, stats
+    assert_pool_idle(engine)

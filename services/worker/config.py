@@ -114,6 +114,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> AsyncLLM:
+    return AsyncLLM(engine_config(args), record_kv_events=True)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the flags ask for (sizing the KV cache from the machine
+    where they say auto)."""
     model = args.model
     if model is None:
         from engine.make_model import ensure_model
@@ -143,7 +149,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         )
     else:
         kv_bytes = args.kv_cache_mib << 20
-    config = EngineConfig(
+    return EngineConfig(
         model=model,
         dtype=dtype,
         weight_dtype=args.weight_dtype,
@@ -159,4 +165,3 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    return AsyncLLM(config, record_kv_events=True)
