@@ -200,7 +200,10 @@ class LLMEngine:
             if r.export_kv_from is not None
         }
         outputs += [_delta(r, tokens, exports.get(r.request_id)) for r, tokens in advanced]
-        self.step_timer.observe(time.perf_counter() - started, prompt, decode)
+        elapsed = time.perf_counter() - started
+        self.step_timer.observe(elapsed, prompt, decode)
+        if self.speculator is not None and not prompt:
+            self.speculator.observe_step(decode, elapsed)
         return outputs
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV:

@@ -173,8 +173,8 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         # Decodes (one new token) first, so attention can batch them in one call. A request
-        # verifying drafts runs like a prefill chunk over its cached context.
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # verifying drafts is decode rows too: one per token, each over the context before it.
+        items = sorted(out.scheduled, key=_is_prefill)
         input_ids, positions, meta, sample_rows = self._prepare(items, block_tables)
         samplers = [s for s in items if s.samples]
         if not samplers:
@@ -219,10 +219,13 @@ class ModelRunner:
                 # Verifying k drafts samples k + 1 rows: after each prefix of the drafts.
                 k = len(item.spec_token_ids)
                 sample_rows.extend(range(q_start + n - 1 - k, q_start + n))
-            if n == 1:
-                decode_pos.append(start)
-                decode_slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table)
+            if not _is_prefill(item):
+                # Row j sees positions 0 .. start + j: its own K/V and that of the rows
+                # before it are written before any row attends (kernels/attention.py).
+                for pos in range(start, start + n):
+                    decode_pos.append(pos)
+                    decode_slots.append(table[pos // bs] * bs + pos % bs)
+                    decode_tables.append(table)
             else:
                 blocks = torch.tensor(table[: -(-(start + n) // bs)])
                 p = torch.arange(start, start + n)
@@ -253,3 +256,8 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, device=dev),
         )
+
+
+def _is_prefill(item: ScheduledRequest) -> bool:
+    """A chunk of several tokens attended as one causal block (not decode rows)."""
+    return item.num_new_tokens != 1 and not item.spec_token_ids

@@ -19,7 +19,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_noise import draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.spec.adaptive import SpecState
+from engine.spec.adaptive import SpecState, StepCost, best_k
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import accept
 from engine.spec.speculator import Speculator
@@ -51,11 +51,43 @@ def test_ngram_proposes_what_followed_the_latest_match():
 def test_ngram_reads_the_advice_first_and_in_order():
     advice = (10, 11, 12, 13, 10, 11, 14, 15)
     r = req([9, 10, 11], speculative_advice=advice)
-    r.spec = SpecState.start(4)
+    r.spec = SpecState(k_max=4)
     proposer = NgramProposer(max_n=2, min_n=2)
     assert proposer.propose([r], [2]) == [[12, 13]]  # the first "10 11" of the advice
     r.token_ids += [12, 13, 10, 11]
     assert proposer.propose([r], [2]) == [[14, 15]]  # from the cursor on: the second one
+
+
+# -- adaptive speculation length ---------------------------------------------------------
+def test_drafts_only_as_far_as_they_pay():
+    assert best_k(0.9, 5, 0.0) == 5  # free rows: always all of them
+    assert best_k(0.9, 5, 0.15) == 5
+    assert best_k(0.5, 5, 0.15) == 2
+    assert best_k(0.1, 5, 0.15) == 0  # a draft right one time in ten costs more than it adds
+    assert best_k(0.9, 5, 0.75) == 1  # a big batch: rows are compute
+    assert best_k(0.7, 5, 0.75) == 0
+
+
+def test_a_request_backs_off_and_probes_again():
+    state = SpecState(k_max=5)
+    for _ in range(6):
+        state.observe(2, 0)  # nothing accepted
+    # Sits out 1, 2, then 4 steps, probing with one draft after each pause.
+    assert [state.take_budget(0.15) for _ in range(10)] == [0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
+    for _ in range(4):
+        state.observe(3, 3)
+    assert state.take_budget(0.15) == 5
+
+
+def test_step_cost_fit_recovers_fixed_and_per_row_parts():
+    cost = StepCost()
+    assert cost.row_cost() == pytest.approx(0.2)  # the prior, before any step
+    for i in range(60):
+        rows = 1 + i % 6
+        cost.observe(rows, 0.060 + 0.010 * rows)
+    assert cost.row_cost() == pytest.approx(0.010 / 0.060, rel=1e-6)
+    assert cost.beta(1) == pytest.approx(1 / 7, rel=1e-6)
+    assert cost.beta(16) == pytest.approx(16 / 22, rel=1e-6)
 
 
 # -- the acceptance rule -----------------------------------------------------------------

@@ -2,9 +2,10 @@
 came of it.
 
 Before each schedule, every running request that is decoding (exactly one token without
-KV), has no grammar and has speculation on gets drafts from the proposer, up to its
-adaptive k (engine/spec/adaptive.py), never past its max_tokens or the context limit.
-After the step, the accepted counts feed k and the counters.
+KV), has no grammar and has speculation on gets drafts from the proposer, as many as pay
+at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
+never past its max_tokens or the context limit. After the step, the accepted counts feed
+that estimate and the counters, and decode steps' times feed the cost model.
 
 Rows with a grammar do not speculate: a draft token would need its grammar validity
 checked (and the matcher rolled back on rejection) before it could be verified; the
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.request import Request, RequestStatus
-from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState
+from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, StepCost
 from engine.spec.proposer import Proposer
 from engine.spec.stats import SpecCounts, SpecStats
 
@@ -25,7 +26,7 @@ class Speculator:
     def __init__(
         self, proposer: Proposer, num_tokens: int, max_model_len: int, adaptive: bool = True
     ) -> None:
-        """`adaptive` False: every request proposes its k_max drafts each step (tests)."""
+        """`adaptive` False: every request proposes its k_max drafts each step."""
         if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {num_tokens}"
@@ -34,27 +35,31 @@ class Speculator:
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
         self.adaptive = adaptive
+        self.cost = StepCost()
         self._stats = SpecStats(MAX_SPECULATIVE_TOKENS)
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set `spec_token_ids` of every running request (empty where it does not speculate)."""
-        chosen: list[Request] = []
-        budgets: list[int] = []
+        decoding: list[tuple[Request, int]] = []
         for r in running:
             r.spec_token_ids = []
-            k = self._k_max(r)
-            if k == 0 or r.status != RequestStatus.RUNNING:
+            if r.status != RequestStatus.RUNNING or r.num_computed_tokens != len(r.token_ids) - 1:
+                continue  # waiting for remote KV, or a prompt (a recompute) catching up
+            decoding.append((r, self._k_max(r)))
+        beta = self.cost.beta(len(decoding))
+        chosen: list[Request] = []
+        budgets: list[int] = []
+        for r, k in decoding:
+            if k == 0:
                 continue
-            if r.num_computed_tokens != len(r.token_ids) - 1:
-                continue  # a prompt (or a recompute) still catching up
             if r.spec is None or r.spec.k_max != k:
-                r.spec = SpecState.start(k)
+                r.spec = SpecState(k_max=k)
             # d drafts yield up to d + 1 tokens, at positions up to len(token_ids) + d - 1.
             room = min(
                 r.params.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - len(r.token_ids),
             )
-            budget = min(r.spec.take_budget(), room)
+            budget = min(r.spec.take_budget(beta) if self.adaptive else k, room)
             if budget > 0:
                 chosen.append(r)
                 budgets.append(budget)
@@ -65,10 +70,14 @@ class Speculator:
         ):
             r.spec_token_ids = list(drafts[:budget])
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step (no prompt tokens) of `rows` rows took `seconds`."""
+        self.cost.observe(rows, seconds)
+
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         """A verified draft of `proposed` tokens kept `accepted` of them."""
         self._stats.observe(proposed, accepted)
-        if self.adaptive and request.spec is not None:
+        if request.spec is not None:
             request.spec.observe(proposed, accepted)
 
     def stats(self) -> SpecCounts:
