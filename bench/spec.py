@@ -52,7 +52,7 @@ CODE = [
             merged.append([start, end])
     return merged
 ''',
-    '''class Stack:
+    """class Stack:
     def __init__(self):
         self.items = []
 
@@ -69,8 +69,8 @@ CODE = [
 
     def __len__(self):
         return len(self.items)
-''',
-    '''def binary_search(values, target):
+""",
+    """def binary_search(values, target):
     low, high = 0, len(values) - 1
     while low <= high:
         mid = (low + high) // 2
@@ -81,8 +81,8 @@ CODE = [
         else:
             high = mid - 1
     return -1
-''',
-    '''def word_counts(text):
+""",
+    """def word_counts(text):
     counts = {}
     for word in text.lower().split():
         word = word.strip(".,;:!?")
@@ -90,7 +90,7 @@ CODE = [
             continue
         counts[word] = counts.get(word, 0) + 1
     return sorted(counts.items(), key=lambda kv: -kv[1])
-''',
+""",
 ]
 EDITS = [
     "Add type hints to every function in this code. Reply with the whole code only.",
@@ -127,7 +127,9 @@ def prompts(engine: LLMEngine, workload: str, n: int) -> list[tuple[list[int], t
             advice = tuple(tok.encode(code, add_special_tokens=False))
         else:
             text, advice = CHAT[i % len(CHAT)], ()
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
         out.append((tok.encode(chat, add_special_tokens=False), advice))
     return out
 
