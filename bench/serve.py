@@ -133,7 +133,12 @@ def summarize(
 
 
 # -- clients ---------------------------------------------------------------------------------
-def openai_stream(url: str, model: str, session: aiohttp.ClientSession) -> Stream:
+def openai_stream(
+    url: str, model: str, session: aiohttp.ClientSession, cached: list[int] | None = None
+) -> Stream:
+    """Streams /v1/completions; each request's usage.prompt_tokens_details.cached_tokens is
+    appended to `cached` when given (a prefix-cache benchmark's reuse)."""
+
     async def stream(prompt: list[int], max_tokens: int, tick: Callable[[], None]) -> int:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True,
@@ -154,6 +159,9 @@ def openai_stream(url: str, model: str, session: aiohttp.ClientSession) -> Strea
                     chunks += 1
                 if chunk.get("usage"):
                     usage = chunk["usage"]["completion_tokens"]
+                    if cached is not None:
+                        details = chunk["usage"].get("prompt_tokens_details") or {}
+                        cached.append(details.get("cached_tokens") or 0)
         return chunks if usage is None else usage
 
     return stream

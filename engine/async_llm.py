@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 from engine.block_hash import BlockHash
 from engine.block_pool import KVEvent
 from engine.config import EngineConfig, KVLayout
+from engine.cost_model import CostModel, StepCost
 from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
 from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
-from engine.step_rate import StepRate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -175,13 +175,13 @@ class AsyncLLM:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
         return await self.call(lambda engine: engine.take_kv_events())
 
-    async def kv_snapshot(self) -> tuple[list[KVEvent], list[BlockHash]]:
-        """The pending events (as take_kv_events) and every hash the prefix cache holds
-        after them, taken together between steps: the hashes are exactly what applying all
-        events taken so far gives."""
-        return await self.call(
-            lambda engine: (engine.take_kv_events(), engine.pool.cached_hashes())
-        )
+    async def kv_snapshot(
+        self,
+    ) -> tuple[list[KVEvent], tuple[list[BlockHash], list[BlockHash]]]:
+        """The pending events (as take_kv_events) and every hash the device pool and the
+        host tier hold after them, taken together between steps: the hashes are exactly
+        what applying all events taken so far gives."""
+        return await self.call(lambda engine: (engine.take_kv_events(), engine.cached_hashes()))
 
     async def check(self) -> EngineCheck:
         """Stats, held blocks and the integrity check, taken between steps."""
@@ -191,9 +191,19 @@ class AsyncLLM:
         """The snapshot taken after the latest step (no locking needed to read it)."""
         return self._stats
 
-    def step_rate(self) -> StepRate:
-        """The rates measured over the recent steps (an immutable snapshot)."""
-        return self.engine.step_timer.rate
+    def step_cost(self) -> StepCost:
+        """The step-time model fitted over the recent steps (an immutable snapshot)."""
+        return self.engine.costs.step()
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block (what a tier fetch moves per block)."""
+        return self.engine.limits.bytes_per_block
+
+    @property
+    def costs(self) -> CostModel:
+        """The engine's fitted step and fetch times (thread-safe)."""
+        return self.engine.costs
 
     def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests end with EngineStoppedError."""

@@ -33,10 +33,16 @@ class KVEventKind(Enum):
     REMOVED = "removed"
 
 
+class KVTier(Enum):
+    DEVICE = "device"  # T0: this pool
+    HOST = "host"  # T1: engine/host_tier.py
+
+
 @dataclass(frozen=True, slots=True)
 class KVEvent:
     kind: KVEventKind
     block_hash: BlockHash
+    tier: KVTier = KVTier.DEVICE
 
 
 class BlockPool:

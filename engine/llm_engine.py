@@ -14,6 +14,7 @@ import torch
 from engine.block_hash import BlockHash, cache_salt
 from engine.block_pool import BlockPool, KVBlock, KVEvent
 from engine.config import EngineConfig, KVLayout, ModelConfig
+from engine.cost_model import TIER_HOST, CostModel
 from engine.dtypes import kv_numerics
 from engine.host_tier import HostTier, HostTierStats
 from engine.kv_cache_manager import KVCacheManager
@@ -25,7 +26,6 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.spec.ngram import NgramProposer
 from engine.spec.speculator import Speculator
 from engine.spec.stats import SpecCounts
-from engine.step_rate import StepTimer
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError, check_prompt, check_stop_token_ids
@@ -65,7 +65,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(self.model_config, config, self.limits)
         # T1 below the device pool: blocks evicted from it spill there (engine/host_tier.py).
-        self.host = HostTier(config.host_kv_cache_bytes) if config.host_kv_cache_bytes else None
+        self.host = (
+            HostTier(config.host_kv_cache_bytes, record_events=record_kv_events)
+            if config.host_kv_cache_bytes
+            else None
+        )
         self.pool = BlockPool(
             self.limits.num_kv_blocks,
             record_events=record_kv_events,
@@ -89,7 +93,8 @@ class LLMEngine:
         self.kv_layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
         )
-        self.step_timer = StepTimer()  # measured rates, for the workers' wait estimate
+        # Fitted step and fetch times: the wait estimate here, the master's predictions.
+        self.costs = CostModel(config.max_num_batched_tokens)
         # Structured outputs: specs compiled for this model's tokenizer, cached by spec.
         self.grammars = Grammars(
             Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
@@ -152,10 +157,13 @@ class LLMEngine:
         )
 
     def add_request(self, request: Request) -> None:
+        self._copy_up_prefix(request)
+        self.scheduler.add_request(request)
+
+    def _copy_up_prefix(self, request: Request) -> None:
         # The last prompt token is always computed (its logits give the next token).
         usable = (request.num_prompt_tokens - 1) // self.config.block_size
         self._copy_up(request.block_hashes[:usable])
-        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -171,8 +179,13 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        # What was copied up from the host tier at arrival may have been evicted again
+        # while the request waited: copy it up once more just before it is admitted.
+        head = self.scheduler.next_waiting()
+        if self.host is not None and head is not None and head.num_computed_tokens == 0:
+            self._copy_up_prefix(head)
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.costs.step())
         sched = self.scheduler.schedule()
         outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
@@ -200,10 +213,7 @@ class LLMEngine:
             if r.export_kv_from is not None
         }
         outputs += [_delta(r, tokens, exports.get(r.request_id)) for r, tokens in advanced]
-        elapsed = time.perf_counter() - started
-        self.step_timer.observe(elapsed, prompt, decode)
-        if self.speculator is not None and not prompt:
-            self.speculator.observe_step(decode, elapsed)
+        self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV:
@@ -247,9 +257,12 @@ class LLMEngine:
                 break
             held.append(block)
         rest = block_hashes[len(held) :]
+        started = time.perf_counter()
         found = self.host.lookup(rest)
         if found:
             self._adopt(rest[: len(found)], found, protect=held)
+            seconds = time.perf_counter() - started
+            self.costs.observe_fetch(TIER_HOST, seconds, sum(p.nbytes for p in found))
 
     def _adopt(
         self, block_hashes: list[bytes], parts: list[PromptKV], protect: list[KVBlock]
@@ -325,8 +338,14 @@ class LLMEngine:
         )
 
     def take_kv_events(self) -> list[KVEvent]:
-        """Blocks stored in / removed from the prefix cache since the previous call."""
-        return self.pool.take_events()
+        """Blocks stored in / removed from the prefix cache (each event names its tier:
+        the device pool or the host tier) since the previous call."""
+        host = self.host.take_events() if self.host is not None else []
+        return self.pool.take_events() + host
+
+    def cached_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Every hash the device pool's prefix cache holds, and every one the host tier does."""
+        return self.pool.cached_hashes(), self.host.hashes() if self.host is not None else []
 
     def check(self) -> EngineCheck:
         error = ""

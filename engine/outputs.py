@@ -48,6 +48,11 @@ class PromptKV:
     def num_tokens(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.k, self.v, self.k_scale, self.v_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:

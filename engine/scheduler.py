@@ -89,6 +89,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def next_waiting(self) -> Request | None:
+        """The request `schedule` admits next, room permitting."""
+        return self._waiting[0][1] if self._waiting else None
+
     @property
     def num_running(self) -> int:
         return len(self.running)

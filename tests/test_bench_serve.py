@@ -179,3 +179,18 @@ def test_smoke_against_the_in_process_engine(
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["target"] == "engine" and saved["cpu_isa"]["level"]
     assert saved["request_rate"] == 50.0 and saved["p99_itl_ms"] > 0
+
+
+def test_route_ceiling_counts_chained_full_blocks_of_earlier_prompts():
+    from bench.route import ceiling_tokens
+
+    a, b, c = [1] * 4, [2] * 4, [3] * 4  # blocks of 4 tokens
+    prompts = [
+        a + b + [9],  # nothing before it
+        a + b + [8],  # a, b seen: 8 tokens
+        a + c + b,  # a seen, c not: the chain stops there (b after a hole does not count)
+        a + c + b,  # all 3 blocks seen, but the last token is always computed: 2 blocks
+        a,  # one block; its only token-bearing block must be computed: 0
+    ]
+    assert ceiling_tokens(prompts, 4) == 8 + 4 + 8 + 0
+    assert ceiling_tokens([], 4) == 0

@@ -83,6 +83,25 @@ def test_a_lookup_copies_up_before_answering(model_dir, corpus_ids):
     assert_pool_idle(engine)
 
 
+def test_blocks_evicted_again_while_queued_are_copied_up_at_admission(model_dir, corpus_ids):
+    """The target's blocks come up from T1 when it arrives, but it waits behind a long
+    prompt whose blocks push them out of the 8-block pool again; they are copied up once
+    more when the target is admitted, so it still hits every one."""
+    llm = make_llm(
+        model_dir("tiny-llama"), num_kv_blocks=8, max_num_seqs=1, host_kv_cache_bytes=8 << 20
+    )
+    engine = llm.engine
+    target = corpus_ids[:70]
+    [first] = llm.generate([target], GREEDY)
+    llm.generate([corpus_ids[100:180]], GREEDY)  # 5 blocks: the target's go down to T1
+    long = corpus_ids[200:300]  # 7 blocks: while it runs, nothing else fits
+    [_, again] = llm.generate([long, target], GREEDY)
+    engine.check_integrity()
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == 64
+    assert_pool_idle(engine)
+
+
 def test_worker_metrics_count_host_tier_lookups():
     from prometheus_client import CollectorRegistry
 

@@ -2,9 +2,10 @@
 event batch, a worker restart, a master restart and a NATS restart under traffic.
 
 Real parts throughout: a nats-server process, workers that are real engines (tiny-llama,
-a small pool so blocks are evicted too) with their event feed on NATS and the Worker gRPC
-service, and the master's ClusterView fetching snapshots over gRPC. "What the workers hold"
-is the union of their Worker.Snapshot replies; the check is set equality per worker.
+a small pool and a small host tier under it, so blocks are evicted from both) with their
+event feed on NATS and the Worker gRPC service, and the master's ClusterView fetching
+snapshots over gRPC. "What the workers hold" is the union of their Worker.Snapshot
+replies; the check is set equality per worker and tier.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from services.worker.servicer import WorkerServicer
 from tests.servers import eventually
 
 NUM_KV_BLOCKS = 40  # 640 tokens: the traffic below evicts, so removals flow too
+# A host tier (T1) of 24 tiny-llama blocks (32 KiB each in float32) under the pool: it fills
+# and evicts too, and its entries must converge like the pool's.
+HOST_KV_BYTES = 24 * 32 * 1024
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 Ev = ns.MembershipEvent
 
@@ -50,7 +54,9 @@ class Worker:
 
     @classmethod
     async def start(cls, model: str, worker_id: str, nats_url: str, port: int = 0) -> Worker:
-        config = EngineConfig(model=model, num_kv_blocks=NUM_KV_BLOCKS)
+        config = EngineConfig(
+            model=model, num_kv_blocks=NUM_KV_BLOCKS, host_kv_cache_bytes=HOST_KV_BYTES
+        )
         llm = await asyncio.to_thread(AsyncLLM, config, True)
         server, port, _ = grpc_util.create_server(f"127.0.0.1:{port}")
         servicer = WorkerServicer(llm)
@@ -97,9 +103,11 @@ class Master:
         resync = asyncio.create_task(view.resync_forever(fetch))
         return cls(view, bus, fetch, resync)
 
-    def index(self) -> dict[str, set[bytes]]:
+    def index(self) -> dict[str, tuple[set[bytes], set[bytes]]]:
+        """Each worker's entries: (its pool, its host tier)."""
         self.view.check_integrity()
-        return {w: self.view.index.hashes(w) for w in self.view.index.workers()}
+        index = self.view.index
+        return {w: (index.hashes(w), index.host.hashes(w)) for w in index.workers()}
 
     async def stop(self) -> None:
         self.resync.cancel()
@@ -108,16 +116,17 @@ class Master:
         await self.bus.close()
 
 
-async def truth(workers: list[Worker]) -> dict[str, set[bytes]]:
-    """The union of the workers' snapshots, as their Snapshot RPC serves them."""
+async def truth(workers: list[Worker]) -> dict[str, tuple[set[bytes], set[bytes]]]:
+    """The union of the workers' snapshots (pool, host tier), as their Snapshot RPC
+    serves them."""
     out = {}
     for w in workers:
         async with grpc_util.channel(w.address) as ch:
             snap = await worker_pb2_grpc.WorkerStub(ch).Snapshot(
                 worker_pb2.KVSnapshotRequest(), timeout=5
             )
-        if snap.block_hashes:
-            out[w.worker_id] = set(snap.block_hashes)
+        if snap.block_hashes or snap.host_block_hashes:
+            out[w.worker_id] = (set(snap.block_hashes), set(snap.host_block_hashes))
     return out
 
 

@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from services.common.pb import events_pb2, worker_pb2
+from services.common.pb import events_pb2, master_pb2, worker_pb2
 from services.common.pb import nameservice_pb2 as ns
 from services.master import index_sync
 from services.master.cluster import ClusterView
@@ -76,6 +76,30 @@ def test_startup_snapshot_then_buffered_batches_replay_in_order():
     assert not s.sync.events(ev(7, stored=[H[9]]))  # a duplicate: stale, ignored
     assert s.sync.stats.stale == 1 and s.held() == {H[1], H[2], H[3]}
     assert not s.sync.snapshot(due, snap(9, [H[9]]))  # a late second reply: not awaited
+
+
+def test_host_tier_entries_follow_the_same_stream_and_snapshots():
+    s = Script()
+    s.sync.track("a", ResyncReason.STARTUP)
+    due = s.one_due()
+    # Batch 4 (covered by the snapshot) and batch 5: the pool evicts H[1] into the host tier.
+    assert s.sync.events(ev(4, stored=[H[0], H[1]]))
+    batch = ev(5, removed=[H[1]])
+    batch.host_stored.append(H[1])
+    assert s.sync.events(batch)
+    snapshot = snap(4, [H[0], H[1]])
+    snapshot.host_block_hashes.append(H[7])
+    assert s.sync.snapshot(due, snapshot)
+    assert s.held() == {H[0]} and s.index.host.hashes("a") == {H[1], H[7]}
+    # The host tier drops H[7]; a restart clears both tiers at once.
+    batch = ev(6)
+    batch.host_removed.append(H[7])
+    assert s.sync.events(batch) and s.index.host.hashes("a") == {H[1]}
+    assert s.sync.events(ev(1, inc=9, stored=[H[5]]))
+    assert s.held() == {H[5]} and s.index.host.hashes("a") == set()
+    assert s.index.workers() == ["a"]
+    s.index.drop_worker("a")
+    assert s.index.workers() == [] and s.index.host.workers() == []
 
 
 def test_batch_one_of_a_fresh_worker_needs_no_snapshot():
@@ -235,15 +259,20 @@ def test_unsequenced_batches_apply_as_they_come():
 # -- the view: who is tracked, and load-report expiry -------------------------------------
 def test_view_tracks_workers_with_startup_then_joined_reasons():
     view = ClusterView(clock=lambda: 0.0)
+    # A batch that beats the first membership snapshot: still a worker the master started
+    # without (startup), not one that joined later.
+    assert view.apply_kv_events(ev(9, stored=[H[1]], worker="p0"))
+    view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member("p0", ns.ROLE_PREFILL)))
+    assert view.sync.stats.wanted == {"startup": 1}
     view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member("p1", ns.ROLE_PREFILL)))
     view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member("m1", ns.ROLE_MASTER)))
     view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("f1", ns.ROLE_FUSED)))
-    assert view.sync.workers() == ["f1", "p1"]  # workers only
-    assert view.sync.stats.wanted == {"startup": 1, "joined": 1}
+    assert view.sync.workers() == ["f1", "p0", "p1"]  # workers only
+    assert view.sync.stats.wanted == {"startup": 2, "joined": 1}
     assert view.apply_kv_events(ev(4, stored=[H[0]], worker="f1"))  # buffered until snapshot
     assert view.index.workers() == []
     view.apply_membership(Ev(kind=Ev.KIND_LEFT, member=member("f1", ns.ROLE_FUSED)))
-    assert view.sync.workers() == ["p1"]
+    assert view.sync.workers() == ["p0", "p1"]
     assert not view.apply_kv_events(ev(5, stored=[H[0]], worker="f1"))  # departed
     view.check_integrity()
 
@@ -275,3 +304,24 @@ def test_stale_load_report_counts_as_unknown_not_idle():
     plan = route(policy, view)
     assert plan.prefill.id == "p2" and plan.reason.endswith("(no load report)")
     view.check_integrity()
+
+
+def test_idle_audit_checks_integrity_and_a_failure_resyncs_everyone():
+    now = [0.0]
+    view = ClusterView(clock=lambda: now[0])
+    for w in ("a", "b"):
+        view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member(w, ns.ROLE_FUSED)))
+    view.end_snapshot()
+    for w in ("a", "b"):
+        (due,) = view.sync.due(lambda x, w=w: x == w)
+        assert view.sync.snapshot(due, snap(3, [H[0]], worker=w))
+    now[0] = 10.0
+    assert view.audit()  # idle and sound
+    view.index._holders[H[9]] = {"a"}  # corrupt: a holder the worker's set lacks
+    request = master_pb2.RouteRequest(request_id="r", block_hashes=[H[0]], num_prompt_tokens=20)
+    CacheAware().route(view, request)  # busy: no audit while requests are routed
+    now[0] = 12.0
+    assert view.audit()
+    now[0] = 20.0
+    assert not view.audit()
+    assert {view.sync.state(w) for w in ("a", "b")} == {WANTED}

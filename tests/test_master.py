@@ -18,6 +18,7 @@ from services.common.pb import nameservice_pb2 as ns
 from services.master.cluster import ClusterView
 from services.master.policy import (
     CacheAware,
+    LeastLoad,
     NoWorkersError,
     RoundRobin,
     make_policy,
@@ -158,9 +159,12 @@ def test_ties_session_affinity_then_fewest_running():
     loaded = cluster(*PD3, loads=[load("p1", running=3), load("p2", running=1), load("p3")])
     plan = route(CacheAware(), loaded)
     assert plan.prefill.id == "p3" and "(tie of 3 broken by fewest running)" in plan.reason
-    even = cluster(*PD3, loads=[load(w, running=1) for w in ("p1", "p2", "p3")])
-    plan = route(CacheAware(), even)
-    assert plan.prefill.id == "p1" and "(tie of 3 broken by rotation)" in plan.reason
+    even = [load(w, running=1) for w in ("p1", "p2", "p3")]
+    plan = route(CacheAware(), cluster(*PD3, loads=even))
+    expected = PD3[session_slot("r", 3)].id  # the request id's hash: the same on any replica
+    assert plan.prefill.id == expected and "(tie of 3 broken by request id)" in plan.reason
+    policy = CacheAware()  # no rotation state: the same view gives the same choice each time
+    assert {route(policy, cluster(*PD3, loads=even)).prefill.id for _ in range(5)} == {expected}
 
 
 def test_burst_is_charged_until_the_next_load_report():
@@ -169,7 +173,8 @@ def test_burst_is_charged_until_the_next_load_report():
     plans = [route(policy, view) for _ in range(6)]
     # costs start p1 68, p2 20, p3 100; each pick adds its uncached tokens to that worker
     assert [p.prefill.id for p in plans] == ["p2", "p2", "p2", "p1", "p2", "p3"]
-    assert [p.decode.id for p in plans] == ["d1", "d2", "d1", "d2", "d1", "d2"]
+    # decode: a tie at first (broken by the request id's hash), then the one charged less
+    assert [p.decode.id for p in plans] == ["d2", "d1", "d2", "d1", "d2", "d1"]
     assert view.pending("p2").tokens == 80 and view.pending("d1").blocks == 21
     view.apply_load(load("p2"))  # the report includes what was routed there
     assert view.pending("p2").requests == 0
@@ -205,33 +210,117 @@ def test_conditional_disaggregation_keeps_short_prompts_on_the_decode_worker():
     assert make_policy("round_robin", 128).max_local_prefill_tokens == 128
 
 
+def fitted(worker_id: str, token_ms=1.0, fixed_ms=0.0, row_ms=0.0, budget=0, **fields):
+    """A load report with a fitted step model: fixed + token * p + row * r milliseconds."""
+    return load(worker_id, step_fixed_s=fixed_ms / 1e3, step_token_s=token_ms / 1e3,
+                step_row_s=row_ms / 1e3, step_token_budget=budget, **fields)  # fmt: skip
+
+
 def test_the_worker_that_answers_first_in_seconds_wins():
-    # p2 holds 5 blocks (20 tokens left to compute) but is slow and has a 1 s queue;
-    # p1 holds 2 blocks (68 tokens) at 1000 tokens/s: 0.068 s < 1 + 20/100 s.
-    loads = [
-        load("p1", prefill_tokens_per_s=1000.0),
-        load("p2", queued=100, queue_wait_s=1.0, prefill_tokens_per_s=100.0),
-        load("p3", prefill_tokens_per_s=10.0),
-    ]
+    # p2 holds 5 blocks (20 tokens left) but is slow (10 ms a token) and has 100 tokens
+    # queued: 1.2 s. p1 holds 2 blocks (68 tokens) at 1 ms a token: 0.068 s.
+    loads = [fitted("p1"), fitted("p2", token_ms=10.0, queued=100), fitted("p3", token_ms=100)]
     plan = route(CacheAware(), cluster(*PD3, cached=CACHED, loads=loads))
     assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)
-    assert plan.reason.startswith("prefix 2 blocks on p1, cost 0.068 s")
-    # Without the queue p2 is first again: 20/100 = 0.2 s < p3's 10 s, p1 still 0.068 s;
-    # slow p1 down and p2's cached prefix wins.
-    loads = [load("p1", prefill_tokens_per_s=100.0), load("p2", prefill_tokens_per_s=100.0)]
+    assert plan.reason.startswith("prefix 2 blocks on p1, cost 68.0 ms (wait 0.0 + prefill")
+    assert plan.predicted_ttft_s == pytest.approx(0.068)
+    # Without the queue p2 is first: 20 * 10 ms = 0.2 s, against 100 * 4 ms on p1 now.
+    loads = [fitted("p1", token_ms=4.0), fitted("p2", token_ms=10.0)]
     plan = route(CacheAware(), cluster(*PD3, cached=CACHED, loads=loads))
-    assert plan.prefill.id == "p2" and "cost 0.200 s" in plan.reason
+    assert plan.prefill.id == "p2" and plan.predicted_ttft_s == pytest.approx(0.2)
 
 
-def test_unmeasured_worker_counts_at_the_mean_rate():
-    # p3 reported no rate yet: its 100 queued + 100 prompt tokens count at p1's 1000/s
-    # (0.2 s), against p1's 0.3 s of queue.
-    loads = [
-        load("p1", queue_wait_s=0.3, prefill_tokens_per_s=1000.0),
-        load("p2", queue_wait_s=0.5, prefill_tokens_per_s=1000.0),
-        load("p3", queued=100),
-    ]
-    assert route(CacheAware(), cluster(*PD3, loads=loads), hashes=[]).prefill.id == "p3"
+def test_prediction_counts_chunks_and_the_running_batch():
+    # p1: 2 ms a step + 1 ms a token + 0.5 ms a running row, 64 tokens a step, 4 running.
+    # 100 queued + 68 own = 168 tokens: 3 chunks of (2 + 2) ms, 168 ms of tokens, plus the
+    # step in flight (4 ms) = 184 ms.
+    loads = [fitted("p1", fixed_ms=2.0, row_ms=0.5, budget=64, queued=100, running=4)]
+    view = cluster(member("p1", P), member("d1", D), cached={"p1": H[:2]}, loads=loads)
+    plan = route(CacheAware(), view)
+    assert plan.predicted_ttft_s == pytest.approx(0.184)
+    assert (
+        "wait 112.0 + prefill 72.0 of 68 tokens" in plan.reason
+    )  # 4 + 2 * 4 + 100 | 168 - 100 - 12 + 12
+
+
+def test_cached_but_busy_loses_to_idle_but_cold_that_fetches():
+    # All on one machine's rates: 1 ms a token; remote fetches 1 ms + 1 ms per MiB.
+    fetch = [events_pb2.TierFetchCost(tier="remote", fixed_s=1e-3, byte_s=1e-3 / 2**20)]
+    tiers = dict(remote_tier=True, fetch_costs=fetch, kv_block_bytes=2**20)
+    # p2 holds all 6 blocks of a 100-token prompt (4 tokens to compute) but 300 are queued.
+    busy = [fitted("p2", queued=300, **tiers), fitted("p1", **tiers), fitted("p3", **tiers)]
+    plan = route(CacheAware(), cluster(*PD3, cached={"p2": H[:6]}, loads=busy))
+    # p1 fetches the 6 blocks (7 ms) and computes 4 tokens (4 ms): 11 ms < p2's 304 ms.
+    assert plan.prefill.id in ("p1", "p3") and plan.matched_blocks == 0
+    assert plan.predicted_ttft_s == pytest.approx(0.011)
+    assert "fetch 7.0 of 6 blocks" in plan.reason
+    # Idle, the holder wins: 4 ms, nothing to fetch.
+    idle = [fitted("p2", **tiers), fitted("p1", **tiers), fitted("p3", **tiers)]
+    plan = route(CacheAware(), cluster(*PD3, cached={"p2": H[:6]}, loads=idle))
+    assert (plan.prefill.id, plan.matched_blocks) == ("p2", 6)
+    assert plan.predicted_ttft_s == pytest.approx(0.004)
+    # Without a remote tier the cold worker must compute all 100 tokens: p2's queue of 300
+    # is still worse (304 ms > 100 ms), but one of 90 is not (94 ms < 100 ms).
+    alone = [fitted("p2", queued=300), fitted("p1"), fitted("p3")]
+    assert route(CacheAware(), cluster(*PD3, cached={"p2": H[:6]}, loads=alone)).prefill.id != "p2"
+    alone = [fitted("p2", queued=90), fitted("p1"), fitted("p3")]
+    assert route(CacheAware(), cluster(*PD3, cached={"p2": H[:6]}, loads=alone)).prefill.id == "p2"
+    # A fetch nobody has timed yet earns no credit: the cold workers count 100 tokens.
+    untimed = [fitted("p2", queued=90, remote_tier=True), fitted("p1", remote_tier=True)]
+    view = cluster(*PD3, cached={"p2": H[:6]}, loads=untimed)
+    assert route(CacheAware(), view).prefill.id == "p2"
+
+
+def test_host_tier_blocks_cost_their_copy_up():
+    # p1's pool holds 2 blocks of the prompt and its host tier the next 4 (copy-up 0.5 ms a
+    # block): 6 blocks for 2 ms + 4 tokens; p2's pool holds 5 blocks: 20 tokens, 20 ms.
+    host = [events_pb2.TierFetchCost(tier="host", fixed_s=0.0, byte_s=0.5e-3)]
+    loads = [fitted("p1", fetch_costs=host, kv_block_bytes=1), fitted("p2"), fitted("p3")]
+    view = cluster(*PD3, cached=CACHED, loads=loads)
+    batch = kv("p1", stored=[])
+    batch.host_stored.extend(H[2:6])
+    assert view.apply_kv_events(batch) and view.index.host.hashes("p1") == set(H[2:6])
+    plan = route(CacheAware(), view)
+    assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)
+    assert plan.predicted_ttft_s == pytest.approx(0.006)
+    assert "fetch 2.0 of 4 blocks" in plan.reason
+    # Untimed, the copy-up earns nothing: p2's 20 tokens beat p1's 68.
+    loads = [fitted("p1"), fitted("p2"), fitted("p3")]
+    view = cluster(*PD3, cached=CACHED, loads=loads)
+    assert view.apply_kv_events(batch)
+    assert route(CacheAware(), view).prefill.id == "p2"
+
+
+def test_hot_prefix_spreads_once_its_holder_is_the_slower_answer():
+    # A burst of one hot prompt: each pick is charged to its worker, so the holder wins
+    # until its queue outweighs the others' fetch + 4 tokens, then the burst spreads.
+    fetch = [events_pb2.TierFetchCost(tier="remote", fixed_s=1e-3, byte_s=0.0)]
+    tiers = dict(remote_tier=True, fetch_costs=fetch, kv_block_bytes=1)
+    loads = [fitted(w, **tiers) for w in ("p1", "p2", "p3")]
+    view, policy = cluster(*PD3, cached={"p2": H[:6]}, loads=loads), CacheAware()
+    picks = [route(policy, view).prefill.id for _ in range(9)]
+    # p2: 4, 8 (after one charge of 4), ... ms; p1/p3: fetch 1 + 4 = 5 ms, then 9, ...
+    assert picks[0] == "p2" and len(set(picks)) == 3
+    assert picks.count("p2") <= 4
+
+
+def test_least_load_ignores_every_cache():
+    loads = [fitted("p1", queued=10), fitted("p2", queued=50), fitted("p3", queued=20)]
+    plan = route(LeastLoad(), cluster(*PD3, cached=CACHED, loads=loads))
+    assert (plan.prefill.id, plan.policy) == ("p1", "least_load")
+    assert plan.predicted_ttft_s == pytest.approx(0.110)  # 10 queued + all 100 tokens
+    assert make_policy("least_load").name == "least_load"
+
+
+def test_unfitted_worker_borrows_the_mean_coefficients():
+    # p3 has no fitted model yet: its 100 queued + 100 prompt tokens count at the mean of
+    # p1's and p2's 1 ms a token (0.2 s), against their 300 and 500 tokens queued.
+    loads = [fitted("p1", queued=300), fitted("p2", queued=500), load("p3", queued=100)]
+    plan = route(CacheAware(), cluster(*PD3, loads=loads), hashes=[])
+    assert plan.prefill.id == "p3" and plan.predicted_ttft_s == pytest.approx(0.2)
+    # Nobody fitted: costs in tokens, and no prediction in seconds on the plan.
+    plan = route(CacheAware(), cluster(*PD3, loads=[load("p1", queued=5)]))
+    assert plan.predicted_ttft_s == 0.0 and "tokens" in plan.reason
 
 
 def test_full_queue_is_skipped_while_another_has_room():
@@ -263,11 +352,13 @@ def test_modes_exclude_and_no_workers():
     fused = (member("f1", F), member("f2", F))
     view = cluster(*PD3, *fused, cached={"f2": H[:3], "p2": H[:1]})
     plan = route(CacheAware(), view)
-    assert (plan.prefill.id, plan.decode.id) == ("p2", "d1")  # PD preferred
+    assert (plan.prefill.id, plan.decode.id) == ("p2", "d2")  # PD preferred
     plan = route(CacheAware(), view, exclude=["p1", "p2", "p3"])  # no prefill left: fused
     assert not plan.HasField("prefill") and (plan.decode.id, plan.matched_blocks) == ("f2", 3)
     assert route(CacheAware(), view, exclude=["d1", "d2", "f2"]).decode.id == "f1"
-    assert route(CacheAware(), view, exclude=["p2"]).prefill.id == "p1"
+    assert (
+        route(CacheAware(), view, exclude=["p2"]).prefill.id == ["p1", "p3"][session_slot("r", 2)]
+    )
     with pytest.raises(NoWorkersError, match="0 fused .excluded: d1, d2, f1, f2"):
         route(CacheAware(), view, exclude=["d1", "d2", "f1", "f2"])
     with pytest.raises(NoWorkersError):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.block_pool import BlockPool
+from engine.cost_model import StepCost
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, SampledToken
@@ -19,7 +20,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_noise import draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.spec.adaptive import SpecState, StepCost, best_k
+from engine.spec.adaptive import SpecState, best_k, draft_row_cost
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import accept
 from engine.spec.speculator import Speculator
@@ -79,15 +80,11 @@ def test_a_request_backs_off_and_probes_again():
     assert state.take_budget(0.15) == 5
 
 
-def test_step_cost_fit_recovers_fixed_and_per_row_parts():
-    cost = StepCost()
-    assert cost.row_cost() == pytest.approx(0.2)  # the prior, before any step
-    for i in range(60):
-        rows = 1 + i % 6
-        cost.observe(rows, 0.060 + 0.010 * rows)
-    assert cost.row_cost() == pytest.approx(0.010 / 0.060, rel=1e-6)
-    assert cost.beta(1) == pytest.approx(1 / 7, rel=1e-6)
-    assert cost.beta(16) == pytest.approx(16 / 22, rel=1e-6)
+def test_a_draft_rows_cost_from_the_fitted_step_time():
+    assert draft_row_cost(StepCost(), 1) == pytest.approx(0.2 / 1.2)  # the prior, unfitted
+    step = StepCost(fixed_s=0.060, token_s=0.001, row_s=0.010)
+    assert draft_row_cost(step, 1) == pytest.approx(1 / 7)
+    assert draft_row_cost(step, 16) == pytest.approx(16 / 22)
 
 
 # -- the acceptance rule -----------------------------------------------------------------
@@ -387,10 +384,10 @@ def test_speculator_limits_drafts_to_what_the_request_may_still_produce():
     r = req([1, 2, 3, 1, 2, 3, 1, 2], max_tokens=3)
     r.num_computed_tokens = len(r.token_ids) - 1
     r.status = RequestStatus.RUNNING
-    spec.propose([r])
+    spec.propose([r], StepCost())
     assert r.spec_token_ids == [3, 1]  # 3 tokens to go: two drafts and the target's own
     r.params = replace(r.params, num_speculative_tokens=0)
-    spec.propose([r])
+    spec.propose([r], StepCost())
     assert r.spec_token_ids == []
 
 

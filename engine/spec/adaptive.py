@@ -7,8 +7,9 @@ this request's drafts are right, k drafts yield on average
     E(k) = 1 + alpha + alpha^2 + ... + alpha^k          tokens in one step,
 
 and the step grows by k rows. Step time is close to linear in its rows, S(R) = M + C R
-(`StepCost`, fitted online from the engine's own decode steps): M the fixed part (on a CPU,
-streaming the weights once), C a row's compute. Relative to the time one token costs
+(fitted online from the engine's own steps, engine/cost_model.py, where a verified draft
+is one more decode row): M the fixed part (on a CPU, streaming the weights once), C a
+row's compute. Relative to the time one token costs
 without speculation, S(B) / B for a batch of B, a draft row costs
 
     beta = C B / (M + C B)          (about 0.15 at batch 1 on a CPU, 0.75 at batch 16)
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cost_model import StepCost
+
 MAX_SPECULATIVE_TOKENS = 16  # per request and per server
 _DECAY = 0.8  # weight of the past in a request's acceptance estimate
 _MAX_PAUSE = 16
-# S(R) = M + C R: C / M before enough steps of different sizes are seen. Measured with
-# bench/spec.py's kernels on a 2-core AVX2 box (smollm2-135m, float32): ~15 ms a row over
-# a ~60 ms weight pass.
+# C / M until the step time is fitted. Measured on a 2-core AVX2 box (smollm2-135m,
+# float32, one thread): ~15 ms a row over a ~60 ms weight pass.
 _PRIOR_ROW_COST = 0.2
 
 
@@ -82,38 +84,9 @@ def best_k(alpha: float, k_max: int, beta: float) -> int:
     return best
 
 
-@dataclass(slots=True)
-class StepCost:
-    """Online least-squares fit of decode step seconds against rows, S = M + C R, with
-    exponentially decayed sums (recent steps count most)."""
-
-    decay: float = 0.98
-    n: float = 0.0
-    r: float = 0.0
-    s: float = 0.0
-    rr: float = 0.0
-    rs: float = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self.n, self.r, self.s = d * self.n + 1, d * self.r + rows, d * self.s + seconds
-        self.rr, self.rs = d * self.rr + rows * rows, d * self.rs + rows * seconds
-
-    def row_cost(self) -> float:
-        """C / M: a row's cost relative to the fixed part of a step."""
-        if self.n < 8:
-            return _PRIOR_ROW_COST
-        mean_r, mean_s = self.r / self.n, self.s / self.n
-        var = self.rr / self.n - mean_r**2
-        if var < 0.5:  # too few sizes seen to tell the parts apart
-            return _PRIOR_ROW_COST
-        c = (self.rs / self.n - mean_r * mean_s) / var
-        m = mean_s - c * mean_r
-        if c <= 0 or m <= 0:
-            return _PRIOR_ROW_COST if m <= 0 else 0.0
-        return min(c / m, 1.0)
-
-    def beta(self, batch: int) -> float:
-        """A draft row's cost relative to one token's time at this batch size."""
-        cb = self.row_cost() * max(batch, 1)
-        return cb / (1.0 + cb)
+def draft_row_cost(step: StepCost, batch: int) -> float:
+    """beta: a draft row's cost relative to one token's time at this batch size, from the
+    engine's fitted step time (engine/cost_model.py; a prior ratio until it is fitted)."""
+    ratio = step.row_s / step.fixed_s if step.fixed_s > 0 else _PRIOR_ROW_COST
+    cb = min(ratio, 1.0) * max(batch, 1)
+    return cb / (1.0 + cb)

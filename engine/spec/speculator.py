@@ -5,7 +5,7 @@ Before each schedule, every running request that is decoding (exactly one token 
 KV), has no grammar and has speculation on gets drafts from the proposer, as many as pay
 at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
 never past its max_tokens or the context limit. After the step, the accepted counts feed
-that estimate and the counters, and decode steps' times feed the cost model.
+that estimate and the counters.
 
 Rows with a grammar do not speculate: a draft token would need its grammar validity
 checked (and the matcher rolled back on rejection) before it could be verified; the
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.cost_model import StepCost
 from engine.request import Request, RequestStatus
-from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, StepCost
+from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, draft_row_cost
 from engine.spec.proposer import Proposer
 from engine.spec.stats import SpecCounts, SpecStats
 
@@ -35,18 +36,18 @@ class Speculator:
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
         self.adaptive = adaptive
-        self.cost = StepCost()
         self._stats = SpecStats(MAX_SPECULATIVE_TOKENS)
 
-    def propose(self, running: Sequence[Request]) -> None:
-        """Set `spec_token_ids` of every running request (empty where it does not speculate)."""
+    def propose(self, running: Sequence[Request], step: StepCost) -> None:
+        """Set `spec_token_ids` of every running request (empty where it does not speculate).
+        `step`: the engine's fitted step time, what a draft row costs."""
         decoding: list[tuple[Request, int]] = []
         for r in running:
             r.spec_token_ids = []
             if r.status != RequestStatus.RUNNING or r.num_computed_tokens != len(r.token_ids) - 1:
                 continue  # waiting for remote KV, or a prompt (a recompute) catching up
             decoding.append((r, self._k_max(r)))
-        beta = self.cost.beta(len(decoding))
+        beta = draft_row_cost(step, len(decoding))
         chosen: list[Request] = []
         budgets: list[int] = []
         for r, k in decoding:
@@ -69,10 +70,6 @@ class Speculator:
             chosen, budgets, self.proposer.propose(chosen, budgets), strict=True
         ):
             r.spec_token_ids = list(drafts[:budget])
-
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode-only step (no prompt tokens) of `rows` rows took `seconds`."""
-        self.cost.observe(rows, seconds)
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         """A verified draft of `proposed` tokens kept `accepted` of them."""

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from prometheus_client import REGISTRY, disable_created_metrics, start_http_server
 from prometheus_client.exposition import choose_encoder
 
+from engine.cost_model import TIER_HOST as TIER_HOST
+from engine.cost_model import TIER_REMOTE as TIER_REMOTE
 from services.common.pb import nameservice_pb2
 
 if TYPE_CHECKING:
@@ -36,12 +38,17 @@ PREFIX = "rtp:"
 
 # Label values (each label keeps a small, fixed vocabulary).
 # worker prefix cache: own pool, its host-memory tier below it, the cache service
-TIER_DEVICE, TIER_HOST, TIER_REMOTE = "device", "host", "remote"
+TIER_DEVICE = "device"
 TIER_MEMORY, TIER_REDIS = "memory", "redis"  # cache service: its LRU, the Redis tier
 SENT, RECEIVED = "sent", "received"  # KV transfer direction (prefill sends, decode receives)
 ABORT = "abort"  # finished_reason of a sequence that ended without finishing
 CLIENT_CLOSED = "499"  # HTTP status label of a request whose client went away (nginx's)
 
+# actual - predicted seconds (the master's TTFT prediction), either side of 0
+PREDICTION_ERROR_BUCKETS = (
+    -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)

@@ -57,6 +57,9 @@ CACHED_TOKENS = "gen_ai.usage.cached_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
 E2E_LATENCY = "gen_ai.latency.e2e"
+# The master's predicted time from routing to the first token, and what it came to.
+PREDICTED_TTFT = "rtp.route.predicted_ttft_s"
+ROUTED_TTFT = "rtp.route.actual_ttft_s"
 
 _provider: Any = None  # the SDK TracerProvider, once installed
 _pending: set[asyncio.Task[None]] = set()  # client spans waiting for their call's status

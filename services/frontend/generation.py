@@ -30,6 +30,7 @@ from opentelemetry import trace
 
 from engine.block_hash import block_hash_keys
 from engine.tokenizer import Tokenizer
+from services.common import tracing
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend import metrics
 from services.frontend.detokenizer import TextStream, TokenText
@@ -145,8 +146,10 @@ class Generator:
                     "rtp.route.decode": route.decode.id or route.decode.address,
                     "rtp.route.prefill": route.prefill.id if route.prefill else "",
                     "rtp.route.attempt": attempt,
+                    tracing.PREDICTED_TTFT: route.predicted_ttft_s,
                 },
             )
+            timer.routed(route.predicted_ttft_s)
             request = worker_pb2.GenerateRequest(
                 request_id=inp.request_id if attempt == 0 else f"{inp.request_id}-r{attempt}",
                 prompt_token_ids=prompt,
@@ -166,7 +169,15 @@ class Generator:
             who = f"worker {route.decode.id or route.decode.address}"
             try:
                 async for msg in call:
+                    first = timer.last_token is None
                     timer.tokens(len(msg.token_ids))
+                    if first and timer.routed_ttft_s is not None:
+                        trace.get_current_span().set_attributes(
+                            {
+                                tracing.PREDICTED_TTFT: timer.predicted_ttft_s,
+                                tracing.ROUTED_TTFT: timer.routed_ttft_s,
+                            }
+                        )
                     produced.extend(msg.token_ids)
                     yield msg
                     if msg.finished:

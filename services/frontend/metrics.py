@@ -14,6 +14,7 @@ from services.common.metrics import (
     CLIENT_CLOSED,
     E2E_BUCKETS,
     ITL_BUCKETS,
+    PREDICTION_ERROR_BUCKETS,
     PREFIX,
     QUEUE_BUCKETS,
     TTFT_BUCKETS,
@@ -29,6 +30,14 @@ class FrontendFamilies:
             "Time from a sequence's arrival to its first output token.",
             m,
             buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_prediction_error = Histogram(
+            PREFIX + "ttft_prediction_error_seconds",
+            "The master's predicted time from routing to the first token, subtracted from "
+            "what it took (positive: slower than predicted); requests it predicted only.",
+            m,
+            buckets=PREDICTION_ERROR_BUCKETS,
             registry=registry,
         )
         self.inter_token_latency = Histogram(
@@ -91,6 +100,15 @@ class SequenceTimer:
     opened: bool = False
     last_token: float | None = None
     done: bool = False
+    routed_at: float | None = None  # when the first route with a prediction was taken
+    predicted_ttft_s: float = 0.0
+    routed_ttft_s: float | None = None  # what that prediction came to (set at the first token)
+
+    def routed(self, predicted_ttft_s: float) -> None:
+        """The first attempt was routed, with this prediction of its time to first token
+        (0: none); the first token will say how close it was."""
+        if self.routed_at is None:
+            self.routed_at, self.predicted_ttft_s = time.monotonic(), predicted_ttft_s
 
     def started(self) -> None:
         """The worker stream is being opened (only the first attempt counts)."""
@@ -105,6 +123,9 @@ class SequenceTimer:
         now = time.monotonic()
         if self.last_token is None:
             self.metrics.ttft.observe(now - self.arrival)
+            if self.routed_at is not None and self.predicted_ttft_s > 0:
+                self.routed_ttft_s = now - self.routed_at
+                self.metrics.prediction_error.observe(self.routed_ttft_s - self.predicted_ttft_s)
             self.last_token, n = now, n - 1
         gap = (now - self.last_token) / n if n else 0.0
         for _ in range(n):
@@ -135,6 +156,7 @@ class FrontendMetrics:
         "families",
         "model_name",
         "ttft",
+        "prediction_error",
         "itl",
         "e2e",
         "queue_time",
@@ -146,6 +168,7 @@ class FrontendMetrics:
         self.families = families
         self.model_name = model_name
         self.ttft = families.time_to_first_token.labels(model_name)
+        self.prediction_error = families.ttft_prediction_error.labels(model_name)
         self.itl = families.inter_token_latency.labels(model_name)
         self.e2e = families.e2e_request_latency.labels(model_name)
         self.queue_time = families.request_queue_time.labels(model_name)

@@ -39,6 +39,7 @@ class Route:
     decode: ns_pb2.Member  # the worker whose Generate stream we open (decode or fused)
     prefill: ns_pb2.Member | None  # PD mode: the worker that computes the prompt
     source: str  # "master" or "fallback"
+    predicted_ttft_s: float = 0.0  # the master's prediction, from routing to the first token
 
     @property
     def prefill_address(self) -> str:
@@ -161,7 +162,7 @@ class Router:
             log.warning("master %s returned a plan without a worker: %s", address, plan)
             return None
         prefill = plan.prefill if plan.HasField("prefill") and plan.prefill.address else None
-        return Route(plan.decode, prefill, "master")
+        return Route(plan.decode, prefill, "master", plan.predicted_ttft_s)
 
     async def _follow(self, watch: Watch) -> None:
         while True:  # the watch reconnects by itself; this guards against anything else

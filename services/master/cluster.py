@@ -13,7 +13,8 @@ again, and its prefix-index entries and load are dropped.
 The prefix index is kept exact by `index_sync.IndexSync` (sequence numbers, snapshots);
 `resync_forever` is the loop that fetches the snapshots it asks for. A load report counts
 for LOAD_TTL_S after it arrives; after that the worker's load is unknown (`load` is None),
-which the policies treat as "maybe down", never as idle.
+which the policies treat as "maybe down", never as idle. Whenever nothing was routed for
+an audit interval, `audit` runs `check_integrity`; a failure resyncs every worker's part.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +34,7 @@ import grpc
 from services.common import grpc_util, subjects
 from services.common.bus import Bus
 from services.common.pb import events_pb2, nameservice_pb2, worker_pb2, worker_pb2_grpc
+from services.master import metrics
 from services.master.index_sync import Due, IndexSync, ResyncReason
 from services.master.prefix_index import PrefixIndex
 
@@ -50,6 +53,7 @@ WORKER_ROLES = frozenset(
     (nameservice_pb2.ROLE_PREFILL, nameservice_pb2.ROLE_DECODE, nameservice_pb2.ROLE_FUSED)
 )
 SNAPSHOT_TIMEOUT_S = 5.0
+AUDIT_INTERVAL_S = 5.0  # the idle-time integrity check
 MAX_CONCURRENT_SNAPSHOTS = 4
 
 FetchSnapshot = Callable[[Member], Awaitable[worker_pb2.KVSnapshot]]
@@ -84,6 +88,7 @@ class ClusterView:
         self._unconfirmed: set[str] | None = None  # None: not inside a snapshot
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._started = False  # the first membership snapshot has ended
+        self._last_charged = -math.inf  # clock() of the latest routed request
         self.index = PrefixIndex()
         self.sync = IndexSync(self.index, clock)
 
@@ -113,6 +118,7 @@ class ClusterView:
 
     def charge(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> None:
         """Count a request just routed to `worker_id` until its next LoadReport."""
+        self._last_charged = self._clock()
         if worker_id not in self._members:
             return
         pending = self.pending(worker_id)
@@ -193,6 +199,10 @@ class ClusterView:
         gone worker, or stale seq)."""
         if events.worker_id in self._departed:
             return False
+        if not self._started and events.seq and self.sync.state(events.worker_id) is None:
+            # Before the first membership snapshot ends the master knows nobody: a worker
+            # whose batch beats its snapshot entry is one the master (re)started without.
+            self.sync.track(events.worker_id, ResyncReason.STARTUP)
         return self.sync.events(events)
 
     def apply_load(self, report: events_pb2.LoadReport) -> bool:
@@ -215,6 +225,25 @@ class ClusterView:
             assert self._unconfirmed <= self._members.keys(), "unconfirmed non-member"
         assert not self._departed.keys() & set(self.sync.workers()), "sync kept departed"
         self.sync.check_integrity()
+
+    def audit(self) -> bool:
+        """`check_integrity`, when nothing was routed for a whole audit interval; a failure
+        is logged, counted, and every worker's index part resynced. False if it failed."""
+        if self._clock() - self._last_charged < AUDIT_INTERVAL_S:
+            return True
+        try:
+            self.check_integrity()
+        except AssertionError as exc:
+            log.error("cluster view failed its integrity check (%s): resyncing every worker", exc)
+            metrics.master().integrity_failed()
+            self.sync.want_all(ResyncReason.INTEGRITY)
+            return False
+        return True
+
+    async def audit_forever(self, interval_s: float = AUDIT_INTERVAL_S) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.audit()
 
     # -- feeding ---------------------------------------------------------------------------
     async def run(

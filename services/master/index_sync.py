@@ -27,6 +27,7 @@ A resync is wanted when:
     restart    a newer incarnation under the same worker id (its old entries go at once:
                the process that held them is gone)
     reconnect  the master's own NATS connection came back (anything could be missed)
+    integrity  the view failed its own integrity check (ClusterView.audit_forever)
 
 `IndexSync` is pure and synchronous (tests script it with exact outcomes); the async loop
 that calls Worker.Snapshot is `ClusterView.resync_forever`.
@@ -66,6 +67,7 @@ class ResyncReason(enum.StrEnum):
     BEHIND = "behind"
     RESTART = "restart"
     RECONNECT = "reconnect"
+    INTEGRITY = "integrity"
 
 
 @dataclass(slots=True)
@@ -233,7 +235,10 @@ class IndexSync:
             # Another process answers at that address, or an older one than we have heard.
             self.failed(due, f"snapshot of {snap.worker_id}/{snap.incarnation} refused")
             return False
-        self._rebuild(due.worker_id, feed, snap.incarnation, snap.seq, snap.block_hashes)
+        self._rebuild(
+            due.worker_id, feed, snap.incarnation, snap.seq, snap.block_hashes,
+            snap.host_block_hashes,
+        )  # fmt: skip
         return True
 
     def failed(self, due: Due, error: str) -> None:
@@ -252,12 +257,18 @@ class IndexSync:
 
     # -- internals -------------------------------------------------------------------------
     def _rebuild(
-        self, worker_id: str, feed: _Feed, incarnation: int, seq: int, hashes: Iterable[bytes]
+        self,
+        worker_id: str,
+        feed: _Feed,
+        incarnation: int,
+        seq: int,
+        hashes: Iterable[bytes],
+        host_hashes: Iterable[bytes] = (),
     ) -> None:
-        """Make the worker's entries `hashes`, as of batch `seq` of `incarnation`, then
-        replay the buffered batches that come after it."""
+        """Make the worker's entries `hashes` (and `host_hashes` in its host tier), as of
+        batch `seq` of `incarnation`, then replay the buffered batches that come after it."""
         hashes = list(hashes)
-        self.index.replace(worker_id, hashes)
+        self.index.replace(worker_id, hashes, host_hashes)
         buffered, feed.buffer = feed.buffer, []
         feed.state, feed.incarnation, feed.seq = SyncState.LIVE, incarnation, seq
         feed.failures, feed.behind_since = 0, None

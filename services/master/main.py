@@ -71,6 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
     fetch = SnapshotClient()
     # The index starts empty: every worker of the first membership snapshot gets resynced.
     resync = asyncio.create_task(view.resync_forever(fetch), name="index-resync")
+    audit = asyncio.create_task(view.audit_forever(), name="view-audit")
     try:
         await server.start()
         if bus.enabled:
@@ -97,7 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
             await asyncio.Event().wait()
     finally:
         await grpc_util.set_serving(health, SERVICE_NAME, False)
-        for task in (feeder, resync):
+        for task in (feeder, resync, audit):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -34,6 +34,13 @@ class MasterMetrics:
             registry=registry,
         )
 
+        self.integrity_failures = Counter(
+            PREFIX + "integrity_failures",
+            "Idle-time integrity checks of the cluster view that failed (each resyncs the "
+            "whole index).",
+            registry=registry,
+        )
+
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()
 
@@ -42,6 +49,9 @@ class MasterMetrics:
 
     def resync_failed(self) -> None:
         self.index_resync_failures.inc()
+
+    def integrity_failed(self) -> None:
+        self.integrity_failures.inc()
 
 
 class IndexSizeCollector(Collector):

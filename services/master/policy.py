@@ -5,26 +5,26 @@ If both kinds are present, PD wins while at least one prefill and one decode wor
 available (after `exclude`); otherwise fused workers are used. A fused worker is returned
 as the plan's `decode`, with `prefill` unset.
 
-`cache_aware` (the default) predicts each candidate's time to first token, in seconds:
-
-    cost = queue_wait_s                         (its wait estimate, from its latest LoadReport)
-         + (pending tokens                      (routed to it since that report)
-            + num_prompt_tokens - matched_blocks * block_size)   (what it must still compute)
-           / prefill_tokens_per_s               (its measured prompt rate, same report)
-
-and picks the lowest: the worker that answers first. A long cached prefix lowers the last
-term, so it wins unless that worker's queue takes longer than the prefill it saves. A worker
-whose rate is not measured yet counts its queued_tokens at the mean rate of those that are;
-when none is, every cost is in tokens (rate 1). A worker whose waiting queue is at its
-max_num_waiting is skipped while another candidate has room (it would refuse the request).
-A worker without a load report within the view's load TTL (none yet, or its reports went
-stale: maybe down, or cut off from NATS) is skipped while another has a fresh one: unknown
-load is not an idle worker.
+`cache_aware` (the default) picks the candidate with the lowest predicted time to first
+token (services/master/cost.py): the wait for what is queued there (as reported, plus what
+was routed there since), the prefill of the prompt tokens it would compute, and the fetch
+of the blocks it would copy from the remote tier, each at that worker's own fitted rates
+(its LoadReport). A long cached prefix lowers the prefill, so it wins unless that worker's
+queue takes longer than the prefill it saves; a worker that can fetch the prefix from the
+remote tier competes at the fetch's cost, so a hot prefix spreads once its holder's queue
+makes it the slower answer (no hotspot spiral). `least_load` is the same prediction with
+every cache ignored; `round_robin` cycles.
+A worker whose waiting queue is at its max_num_waiting is skipped while another candidate
+has room (it would refuse the request). A worker without a load report within the view's
+load TTL (none yet, or its reports went stale: maybe down, or cut off from NATS) is skipped
+while another has a fresh one: unknown load is not an idle worker.
 Ties: session affinity (a stable hash of session_id over the tied workers), else fewest
-running, else rotation. The decode side (PD) goes to the worker with the most free KV blocks
-(less those routed to it since its report), then fewest running, then rotation, skipping
-full queues the same way. Every choice is charged to the view (`charge`) until the
-worker's next LoadReport, so a burst of requests spreads out instead of piling up.
+running, else a stable hash of the request id: every master replica, given the same view,
+makes the same choice (no per-process rotation or affinity state). The decode side (PD)
+goes to the worker with the most free KV blocks (less those routed to it since its report),
+then fewest running, then the request-id hash, skipping full queues the same way. Every
+choice is charged to the view (`charge`) until the worker's next LoadReport, so a burst of
+requests spreads out instead of piling up.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from services.common.pb import master_pb2, nameservice_pb2
+from services.master import cost
 from services.master.cluster import ClusterView, Member
 
 DEFAULT_BLOCK_SIZE = 16  # used until a worker's LoadReport says otherwise
@@ -65,6 +66,8 @@ class Choice:
     matched_blocks: int = 0
     reason: str = ""
     why: RouteReason = RouteReason.LEAST_LOADED
+    predicted_ttft_s: float = 0.0  # 0: no prediction in seconds
+    computed_tokens: int | None = None  # prompt tokens it will compute (None: all uncached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +136,7 @@ class Policy(ABC):
         first, decode = candidates(view, request.exclude)
         tokens = request.num_prompt_tokens
         if decode and self.max_local_prefill_tokens:
-            tail = self._choose_decode(view, decode)
+            tail = self._choose_decode(view, request, decode)
             local = self._local_prefill(view, request, tail.member)
             if local is not None:
                 return local
@@ -141,13 +144,17 @@ class Policy(ABC):
             # (it is still the best by its own criterion; the rotation turn is spent).
         head = self._choose_first(view, request, first)
         plan = master_pb2.RoutePlan(
-            matched_blocks=head.matched_blocks, policy=self.name, reason=head.reason
+            matched_blocks=head.matched_blocks,
+            policy=self.name,
+            reason=head.reason,
+            predicted_ttft_s=head.predicted_ttft_s,
         )
-        view.charge(
-            head.member.id, uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
-        )
+        todo = head.computed_tokens
+        if todo is None:
+            todo = uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
+        view.charge(head.member.id, todo)
         if decode:
-            tail = self._choose_decode(view, decode)
+            tail = self._choose_decode(view, request, decode)
             view.charge(
                 tail.member.id, blocks=math.ceil(tokens / _block_size(view, tail.member.id))
             )
@@ -184,7 +191,9 @@ class Policy(ABC):
         """Choose the prefill (or fused) worker."""
 
     @abstractmethod
-    def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+    def _choose_decode(
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
+    ) -> Choice:
         """Choose the PD decode worker (its reason is a suffix)."""
 
 
@@ -205,7 +214,9 @@ class RoundRobin(Policy):
         reason = f"next in turn {chosen.id}, prefix {matched} blocks"
         return Choice(chosen, matched, reason, RouteReason.ROUND_ROBIN)
 
-    def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+    def _choose_decode(
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
+    ) -> Choice:
         return Choice(_rotate(decode, self._decode_turn))
 
 
@@ -228,68 +239,77 @@ def reporting(view: ClusterView, members: list[Member]) -> list[Member]:
     return known or members
 
 
-def _prefill_rates(view: ClusterView, members: list[Member]) -> dict[str, float]:
-    """Each member's measured prompt rate (tokens/s); the mean of the measured ones for
-    those not measured yet; 1 for all when none is (costs then compare in tokens)."""
-    measured = {}
-    for m in members:
-        load = view.load(m.id)
-        if load is not None and load.prefill_tokens_per_s > 0:
-            measured[m.id] = load.prefill_tokens_per_s
-    default = sum(measured.values()) / len(measured) if measured else 1.0
-    return {m.id: measured.get(m.id, default) for m in members}
-
-
 class CacheAware(Policy):
-    """Lowest predicted time to first token: wait estimate + uncached prompt at its rate."""
+    """Lowest predicted time to first token (services/master/cost.py): queue wait, plus the
+    prefill of what no reachable tier holds, plus the fetch of what the remote tier does."""
 
     name = "cache_aware"
+    uses_cache = True  # LeastLoad is this policy with every prefix ignored
 
-    @staticmethod
-    def cost(
-        view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int, rate: float = 1.0
-    ) -> float:
-        """Predicted time to first token: seconds, or tokens when `rate` is 1 and the worker
-        has no measured rate of its own."""
-        load = view.load(worker_id)
-        todo = view.pending(worker_id).tokens
-        todo += uncached_tokens(view, worker_id, num_prompt_tokens, matched)
-        if load is not None and load.prefill_tokens_per_s > 0:
-            return load.queue_wait_s + todo / load.prefill_tokens_per_s
-        queued = load.queued_tokens if load is not None else 0
-        return (queued + todo) / rate
+    def predictions(
+        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
+    ) -> tuple[dict[str, int], dict[str, cost.Prediction]]:
+        """Each candidate's prefix match in its own pool, and its predicted time to first
+        token."""
+        ids = [m.id for m in first]
+        hashes = request.block_hashes
+        everyone = view.index.workers()
+        device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
+        matched = {w: device[w] for w in ids}
+        if self.uses_cache:
+            host = view.index.host
+            below = {w: host.match(w, hashes[n:]) for w, n in device.items()}
+            reachable = max((device[w] + below[w] for w in everyone), default=0)
+            local = matched
+        else:  # what it would cost with nothing cached anywhere
+            below, reachable, local = dict.fromkeys(ids, 0), 0, dict.fromkeys(ids, 0)
+        reports = {m.id: view.load(m.id) for m in first}
+        borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
+        preds = {}
+        for m in first:
+            own = cost.step_cost(reports[m.id])
+            preds[m.id] = cost.predict(
+                reports[m.id],
+                own if own.fitted else borrowed,
+                view.pending(m.id).tokens,
+                request.num_prompt_tokens,
+                _block_size(view, m.id),
+                local[m.id],
+                below[m.id],
+                reachable,
+            )
+        return matched, preds
 
     def _choose_first(
         self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
     ) -> Choice:
         first = reporting(view, with_room(view, first))
-        matched = view.index.match_all(request.block_hashes, [m.id for m in first])
-        rates = _prefill_rates(view, first)
-        costs = {
-            m.id: self.cost(view, m.id, request.num_prompt_tokens, matched[m.id], rates[m.id])
-            for m in first
-        }
-        best = min(costs.values())
-        tied = [m for m in first if costs[m.id] == best]
+        matched, preds = self.predictions(view, request, first)
+        best = min(p.seconds for p in preds.values())
+        tied = [m for m in first if preds[m.id].seconds == best]
         if len(tied) == 1:
             chosen, tie = tied[0], ""
         elif request.session_id:
             chosen, tie = tied[session_slot(request.session_id, len(tied))], "session"
         else:
+            # Every master replica breaks the tie the same way: no rotation state.
             fewest = min(_running(view, m.id) for m in tied)
             idle = [m for m in tied if _running(view, m.id) == fewest]
-            chosen = _rotate(idle, self._first_turn)
-            tie = "fewest running" if len(idle) < len(tied) else "rotation"
-        n = matched[chosen.id]
-        measured = any((ld := view.load(m.id)) and ld.prefill_tokens_per_s > 0 for m in first)
-        unit = f"{best:.3f} s" if measured else f"{best:g} tokens"
-        reason = f"prefix {n} blocks on {chosen.id}, cost {unit}"
+            chosen = idle[session_slot(request.request_id, len(idle))]
+            tie = "fewest running" if len(idle) < len(tied) else "request id"
+        n, pred = matched[chosen.id], preds[chosen.id]
+        reason = f"prefix {n} blocks on {chosen.id}, cost {pred.describe()}"
         if tie:
             reason += f" (tie of {len(tied)} broken by {tie})"
-        why = RouteReason.PREFIX_HIT if n else RouteReason.LEAST_LOADED
-        return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why)
+        hit = self.uses_cache and (n or pred.fetched_blocks)
+        why = RouteReason.PREFIX_HIT if hit else RouteReason.LEAST_LOADED
+        predicted = 0.0 if pred.in_tokens else pred.seconds
+        return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why,
+                      predicted, pred.computed_tokens)  # fmt: skip
 
-    def _choose_decode(self, view: ClusterView, decode: list[Member]) -> Choice:
+    def _choose_decode(
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
+    ) -> Choice:
         decode = with_room(view, decode)
 
         # Workers that have not reported yet rank after those that have.
@@ -299,12 +319,21 @@ class CacheAware(Policy):
             return (load is None, -free, _running(view, m.id))
 
         best = min(key(m) for m in decode)
-        chosen = _rotate([m for m in decode if key(m) == best], self._decode_turn)
+        tied = [m for m in decode if key(m) == best]
+        chosen = tied[session_slot(request.request_id, len(tied))]  # the same on every replica
         unknown, free = best[0], -best[1]
         return Choice(chosen, reason=" (no load report)" if unknown else f" (free {free} blocks)")
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (CacheAware, RoundRobin)}
+class LeastLoad(CacheAware):
+    """Lowest predicted time to first token as if nothing were cached anywhere: the
+    least-loaded worker (the baseline that shows what the cache part of cache_aware buys)."""
+
+    name = "least_load"
+    uses_cache = False
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (CacheAware, LeastLoad, RoundRobin)}
 
 
 def make_policy(name: str, max_local_prefill_tokens: int = 0) -> Policy:

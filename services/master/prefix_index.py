@@ -28,9 +28,12 @@ BLOCK_HASH_BYTES = 16
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, host_tier: bool = True) -> None:
+        """The queries answer for the workers' device pools (T0); `host` is the same index
+        for their host-memory tiers (T1), fed by the same messages and snapshots."""
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
+        self.host: PrefixIndex | None = PrefixIndex(host_tier=False) if host_tier else None
 
     # -- queries ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -38,7 +41,9 @@ class PrefixIndex:
         return sum(len(b) for b in self._blocks.values())
 
     def workers(self) -> list[str]:
-        return sorted(self._blocks)
+        """Workers with entries in either tier."""
+        host = self.host.workers() if self.host is not None else []
+        return sorted(set(self._blocks) | set(host))
 
     def sizes(self) -> dict[str, int]:
         """worker id -> number of hashes it holds."""
@@ -88,15 +93,27 @@ class PrefixIndex:
         worker_id = events.worker_id
         if not worker_id:
             raise ValueError("KVEvents without worker_id")
-        if events.cleared:
-            self._drop_blocks(worker_id)
-        self.remove(worker_id, events.removed)
-        self.store(worker_id, events.stored)
+        self._apply(worker_id, events.cleared, events.removed, events.stored)
+        if self.host is not None:
+            self.host._apply(worker_id, events.cleared, events.host_removed, events.host_stored)
 
-    def replace(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """Make `hashes` exactly what `worker_id` holds (a resync from its snapshot)."""
+    def _apply(
+        self, worker_id: str, cleared: bool, removed: Iterable[bytes], stored: Iterable[bytes]
+    ) -> None:
+        if cleared:
+            self._drop_blocks(worker_id)
+        self.remove(worker_id, removed)
+        self.store(worker_id, stored)
+
+    def replace(
+        self, worker_id: str, hashes: Iterable[bytes], host_hashes: Iterable[bytes] = ()
+    ) -> None:
+        """Make `hashes` exactly what `worker_id`'s pool holds, and `host_hashes` what its
+        host tier holds (a resync from its snapshot)."""
         self._drop_blocks(worker_id)
         self.store(worker_id, hashes)
+        if self.host is not None:
+            self.host.replace(worker_id, host_hashes)
 
     def store(self, worker_id: str, hashes: Iterable[bytes]) -> None:
         blocks = self._blocks.get(worker_id)
@@ -122,8 +139,10 @@ class PrefixIndex:
             del self._blocks[worker_id]
 
     def drop_worker(self, worker_id: str) -> None:
-        """Forget everything about a worker (it left the cluster)."""
+        """Forget everything about a worker (it left the cluster), in both tiers."""
         self._drop_blocks(worker_id)
+        if self.host is not None:
+            self.host.drop_worker(worker_id)
 
     def _drop_blocks(self, worker_id: str) -> None:
         for h in self._blocks.pop(worker_id, ()):
@@ -144,3 +163,5 @@ class PrefixIndex:
         assert all(self._blocks.values()), "empty block set kept for a worker"
         assert all(self._holders.values()), "empty holder set kept for a hash"
         assert all(len(h) == BLOCK_HASH_BYTES for h in self._holders), "malformed hash"
+        if self.host is not None:
+            self.host.check_integrity()

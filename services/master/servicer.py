@@ -80,5 +80,6 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 seq=seq,
                 state=state.value if state is not None else "",
                 block_hashes=sorted(view.index.hashes(worker_id)),
+                host_block_hashes=sorted(view.index.host.hashes(worker_id)),
             )
         return reply

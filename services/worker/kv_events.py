@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from engine.async_llm import AsyncLLM
-from engine.block_pool import KVEvent, KVEventKind
+from engine.block_pool import KVEvent, KVEventKind, KVTier
 from services.common import subjects
 from services.common.bus import Bus
 from services.common.pb import events_pb2, worker_pb2
@@ -59,33 +59,75 @@ class KVEventFeed:
     async def snapshot(self) -> worker_pb2.KVSnapshot:
         """Every hash held now, and the batch number it is consistent with."""
         async with self._lock:
-            events, hashes = await self.llm.kv_snapshot()
+            events, (device, host) = await self.llm.kv_snapshot()
             await self._publish(events)  # its batch number is the snapshot's: covered
             return worker_pb2.KVSnapshot(
                 worker_id=self.worker_id,
                 incarnation=self.incarnation,
                 seq=self.seq,
-                block_hashes=hashes,
+                block_hashes=device,
+                host_block_hashes=host,
             )
 
     async def _publish(self, events: Sequence[KVEvent]) -> None:
         if not events:
             return
-        # Net the batch: only each hash's last event counts (stored then evicted = gone).
-        last = {event.block_hash: event.kind for event in events}
+        # Net the batch: only each hash's last event in each tier counts (stored then
+        # evicted = gone).
+        last = {(event.tier, event.block_hash): event.kind for event in events}
+
+        def hashes(tier: KVTier, kind: KVEventKind) -> list[bytes]:
+            return [h for (t, h), k in last.items() if t == tier and k == kind]
+
         self.seq += 1
         msg = events_pb2.KVEvents(
             worker_id=self.worker_id,
             seq=self.seq,
             incarnation=self.incarnation,
-            stored=[h for h, kind in last.items() if kind == KVEventKind.STORED],
-            removed=[h for h, kind in last.items() if kind == KVEventKind.REMOVED],
+            stored=hashes(KVTier.DEVICE, KVEventKind.STORED),
+            removed=hashes(KVTier.DEVICE, KVEventKind.REMOVED),
+            host_stored=hashes(KVTier.HOST, KVEventKind.STORED),
+            host_removed=hashes(KVTier.HOST, KVEventKind.REMOVED),
         )
         await self.bus.publish(self._subject, msg)
 
 
+def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_pb2.LoadReport:
+    """The worker's load now, with its fitted cost model (what the master predicts with)."""
+    s, cost = llm.stats(), llm.step_cost()
+    return events_pb2.LoadReport(
+        worker_id=feed.worker_id,
+        num_waiting=s.num_waiting,
+        num_running=s.num_running,
+        free_blocks=s.num_free_blocks,
+        total_blocks=s.num_total_blocks,
+        queued_tokens=s.num_queued_tokens,
+        block_size=llm.block_size,
+        unix_ms=int(time.time() * 1000),
+        queue_wait_s=cost.queue_wait_s(s.num_queued_tokens, s.num_running),
+        prefill_tokens_per_s=cost.prefill_tokens_per_s,
+        decode_step_s=cost.step_s(0, max(1, s.num_running)) if cost.fitted else 0.0,
+        max_num_waiting=llm.max_num_waiting,
+        incarnation=feed.incarnation,
+        kv_seq=feed.seq,
+        step_fixed_s=cost.fixed_s,
+        step_token_s=cost.token_s,
+        step_row_s=cost.row_s,
+        step_token_budget=cost.token_budget,
+        fetch_costs=[
+            events_pb2.TierFetchCost(tier=tier, fixed_s=c.fixed_s, byte_s=c.byte_s)
+            for tier, c in llm.costs.fetch().items()
+        ],
+        kv_block_bytes=llm.kv_block_bytes,
+        remote_tier=remote_tier,
+    )
+
+
 async def publish_events(
-    feed: KVEventFeed, namespace: str, load_metrics: WorkerMetrics | None = None
+    feed: KVEventFeed,
+    namespace: str,
+    load_metrics: WorkerMetrics | None = None,
+    remote_tier: bool = False,
 ) -> None:
     """Forward the engine's stored/removed block events and load until cancelled; the load
     also goes to `load_metrics` (the Prometheus gauges)."""
@@ -98,32 +140,15 @@ async def publish_events(
         now = time.monotonic()
         if now - last_load >= LOAD_INTERVAL_S:
             last_load = now
-            s, rate = llm.stats(), llm.step_rate()
-            wait_s = rate.queue_wait_s(s.num_queued_tokens, s.num_running)
+            report = load_report(llm, feed, remote_tier)
             if load_metrics is not None:
                 load_metrics.load(
-                    s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks
-                )
-                load_metrics.wait(wait_s, rate.prefill_tokens_per_s)
-                load_metrics.host_tier(s.host_tier)
-                load_metrics.spec_decode(s.spec)
+                    report.num_running, report.num_waiting, report.free_blocks,
+                    report.total_blocks,
+                )  # fmt: skip
+                load_metrics.wait(report.queue_wait_s, report.prefill_tokens_per_s)
+                stats = llm.stats()
+                load_metrics.host_tier(stats.host_tier)
+                load_metrics.spec_decode(stats.spec)
             # Published after the batch it names, on the same connection: NATS keeps the order.
-            await bus.publish(
-                load_subject,
-                events_pb2.LoadReport(
-                    worker_id=feed.worker_id,
-                    num_waiting=s.num_waiting,
-                    num_running=s.num_running,
-                    free_blocks=s.num_free_blocks,
-                    total_blocks=s.num_total_blocks,
-                    queued_tokens=s.num_queued_tokens,
-                    block_size=llm.block_size,
-                    unix_ms=int(time.time() * 1000),
-                    queue_wait_s=wait_s,
-                    prefill_tokens_per_s=rate.prefill_tokens_per_s,
-                    decode_step_s=rate.decode_step_s,
-                    max_num_waiting=llm.max_num_waiting,
-                    incarnation=feed.incarnation,
-                    kv_seq=feed.seq,
-                ),
-            )
+            await bus.publish(load_subject, report)

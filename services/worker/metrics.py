@@ -54,7 +54,7 @@ class WorkerFamilies:
         )
         self.prefill_throughput = Gauge(
             PREFIX + "prefill_throughput_tokens_per_second",
-            "Prompt tokens computed per second over the recent steps (EWMA; 0: unmeasured).",
+            "Prompt tokens computed per second in full chunks, from the fitted step model (0: unfitted).",
             w,
             registry=registry,
         )

@@ -52,7 +52,8 @@ async def serve_worker(
     names = NameClient(args.nameservice) if args.nameservice else None
     load_metrics = worker_metrics.worker(role, llm.model)
     load_metrics.kv_capacity(llm.stats().num_total_blocks, llm.block_size)
-    publisher = asyncio.create_task(publish_events(feed, args.namespace, load_metrics))
+    remote = servicer.tiers is not None and servicer.tiers.remote
+    publisher = asyncio.create_task(publish_events(feed, args.namespace, load_metrics, remote))
     background = asyncio.create_task(servicer.background(names))
     await server.start()
     await grpc_util.set_serving(health, "rtp.v1.Worker", True)

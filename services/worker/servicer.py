@@ -11,6 +11,7 @@ from services.common.naming import NameClient
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.drain import Drain
 from services.worker.kv_events import KVEventFeed
+from services.worker.tiers import Tiers
 
 
 class PeerUnavailableError(RuntimeError):
@@ -26,6 +27,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.llm = llm
         self.drain = Drain()  # a role's streaming RPCs go through drain.guard
         self._feed: KVEventFeed | None = None
+        self.tiers: Tiers | None = None  # the KV tiers below the pool, for roles that read them
 
     def serve_snapshots(self, feed: KVEventFeed) -> None:
         """Answer Snapshot from `feed` (the member id it carries exists only after the
@@ -47,7 +49,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerStats:
         check = await self.llm.check()
         stats = check.stats
-        rate = self.llm.step_rate()
+        cost = self.llm.step_cost()
         return worker_pb2.WorkerStats(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
@@ -58,9 +60,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_error=check.integrity_error,
             block_size=self.llm.block_size,
             queued_tokens=stats.num_queued_tokens,
-            queue_wait_s=rate.queue_wait_s(stats.num_queued_tokens, stats.num_running),
-            prefill_tokens_per_s=rate.prefill_tokens_per_s,
-            decode_step_s=rate.decode_step_s,
+            queue_wait_s=cost.queue_wait_s(stats.num_queued_tokens, stats.num_running),
+            prefill_tokens_per_s=cost.prefill_tokens_per_s,
+            decode_step_s=cost.step_s(0, max(1, stats.num_running)) if cost.fitted else 0.0,
             max_num_waiting=self.llm.max_num_waiting,
             dtype=self.llm.config.dtype,
             weight_dtype=self.llm.config.weight_dtype,

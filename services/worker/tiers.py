@@ -15,9 +15,11 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import time
 
 from engine.async_llm import AsyncLLM
 from engine.block_hash import BlockHash
+from engine.cost_model import TIER_REMOTE
 from engine.outputs import PromptKV
 from services.cache.client import CacheClient
 from services.common.naming import MemberSet, NameClient
@@ -84,6 +86,7 @@ class Tiers:
         device = await self.llm.num_cached_prefix(usable)
         if self.cache is None or device == len(usable):
             return TierHits(device, 0)
+        started = time.perf_counter()
         found = await self.cache.get_prefix(usable[device:])
         if not found:
             return TierHits(device, 0)
@@ -95,6 +98,8 @@ class Tiers:
             log.warning("ignoring remote KV blocks: %s", exc)
             return TierHits(device, 0)
         await self.llm.import_blocks(usable[device:end], kv)
+        # What the master's cost model predicts a remote hit with (engine/cost_model.py).
+        self.llm.costs.observe_fetch(TIER_REMOTE, time.perf_counter() - started, kv.nbytes)
         return TierHits(device, len(found))
 
     def write_back(self, blocks: list[common_pb2.KVBlock], hits: TierHits) -> None:

@@ -24,36 +24,40 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
-    __slots__ = ("prefill", "decode", "matched_blocks", "policy", "reason")
+    __slots__ = ("prefill", "decode", "matched_blocks", "policy", "reason", "predicted_ttft_s")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     prefill: _nameservice_pb2.Member
     decode: _nameservice_pb2.Member
     matched_blocks: int
     policy: str
     reason: str
-    def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    predicted_ttft_s: float
+    def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
 
 class IndexRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerIndex(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "seq", "state", "block_hashes")
+    __slots__ = ("worker_id", "incarnation", "seq", "state", "block_hashes", "host_block_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: int
     seq: int
     state: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class IndexReply(_message.Message):
     __slots__ = ("workers",)

@@ -140,13 +140,15 @@ class KVSnapshotRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVSnapshot(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "seq", "block_hashes")
+    __slots__ = ("worker_id", "incarnation", "seq", "block_hashes", "host_block_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: int
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -1,0 +1,234 @@
+"""Routing benchmark: the Mooncake trace, scaled down, replayed against launched clusters
+under each routing policy, with the KV tiers on and off (the paper's Tables 2-3).
+
+    python bench/route.py --num-requests 1000 --topologies fused:3,pd:2:1 \\
+        --policies round_robin,least_load,cache_aware --tiers off,on
+
+Scaling (printed with the results): every 512-token block of the trace becomes
+`--block-len` tokens built from its hash id (equal ids, equal tokens), output lengths are
+scaled the same way, prompts are cut at `--max-input-len`, and the arrival times are
+multiplied by `--time-scale`. Each run starts a fresh cluster (`rtp-serve up`), so no run
+sees another's cache.
+
+Per run: TTFT p50/p95/p99; reused prompt tokens (the sum of usage.prompt_tokens_details.
+cached_tokens over the sum of prompt tokens); that reuse as a share of the ceiling (what one
+infinite cache shared by everyone would reuse, computed from the prompts: `ceiling_tokens`);
+and the prompt blocks each tier served, scraped from the workers' and cache service's
+metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's memory,
+T3 Redis. "tiers off" is `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
+
+import aiohttp  # noqa: E402
+import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from bench.serve import cpu_info, openai_stream, run_load, summarize  # noqa: E402
+from bench.workload import SampleRequest, mooncake_requests, random_requests  # noqa: E402
+
+TRACE = _ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+TIERS = ("T0", "T1", "T2", "T3")
+# (metric, tier label) -> our tier name; worker lookups, then the cache service's.
+_TIER_SAMPLES = {
+    ("rtp:prefix_cache_hits_total", "device"): "T0",
+    ("rtp:prefix_cache_hits_total", "host"): "T1",
+    ("rtp:cache_service_hits_total", "memory"): "T2",
+    ("rtp:cache_service_hits_total", "redis"): "T3",
+}
+
+
+def ceiling_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """Prompt tokens one infinite prefix cache, shared by every worker, would serve: each
+    prompt reuses its leading full blocks that an earlier prompt also had (as chained
+    prefixes: a block counts only after all blocks before it), and at least its last token
+    is always computed, as the engine does."""
+    seen: set[tuple[int, ...]] = set()
+    reused = 0
+    for prompt in prompts:
+        usable = (len(prompt) - 1) // block_size
+        full = len(prompt) // block_size
+        hit = True
+        for i in range(full):
+            key = tuple(prompt[: (i + 1) * block_size])
+            if hit and i < usable and key in seen:
+                reused += block_size
+            else:
+                hit = False
+            seen.add(key)
+    return reused
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    topology: str  # fused:K | pd:P:D
+    tiers: bool
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.topology} tiers={'on' if self.tiers else 'off'} {self.policy}"
+
+    def flags(self, args: argparse.Namespace) -> list[str]:
+        kind, *n = self.topology.split(":")
+        if kind == "fused" and len(n) == 1:
+            out = ["--fused", n[0]]
+        elif kind == "pd" and len(n) == 2:
+            out = ["--prefill", n[0], "--decode", n[1]]
+        else:
+            raise SystemExit(f"topology {self.topology!r}: expected fused:K or pd:P:D")
+        out += ["--policy", self.policy, "--kv-cache-mib", str(args.kv_cache_mib)]
+        if self.tiers:
+            out += ["--host-kv-cache-mib", str(args.host_kv_cache_mib)]
+        else:
+            out += ["--no-cache", "--host-kv-cache-mib", "0"]
+        return out + shlex.split(args.launcher_args)
+
+
+def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
+    """Blocks served per tier, summed over the given metrics endpoints."""
+    hits = dict.fromkeys(TIERS, 0)
+    for address in addresses:
+        text = httpx.get(f"http://{address}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                tier = _TIER_SAMPLES.get((s.name, s.labels.get("tier", "")))
+                if tier is not None:
+                    hits[tier] += int(s.value)
+    return hits
+
+
+def _metrics_addresses(nameservice: str) -> list[str]:
+    from services.common import grpc_util
+    from services.common.pb import nameservice_pb2 as ns
+    from services.common.pb import nameservice_pb2_grpc
+
+    async def members() -> list:
+        async with grpc_util.channel(nameservice) as ch:
+            reply = await nameservice_pb2_grpc.NameServiceStub(ch).List(ns.ListRequest(), timeout=5)
+            return list(reply.members)
+
+    roles = {ns.ROLE_PREFILL, ns.ROLE_DECODE, ns.ROLE_FUSED, ns.ROLE_CACHE}
+    return [m.metrics_address for m in asyncio.run(members()) if m.role in roles]
+
+
+async def _replay(url: str, requests: list[SampleRequest], warm: list[SampleRequest]):
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.get(f"{url}/v1/models") as reply:
+            model = (await reply.json())["data"][0]["id"]
+        await run_load(openai_stream(url, model, session), warm, [0.0] * len(warm))
+        cached: list[int] = []
+        stream = openai_stream(url, model, session, cached)
+        results, duration = await run_load(stream, requests, [r.arrival_s for r in requests])
+    return results, duration, sum(cached)
+
+
+def run_one(run: Run, model: str, requests, warm, args) -> dict:
+    from services.launcher.process import launch
+
+    with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *run.flags(args)) as c:
+        results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
+        hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
+    out = summarize(results, duration, (50, 95, 99))
+    return out | {"cached_tokens": cached, "hits": hits}
+
+
+def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
+    head = (
+        f"{'run':<36} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
+        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} " + " ".join(f"{t:>6}" for t in TIERS)
+    )
+    lines = [head]
+    rr = {(r.topology, r.tiers): v["p95_ttft_ms"] for r, v in rows.items()
+          if r.policy == "round_robin"}  # fmt: skip
+    for run, r in rows.items():
+        base = rr.get((run.topology, run.tiers))
+        ratio = r["p95_ttft_ms"] / base if base else math.nan
+        reused = r["cached_tokens"] / prompt_tokens if prompt_tokens else 0.0
+        share = r["cached_tokens"] / ceiling if ceiling else math.nan
+        tiers = " ".join(f"{r['hits'][t]:>6}" for t in TIERS)
+        lines.append(
+            f"{run.name:<36} {r['completed']:>5} {r['failed']:>4} {r['median_ttft_ms']:>9.1f} "
+            f"{r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} {ratio:>8.2f} "
+            f"{reused:>7.1%} {share:>7.1%} {tiers}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="model dir or preset name")
+    ap.add_argument("--dataset-path", default=str(TRACE))
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--block-len", type=int, default=16, help="tokens per 512-token trace block")
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=32)
+    ap.add_argument("--time-scale", type=float, default=0.5, help="x the trace's arrival times")
+    ap.add_argument("--topologies", default="fused:3,pd:2:1")
+    ap.add_argument("--policies", default="round_robin,least_load,cache_aware")
+    ap.add_argument("--tiers", default="off,on", help="off, on, or both")
+    ap.add_argument("--kv-cache-mib", default="64", help="T0 per worker (the launcher's flag)")
+    ap.add_argument("--host-kv-cache-mib", type=int, default=256, help="T1 per worker, tiers on")
+    ap.add_argument("--launcher-args", default="", help="more `rtp-serve up` flags, one string")
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[Run, dict]:
+    args = parse_args(argv)
+    from engine.config import ModelConfig
+    from engine.make_model import resolve_model
+
+    model = str(resolve_model(args.model))
+    vocab = min(args.vocab, ModelConfig.from_dir(model).vocab_size)
+    requests = mooncake_requests(
+        args.dataset_path, vocab, args.block_len, args.num_requests, args.max_input_len,
+        args.max_output_len, args.time_scale, args.seed,
+    )  # fmt: skip
+    warm = random_requests(2, 16, 4, vocab, args.seed + 1)
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    block_size = 16  # the engine's KV block (EngineConfig.block_size)
+    ceiling = ceiling_tokens([r.prompt for r in requests], block_size)
+    span = requests[-1].arrival_s if requests else 0.0
+    print(f"# CPU ISA: {cpu_info()['describe']}")
+    print(f"# model {model}; trace {args.dataset_path}: first {len(requests)} requests, "
+          f"512-token blocks -> {args.block_len} tokens, prompts cut at {args.max_input_len}, "
+          f"outputs at {args.max_output_len}, arrivals x{args.time_scale} (over {span:.0f} s); "
+          f"{prompt_tokens} prompt tokens; ceiling {ceiling} reusable "
+          f"({ceiling / max(1, prompt_tokens):.1%}); T0 {args.kv_cache_mib} MiB/worker, "
+          f"T1 {args.host_kv_cache_mib} MiB/worker with tiers on")  # fmt: skip
+    rows: dict[Run, dict] = {}
+    for topology in args.topologies.split(","):
+        for tiers in args.tiers.split(","):
+            for policy in args.policies.split(","):
+                run = Run(topology, tiers == "on", policy)
+                print(f"# {run.name}: running", file=sys.stderr, flush=True)
+                try:
+                    rows[run] = run_one(run, model, requests, warm, args)
+                except Exception as exc:  # one run that cannot start does not cost the others
+                    print(f"# {run.name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
+                for err in rows.get(run, {}).get("error_kinds", []):
+                    print(f"# {run.name}: failed: {err}", file=sys.stderr)
+                if run in rows:  # the table so far: a long sweep shows its progress
+                    print(table(rows, prompt_tokens, ceiling), file=sys.stderr, flush=True)
+    print(table(rows, prompt_tokens, ceiling))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
