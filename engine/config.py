@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
+from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
+
+SPECULATIVE_METHODS = (None, "ngram")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -137,7 +140,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # torch intra-op threads; None leaves torch's default. Workers sharing a machine set it.
     num_threads: int | None = None
+    # Picks the random seeds of requests that bring none (engine/sampling_noise.py).
     seed: int = 0
+    # Speculative decoding (engine/spec/): None (off) or "ngram"; each decoding request
+    # proposes up to num_speculative_tokens drafts a step (adaptive; per request too).
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -156,6 +164,15 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
+            )
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

@@ -84,6 +84,19 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_hashed[request.request_id] = max(start, end)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` slots (rejected drafts held them).
+
+        Such a block holds no token of the request, so it was never offered to the cache.
+        """
+        blocks = self._blocks[request.request_id]
+        tail = blocks[cdiv(num_tokens, self.block_size) :]
+        if not tail:
+            return
+        assert all(b.block_hash is None for b in tail), "a released draft block was cached"
+        del blocks[len(blocks) - len(tail) :]
+        self.pool.free(reversed(tail))
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         num_hashed = self._num_hashed.pop(request.request_id, 0)

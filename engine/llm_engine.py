@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_limits
 from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.spec.ngram import NgramProposer
+from engine.spec.speculator import Speculator
+from engine.spec.stats import SpecCounts
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 from engine.validation import (
@@ -45,6 +48,7 @@ class EngineStats:
     num_total_blocks: int
     num_queued_tokens: int  # prompt/recompute tokens not yet computed
     host_tier: HostTierStats | None = None  # T1, where configured
+    spec: SpecCounts | None = None  # speculative decoding, where configured
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,12 @@ class LLMEngine:
         self.grammars = Grammars(
             Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
         )
+        self.speculator = (
+            Speculator(NgramProposer(), config.num_speculative_tokens, self.limits.max_model_len)
+            if config.speculative == "ngram"
+            else None
+        )
+        self._seeds = random.Random(config.seed)  # for requests that bring no seed
 
     # -- requests --------------------------------------------------------------------------
     def make_request(
@@ -124,6 +134,11 @@ class LLMEngine:
         check_prompt(token_ids, vocab, self.limits.max_model_len)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
+        if any(t >= vocab for t in params.speculative_advice):
+            raise InvalidRequestError(
+                f"speculative_advice has token ids outside the vocabulary ({vocab})",
+                "speculative_advice",
+            )
         guide = None
         if params.structured is not None:
             resumed = params.structured.resume_tokens
@@ -144,6 +159,7 @@ class LLMEngine:
             export_kv_from=export_kv_from,
             remote_prefill=remote_prefill,
             guide=guide,
+            sample_seed=self._seeds.getrandbits(63),  # ignored when params.seed is set
         )
 
     def add_request(self, request: Request) -> None:
@@ -157,7 +173,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
-        return None if request is None else _delta(request, None)
+        return None if request is None else _delta(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -174,27 +190,35 @@ class LLMEngine:
         head = self.scheduler.next_waiting()
         if self.host is not None and head is not None and head.num_computed_tokens == 0:
             self._copy_up_prefix(head)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.costs.step())
         sched = self.scheduler.schedule()
-        outputs = [_delta(r, None, waiting_for_kv=True) for r in sched.waiting_for_kv]
+        outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
             return outputs
         tables = {
             s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled
         }
-        decode = sum(
-            1
+        decodes = [
+            s
             for s in sched.scheduled
             if s.request.num_computed_tokens >= s.request.num_prompt_tokens
-        )
+        ]
+        decode = sum(s.num_new_tokens for s in decodes)  # verified drafts count as decode
         prompt = sum(s.num_new_tokens for s in sched.scheduled) - decode
         sampled = self.runner.execute(sched, tables)
+        if self.speculator is not None:
+            for s in decodes:
+                if s.spec_token_ids:
+                    accepted = len(sampled[s.request.request_id]) - 1
+                    self.speculator.observe(s.request, len(s.spec_token_ids), accepted)
         advanced, finished = self.scheduler.update_from_output(sched, sampled)
         exports = {
             r.request_id: self._export(r, tables[r.request_id])
             for r in finished
             if r.export_kv_from is not None
         }
-        outputs += [_delta(r, sampled[r.request_id], exports.get(r.request_id)) for r in advanced]
+        outputs += [_delta(r, tokens, exports.get(r.request_id)) for r, tokens in advanced]
         self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
 
@@ -298,8 +322,8 @@ class LLMEngine:
         table = self.kv.block_ids(request_id)
         for part in parts:
             self.runner.write_kv(table, part)
-        Sampler.replay_draw(request, self.model_config.vocab_size)
-        return _delta(self.scheduler.kv_arrived(request_id, first), first)
+        # No random state to carry over: draws are keyed by position (sampling_noise.py).
+        return _delta(self.scheduler.kv_arrived(request_id, first), [first])
 
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -316,6 +340,7 @@ class LLMEngine:
             num_total_blocks=self.pool.num_blocks,
             num_queued_tokens=queued,
             host_tier=None if self.host is None else self.host.stats(),
+            spec=None if self.speculator is None else self.speculator.stats(),
         )
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -345,18 +370,18 @@ class LLMEngine:
 
 def _delta(
     request: Request,
-    token: SampledToken | None,
+    tokens: Sequence[SampledToken] = (),
     prompt_kv: PromptKV | None = None,
     waiting_for_kv: bool = False,
 ) -> RequestOutput:
-    """The output of `request` after a step that added `token` (None: no token)."""
+    """The output of `request` after a step that added `tokens` (several with drafts)."""
     finished = request.status.finished
     logprobs = None
     if request.params.logprobs is not None:
-        logprobs = [token.logprobs] if token is not None and token.logprobs is not None else []
+        logprobs = [t.logprobs for t in tokens if t.logprobs is not None]
     return RequestOutput(
         request_id=request.request_id,
-        new_token_ids=[token.token_id] if token is not None else [],
+        new_token_ids=[t.token_id for t in tokens],
         new_logprobs=logprobs,
         finished=finished,
         finish_reason=request.status.finish_reason,

@@ -17,6 +17,7 @@ from engine.outputs import PromptKV, SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec.rejection import DraftRow, accept, rows_of
 from engine.weights import load_tensors
 from kernels.attention import (
     AttentionMetadata,
@@ -87,7 +88,7 @@ class ModelRunner:
             else LayerCache(layer[0], layer[1], self.kv_scales[i, 0], self.kv_scales[i, 1])
             for i, layer in enumerate(self.kv_cache)
         ]
-        self.sampler = Sampler(model_config.eos_token_ids, config.seed)
+        self.sampler = Sampler(model_config.eos_token_ids)
         isa = self.kernels.isa
         self.cpu_isa = isa.describe() if isa else self.device.type
         self.linear_kernels = weights.layers[0].qkv.kernel + (
@@ -166,20 +167,32 @@ class ModelRunner:
 
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
-    ) -> dict[str, SampledToken]:
+    ) -> dict[str, list[SampledToken]]:
+        """Per request that samples: its new tokens (with drafts, the accepted ones plus the
+        target's next, engine/spec/rejection.py; else the one sampled token)."""
         if not out.scheduled:
             return {}
-        # Decodes (one new token) first, so attention can batch them in one call.
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes (one new token) first, so attention can batch them in one call. A request
+        # verifying drafts is decode rows too: one per token, each over the context before it.
+        items = sorted(out.scheduled, key=_is_prefill)
         input_ids, positions, meta, sample_rows = self._prepare(items, block_tables)
-        samplers = [s.request for s in items if s.samples]
+        samplers = [s for s in items if s.samples]
         if not samplers:
             no_rows = torch.tensor([0], device=self.device)
             self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows)
             return {}
         logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows)
-        tokens = self.sampler(logits, samplers)
-        return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+        rows: list[Request | DraftRow] = []
+        for s in samplers:
+            rows.extend(rows_of(s.request, s.spec_token_ids))
+        tokens = self.sampler(logits, rows)
+        result: dict[str, list[SampledToken]] = {}
+        i = 0
+        for s in samplers:
+            n = len(s.spec_token_ids) + 1
+            result[s.request.request_id] = accept(s.spec_token_ids, tokens[i : i + n])
+            i += n
+        return result
 
     def _prepare(
         self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]
@@ -201,12 +214,18 @@ class ModelRunner:
             table = block_tables[r.request_id]
             q_start = len(ids)
             ids.extend(r.token_ids[start : start + n])
+            ids.extend(item.spec_token_ids)  # after the request's own tokens, if any
             if item.samples:
-                sample_rows.append(q_start + n - 1)
-            if n == 1:
-                decode_pos.append(start)
-                decode_slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table)
+                # Verifying k drafts samples k + 1 rows: after each prefix of the drafts.
+                k = len(item.spec_token_ids)
+                sample_rows.extend(range(q_start + n - 1 - k, q_start + n))
+            if not _is_prefill(item):
+                # Row j sees positions 0 .. start + j: its own K/V and that of the rows
+                # before it are written before any row attends (kernels/attention.py).
+                for pos in range(start, start + n):
+                    decode_pos.append(pos)
+                    decode_slots.append(table[pos // bs] * bs + pos % bs)
+                    decode_tables.append(table)
             else:
                 blocks = torch.tensor(table[: -(-(start + n) // bs)])
                 p = torch.arange(start, start + n)
@@ -237,3 +256,8 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, device=dev),
         )
+
+
+def _is_prefill(item: ScheduledRequest) -> bool:
+    """A chunk of several tokens attended as one causal block (not decode rows)."""
+    return item.num_new_tokens != 1 and not item.spec_token_ids

@@ -4,6 +4,10 @@
 a decode step and a recompute after preemption are all the same rule. At a decode step the
 last token (just sampled) is the only one without KV, so num_computed = len(token_ids) - 1.
 
+Speculative decoding (engine/spec/) is the same rule too: a request's draft tokens
+(`spec_token_ids`) are just more tokens to compute in its next step; the accepted ones
+join `token_ids`, and `num_computed_tokens` advances past them only.
+
 A PD decode request (`remote_prefill`) is the same rule with one more state: admitted, it
 holds blocks for its whole prompt in WAITING_FOR_REMOTE_KV until another worker's KV and
 first token arrive, then runs like any other.
@@ -13,12 +17,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 from dataclasses import dataclass, field
-
-import torch
 
 from engine.block_hash import BlockHash, block_hash_keys
 from engine.sampling_params import SamplingParams
+from engine.spec.adaptive import SpecState
 from engine.structured import Guide
 
 
@@ -66,7 +70,9 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    # The seed of its random draws (engine/sampling_noise.py): params.seed when given, else
+    # one the engine picks (any fixed value per request keeps a draw a function of position).
+    sample_seed: int | None = None
     stop_reason: int | None = None
     # PD prefill side: when the request finishes, hand back the KV of prompt positions from
     # here on (None: don't). Blocks the decode side already caches are skipped.
@@ -76,6 +82,10 @@ class Request:
     # Structured output: the request's matcher (params.structured compiled); advanced with
     # every token appended, it masks the logits and ends the request when its grammar does.
     guide: Guide | None = None
+    # Speculative decoding: draft tokens proposed for the next step (the scheduler takes
+    # them), and the adaptive state of this request's speculation (None: never proposed).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: SpecState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -89,7 +99,9 @@ class Request:
         else:
             self.block_hashes = list(self.block_hashes)  # extended below: not the caller's
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.sample_seed = self.params.seed
+        elif self.sample_seed is None:
+            self.sample_seed = random.getrandbits(63)
 
     @property
     def num_prompt_tokens(self) -> int:

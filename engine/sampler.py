@@ -1,9 +1,10 @@
 """Turn a step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs,
 structured outputs.
 
-Greedy rows are decided by one batched argmax. Random rows draw from their own
-`torch.Generator` when seeded, so a seeded request samples the same tokens whatever else
-shares its batch. Logprobs are of the raw model distribution (before temperature/top-k/p
+Greedy rows are decided by one batched argmax. A random row's draw is a function of its
+request's seed and the token's position (engine/sampling_noise.py), so a seeded request
+samples the same tokens whatever else shares its batch, and with or without speculative
+decoding (a row may be a draft position, engine/spec/rejection.py). Logprobs are of the raw model distribution (before temperature/top-k/p
 and grammars).
 
 A row with a grammar (`Request.guide`) may only take the tokens its grammar allows next:
@@ -15,6 +16,7 @@ before greedy or random choice. Unconstrained rows in the same batch are not tou
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,11 @@ import torch.nn.functional as F
 from engine.logits_processors import process_logits
 from engine.outputs import SampledToken, TokenLogprobs
 from engine.request import Request
+from engine.sampling_noise import draw
 from engine.structured import fill_bitmask
+
+if TYPE_CHECKING:
+    from engine.spec.rejection import DraftRow
 
 assert sys.byteorder == "little", "the grammar bitmask is read as bytes"
 # _BYTE_BIAS[b, i]: 0 where bit i of byte b is set (allowed), -inf where not.
@@ -32,12 +38,14 @@ _BYTE_BIAS = torch.tensor(
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        """logits [N, V] float32, one row per request that samples this step."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request | DraftRow]
+    ) -> list[SampledToken]:
+        """logits [N, V] float32, one row per request that samples this step (or per row of
+        its verification, engine/spec/rejection.py)."""
         raw = logits
         processed = process_logits(logits, requests)  # bias and penalties
         masked = self._mask_guided(self._mask_early_stops(processed, requests), requests)
@@ -100,21 +108,9 @@ class Sampler:
             drop = (probs.cumsum(-1) - probs) >= params.top_p
             drop[0] = False
             x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        probs = x.softmax(-1).cpu()  # the generators live on the CPU
-        gen = request.generator or self.generator
-        return int(torch.multinomial(probs, 1, generator=gen))
-
-    @staticmethod
-    def replay_draw(request: Request, vocab_size: int) -> None:
-        """Advance a seeded request's generator past a token sampled on another worker.
-
-        PD: the prefill worker samples the first token with its own copy of the seed; the
-        decode worker must continue the same random stream, so that a seeded request gives
-        the same tokens disaggregated or fused. multinomial consumes the same amount of
-        generator state for any distribution of the same size.
-        """
-        if request.generator is not None and not request.params.greedy:
-            torch.multinomial(torch.ones(vocab_size), 1, generator=request.generator)
+        probs = x.softmax(-1).cpu()  # the noise is drawn on the CPU
+        assert request.sample_seed is not None
+        return draw(probs, request.sample_seed, len(request.token_ids))
 
 
 def _logprobs(row: torch.Tensor, token: int, n: int) -> TokenLogprobs:

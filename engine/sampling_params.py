@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
 from engine.structured import StructuredOutputs
 from engine.validation import InvalidRequestError
 
@@ -31,6 +32,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits; a dict is taken too.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Speculative decoding (engine/spec/), where the engine runs it: at most this many draft
+    # tokens a step (None: the engine's setting; 0: off for this request). `advice`: token
+    # ids the output is expected to repeat (an edited file), searched first for drafts.
+    num_speculative_tokens: int | None = None
+    speculative_advice: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, message: str) -> InvalidRequestError:
@@ -70,8 +76,18 @@ class SamplingParams:
                 raise bad("logit_bias", f"keys must be token ids, got {token!r}")
             if not -100.0 <= value <= 100.0:
                 raise bad("logit_bias", f"values must be in [-100, 100], got {value}")
+        k = self.num_speculative_tokens
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise bad(
+                "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.speculative_advice):
+            raise bad("speculative_advice", "must be non-negative token ids")
         # Tuples keep the object hashable and immutable even if a list was passed.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "speculative_advice", tuple(self.speculative_advice))
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
 
     @property

@@ -6,6 +6,12 @@ waiting requests are admitted in (priority, arrival) order. Chunked prefill is t
 a prefix hit starts `num_computed_tokens` above zero, and preemption resets it to zero
 (recompute). When blocks run out, the lowest-priority, newest running request is preempted.
 
+Speculative decoding adds no phase either: a decoding request's draft tokens
+(`Request.spec_token_ids`, set by engine/spec/speculator.py before the step) are more new
+tokens, 1 + k in all, trimmed to the budget and dropped before anyone is preempted for
+them. After the step `num_computed_tokens` advances past the accepted drafts only, and
+the blocks that held nothing but rejected drafts go back to the pool.
+
 A PD decode request (`remote_prefill`) queues like any other; admitted, it takes blocks for
 its whole prompt and waits in WAITING_FOR_REMOTE_KV (counted as running, never computed or
 preempted) until `kv_arrived` hands it the prefill worker's first token.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -42,13 +49,17 @@ class QueueFullError(RuntimeError):
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    # Draft tokens computed after the request's own (the last num_new_tokens are them).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step catches the request up, so its logits give the next token."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == len(r.token_ids)
+        return r.num_computed_tokens + self.num_new_tokens == len(r.token_ids) + len(
+            self.spec_token_ids
+        )
 
 
 @dataclass(slots=True)
@@ -148,8 +159,14 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop, or waiting for remote KV
-            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            uncomputed = len(request.token_ids) - request.num_computed_tokens
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            num_new = min(uncomputed + len(drafts), budget)
+            drafts = drafts[: max(0, num_new - uncomputed)]
+            if drafts and not self.kv.allocate_slots(request, num_new):
+                # No room for the drafts: run without them rather than preempt anyone.
+                drafts, num_new = [], min(uncomputed, budget)
+            while not drafts and not self.kv.allocate_slots(request, num_new):
                 victim = max(
                     (r for r in self.running if r.status == RequestStatus.RUNNING),
                     key=lambda r: r.sort_key,
@@ -162,7 +179,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = ScheduledRequest(request, num_new)
+                scheduled[request.request_id] = ScheduledRequest(request, num_new, drafts)
                 budget -= num_new
 
         while (
@@ -209,27 +226,40 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         heapq.heappush(self._waiting, (request.sort_key, request))
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
-    ) -> tuple[list[Request], list[Request]]:
+        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
+    ) -> tuple[list[tuple[Request, list[SampledToken]]], list[Request]]:
         """Advance computed counts, append sampled tokens, finish requests.
 
-        Returns (requests that got a new token, requests that finished this step).
+        `sampled`: per request that sampled, its accepted tokens (one without drafts).
+        Returns (requests that got tokens, with the tokens appended: fewer than sampled
+        when a stop came first; requests that finished this step).
         """
-        advanced: list[Request] = []
+        advanced: list[tuple[Request, list[SampledToken]]] = []
         finished: list[Request] = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
+            tokens = sampled.get(request.request_id)
+            # Accepted drafts have their KV; rejected ones' is never read (the next step
+            # writes over it before attending) and their own blocks are released below.
+            rejected = len(item.spec_token_ids) - max(0, len(tokens or ()) - 1)
+            request.num_computed_tokens += item.num_new_tokens - rejected
+            if not tokens:
                 continue  # a prompt chunk that does not reach the end yet
-            advanced.append(request)
-            if self._append(request, token):
-                finished.append(request)
+            appended: list[SampledToken] = []
+            advanced.append((request, appended))
+            for token in tokens:
+                appended.append(token)
+                if self._append(request, token):
+                    finished.append(request)
+                    break
+            else:
+                if item.spec_token_ids:
+                    self.kv.truncate(request, len(request.token_ids))
         return advanced, finished
 
     def _append(self, request: Request, token: SampledToken) -> bool:

@@ -47,8 +47,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         eos: int | None = None,
         delay: float = 0.0,
         base_prompt_len: int | None = None,
+        per_message: int = 1,
     ) -> None:
+        """`per_message`: tokens sent together, as a speculating worker does."""
         self.script = list(script)
+        self.per_message = per_message
         self.fail = list(fail)
         self.fail_after = fail_after
         self.eos = eos
@@ -62,6 +65,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         fail = self.fail.pop(0) if self.fail else None
         params = request.params
         start = 0
+        msg: worker_pb2.GenerateResponse | None = None
         if self.base_prompt_len is not None:
             start = len(request.prompt_token_ids) - self.base_prompt_len
         try:
@@ -74,13 +78,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     token, reason = self.eos, "stop"
                 else:
                     token, reason = self.script[pos % len(self.script)], "length" if last else ""
-                msg = worker_pb2.GenerateResponse(
-                    token_ids=[token],
-                    finished=bool(reason),
-                    finish_reason=reason,
-                    num_prompt_tokens=len(request.prompt_token_ids),
-                    num_cached_tokens=CACHED,
-                )
+                if msg is None:
+                    msg = worker_pb2.GenerateResponse(
+                        num_prompt_tokens=len(request.prompt_token_ids),
+                        num_cached_tokens=CACHED,
+                    )
+                msg.token_ids.append(token)
+                msg.finished, msg.finish_reason = bool(reason), reason
                 if reason == "stop":
                     msg.stop_reason = token
                 if params.HasField("logprobs"):
@@ -91,7 +95,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     msg.logprobs.append(
                         common_pb2.TokenLogprob(token_id=token, logprob=-0.5, top=top)
                     )
+                if not reason and len(msg.token_ids) < self.per_message:
+                    continue
                 yield msg
+                msg = None
                 if reason:
                     return
                 if self.delay:

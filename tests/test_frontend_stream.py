@@ -102,8 +102,11 @@ def test_chat_response_and_stream(tiny, script) -> None:
     assert worker.requests[0].prompt_token_ids[0] == 1
 
 
-def test_stop_string_spanning_tokens_cuts_and_cancels_the_worker(tiny, script) -> None:
-    worker = FakeWorker(script, delay=0.01)
+@pytest.mark.parametrize("per_message", [1, 3], ids=["one", "speculative"])
+def test_stop_string_spanning_tokens_cuts_and_cancels_the_worker(tiny, script, per_message) -> None:
+    """Also when tokens arrive several at a time (a speculating worker): the stop string may
+    end inside a message."""
+    worker = FakeWorker(script, delay=0.01, per_message=per_message)
 
     async def go():
         async with frontend(tiny, {"w1": (FUSED, worker)}) as h:
@@ -192,3 +195,28 @@ def test_admission_limit_and_client_disconnect(tiny, script) -> None:
                 assert again.status == 200
 
     run(go())
+
+
+def test_speculative_fields_reach_the_worker(tiny, script) -> None:
+    """num_speculative_tokens as given; speculative_advice as token ids of its text."""
+    worker = FakeWorker(script)
+    advice = "def f(x):\n    return x\n"
+    body = {"prompt": "hi", "max_tokens": 3, "num_speculative_tokens": 4}
+    status, _ = post(tiny, worker, "/v1/completions", body | {"speculative_advice": advice})
+    assert status == 200
+    [request] = worker.requests
+    assert request.params.num_speculative_tokens == 4
+    want = Tokenizer(tiny).encode(advice, add_special_tokens=False)
+    assert list(request.params.speculative_advice) == want
+    worker = FakeWorker(script)
+    assert post(tiny, worker, "/v1/completions", {"prompt": "hi", "max_tokens": 3})[0] == 200
+    assert not worker.requests[0].params.HasField("num_speculative_tokens")
+
+
+def test_tokens_several_at_a_time_keep_their_logprobs(tiny, script) -> None:
+    body = {"prompt": "hi", "max_tokens": 7, "logprobs": 1}
+    one = post(tiny, FakeWorker(script), "/v1/completions", body)[1]["choices"][0]
+    status, resp = post(tiny, FakeWorker(script, per_message=3), "/v1/completions", body)
+    assert status == 200
+    assert resp["choices"][0] == one
+    assert len(one["logprobs"]["tokens"]) == 7

@@ -117,6 +117,9 @@ def test_malformed_bodies(tiny, raw: bytes, text: str) -> None:
         (completion(timeout=-1.5), "timeout"),
         (completion(timeout="3"), "timeout"),
         (completion(timeout=True), "timeout"),
+        (completion(num_speculative_tokens=17), "num_speculative_tokens"),
+        (completion(num_speculative_tokens=-1), "num_speculative_tokens"),
+        (completion(speculative_advice=[1, 2]), "speculative_advice"),
     ],
 )
 def test_invalid_completion_parameters(tiny, body: dict, param: str) -> None:

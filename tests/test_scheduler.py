@@ -46,7 +46,9 @@ def step(s: Scheduler, tokens: dict[str, int] | None = None) -> Step:
     for item in out.scheduled:
         r = item.request
         if item.samples:
-            sampled[r.request_id] = SampledToken(tokens.get(r.request_id, 1000 + len(r.token_ids)))
+            sampled[r.request_id] = [
+                SampledToken(tokens.get(r.request_id, 1000 + len(r.token_ids)))
+            ]
     _, finished = s.update_from_output(out, sampled)
     s.check_integrity()
     return Step(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -261,3 +262,42 @@ def test_int8_kv_pd_serves_what_fused_does(model_dir, prompts):
     assert stats.kv_dtype == "int8"
     for a, b in zip(f, p, strict=True):
         assert _tokens(a) == _tokens(b) and len(_tokens(a)) == 10
+
+
+def test_speculating_workers_serve_what_hf_does(model_dir, prompts, hf_greedy):
+    """--speculative ngram on the fused and the decode worker (in PD mode the decode worker
+    speculates): greedy output equals HF's; requests whose advice is right mostly accept."""
+    model = str(model_dir("tiny-llama"))
+    flags = ("--model", model, *WORKER_FLAGS)
+    spec = ("--speculative", "ngram", "--num-speculative-tokens", "4")
+    with (
+        grpc_service("fused", *flags, *spec) as (fused, _),
+        grpc_service("prefill", *flags) as (prefill, _),
+        grpc_service("decode", *flags, *spec) as (decode, _),
+    ):
+        picked = prompts[:4]
+        expected = [hf_greedy("tiny-llama", p, 10)[0] for p in picked]
+        params = [replace(GREEDY, speculative_advice=tuple(e)) for e in expected]
+
+        async def main():
+            f = await asyncio.gather(
+                *(
+                    _generate(fused, p, sp, rid=f"f{i}")
+                    for i, (p, sp) in enumerate(zip(picked, params, strict=True))
+                )
+            )
+            d = await asyncio.gather(
+                *(
+                    _generate(decode, p, sp, prefill, rid=f"p{i}")
+                    for i, (p, sp) in enumerate(zip(picked, params, strict=True))
+                )
+            )
+            return f, d, await _stats(fused), await _stats(decode)
+
+        f, d, fused_stats, decode_stats = asyncio.run(main())
+    assert [_tokens(m) for m in f] == expected
+    assert [_tokens(m) for m in d] == expected
+    assert any(len(m.token_ids) > 1 for msgs in f + d for m in msgs)  # drafts were accepted
+    for stats in (fused_stats, decode_stats):
+        assert stats.integrity_ok, stats.integrity_error
+        assert stats.held_blocks == 0

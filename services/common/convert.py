@@ -24,7 +24,10 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,
         logit_bias=dict(p.logit_bias),
+        speculative_advice=p.speculative_advice,
     )
+    if p.num_speculative_tokens is not None:
+        msg.num_speculative_tokens = p.num_speculative_tokens
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -50,6 +53,10 @@ def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         "frequency_penalty": msg.frequency_penalty,
         "repetition_penalty": msg.repetition_penalty or 1.0,
         "logit_bias": dict(msg.logit_bias),
+        "num_speculative_tokens": (
+            msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None
+        ),
+        "speculative_advice": tuple(msg.speculative_advice),
     }
 
 

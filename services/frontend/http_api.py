@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import jinja2
@@ -133,6 +134,9 @@ async def _generate(
         with tracing.tracer.start_as_current_span("tokenize"):
             ids = _prompt_ids(gen, req)
         opts = req.options
+        if req.speculative_advice:
+            advice = gen.tokenizer.encode(req.speculative_advice, add_special_tokens=False)
+            opts = replace(opts, speculative_advice=tuple(advice))
         builder = ResponseBuilder(req.chat, req.model, gen.token_text, opts.logprobs is not None)
         prompt_param = "messages" if req.chat else "prompt"
         inputs = prepare(

@@ -44,6 +44,8 @@ class Options:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    num_speculative_tokens: int | None = None  # None: the workers' setting; 0: off
+    speculative_advice: tuple[int, ...] = ()  # token ids (the HTTP ingress tokenizes text)
     n: int = 1
     session_id: str = ""
     priority: int = 0
@@ -109,6 +111,11 @@ def prepare(
         params = SamplingParams(**sampling)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
+        if any(t >= vocab for t in params.speculative_advice):
+            raise InvalidRequestError(
+                f"speculative_advice has token ids outside the vocabulary ({vocab})",
+                "speculative_advice",
+            )
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
     if opts.timeout is not None and not opts.timeout > 0:

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
 from engine.structured import StructuredOutputs
 from engine.validation import InvalidRequestError
 from services.frontend.errors import FrontendError, invalid
@@ -199,6 +200,11 @@ class _GenerationRequest(_Strict):
     priority: int = 0  # lower runs first
     session_id: str | None = None  # affinity key for routing (default: `user`)
     timeout: Timeout | None = None
+    # Speculative decoding, where the workers run it (--speculative): this request's drafts
+    # per step at most (0: off; absent: the workers' setting), and a text the output is
+    # expected to repeat, such as the file being edited (RTP-LLM's sp_advice_prompt).
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    speculative_advice: str | None = None
     # Structured outputs (engine/structured.py): at most one of these per request.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -345,6 +351,7 @@ class _GenerationRequest(_Strict):
             session_id=self.session_id or self.user or "",
             priority=self.priority,
             timeout=self.timeout,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 
@@ -593,6 +600,7 @@ def parse(cls: type[R], body: dict[str, Any]) -> R:
 
 _INTS = frozenset(
     {"n", "seed", "top_k", "min_tokens", "priority", "max_tokens", "max_completion_tokens"}
+    | {"num_speculative_tokens"}
     | {"logprobs", "top_logprobs", "best_of"}
 )
 

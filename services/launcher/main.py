@@ -93,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="torch threads per worker (0: PD workers each get every core, since they mostly "
         "take turns; fused replicas split the cores)",
     )
+    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+                   help="speculative decoding in every worker (see rtp-serve fused --help)")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="with --speculative: drafts per request and step at most")  # fmt: skip
     p.add_argument(
         "--max-num-seqs", type=int, default=None, help="per worker (default: the worker's)"
     )
@@ -210,8 +214,9 @@ def _start(cluster: Cluster, model: str) -> str:
     worker = [*common, *drain, "--model", model, *numerics, "--threads", str(threads),
               "--kv-cache-mib", str(args.kv_cache_mib),
               "--host-kv-cache-mib", str(args.host_kv_cache_mib),
-              "--memory-share", str(_worker_count(args))]  # fmt: skip
-    for flag in ("max_num_seqs", "max_num_waiting"):
+              "--memory-share", str(_worker_count(args)),
+              "--speculative", args.speculative]  # fmt: skip
+    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens"):
         if getattr(args, flag) is not None:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.fused:

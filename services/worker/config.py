@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig, ModelConfig
+from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
 from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
@@ -97,9 +97,29 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         default=int(env("threads", "0")),
         help="torch threads (0: torch's default); workers sharing a machine split its cores",
     )
+    p.add_argument(
+        "--speculative",
+        default=env("speculative", "none"),
+        choices=["none", *(m for m in SPECULATIVE_METHODS if m)],
+        help="speculative decoding: ngram proposes drafts by prompt lookup (and a request's "
+        "speculative_advice); the decode side speculates in PD mode",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=int(env("num_speculative_tokens", "3")),
+        help="with --speculative: draft tokens per request and step at most (adaptive below "
+        "it; a request may ask for its own)",
+    )
 
 
 def build_llm(args: argparse.Namespace) -> AsyncLLM:
+    return AsyncLLM(engine_config(args), record_kv_events=True)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the flags ask for (sizing the KV cache from the machine
+    where they say auto)."""
     model = args.model
     if model is None:
         from engine.make_model import ensure_model
@@ -129,7 +149,7 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         )
     else:
         kv_bytes = args.kv_cache_mib << 20
-    config = EngineConfig(
+    return EngineConfig(
         model=model,
         dtype=dtype,
         weight_dtype=args.weight_dtype,
@@ -142,5 +162,6 @@ def build_llm(args: argparse.Namespace) -> AsyncLLM:
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads or None,
+        speculative=None if args.speculative == "none" else args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
-    return AsyncLLM(config, record_kv_events=True)

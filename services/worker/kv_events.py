@@ -147,6 +147,8 @@ async def publish_events(
                     report.total_blocks,
                 )  # fmt: skip
                 load_metrics.wait(report.queue_wait_s, report.prefill_tokens_per_s)
-                load_metrics.host_tier(llm.stats().host_tier)
+                stats = llm.stats()
+                load_metrics.host_tier(stats.host_tier)
+                load_metrics.spec_decode(stats.spec)
             # Published after the batch it names, on the same connection: NATS keeps the order.
             await bus.publish(load_subject, report)

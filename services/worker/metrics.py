@@ -1,10 +1,12 @@
-"""A worker's metric families: load gauges, prefix-cache lookups by tier, KV transfer."""
+"""A worker's metric families: load gauges, prefix-cache lookups by tier, KV transfer,
+speculative decoding."""
 
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from engine.host_tier import HostTierStats
+from engine.spec.stats import SpecCounts
 from services.common.metrics import (
     PREFIX,
     TIER_DEVICE,
@@ -87,6 +89,44 @@ class WorkerFamilies:
             [*w, "direction"],
             registry=registry,
         )
+        # Speculative decoding, named as vLLM's spec_decode_* families.
+        self.spec_num_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts",
+            "Drafts verified (one request's proposal in one step).",
+            w,
+            registry=registry,
+        )
+        self.spec_num_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens",
+            "Draft tokens proposed and verified.",
+            w,
+            registry=registry,
+        )
+        self.spec_num_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens",
+            "Draft tokens the target model accepted.",
+            w,
+            registry=registry,
+        )
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft token).",
+            [*w, "position"],
+            registry=registry,
+        )
+        self.spec_acceptance_rate_per_pos = Gauge(
+            PREFIX + "spec_decode_acceptance_rate_per_pos",
+            "Of the drafts that reached a position, the fraction accepted there (since start).",
+            [*w, "position"],
+            registry=registry,
+        )
+        self.spec_mean_accepted_length = Gauge(
+            PREFIX + "spec_decode_mean_accepted_length",
+            "Tokens a verified draft yields on average, the target's own one included (since "
+            "start; 0: nothing verified yet).",
+            w,
+            registry=registry,
+        )
 
 
 class WorkerMetrics:
@@ -103,6 +143,7 @@ class WorkerMetrics:
         "wait_estimate",
         "prefill_rate",
         "_host_seen",
+        "_spec_seen",
     )
 
     def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
@@ -116,6 +157,7 @@ class WorkerMetrics:
         self.wait_estimate = families.queue_wait_estimate_seconds.labels(role, model_name)
         self.prefill_rate = families.prefill_throughput.labels(role, model_name)
         self._host_seen = (0, 0)  # the host tier's cumulative (hits, misses) already counted
+        self._spec_seen: SpecCounts | None = None  # the counts already exported
 
     def kv_capacity(self, num_blocks: int, block_size: int) -> None:
         self.capacity.set(num_blocks * block_size)
@@ -152,6 +194,27 @@ class WorkerMetrics:
         f.prefix_cache_hits.labels(*labels, TIER_HOST).inc(hits)
         f.host_tier_bytes.labels(*labels, "used").set(stats.used_bytes)
         f.host_tier_bytes.labels(*labels, "capacity").set(stats.capacity_bytes)
+
+    def spec_decode(self, counts: SpecCounts | None) -> None:
+        """The engine's cumulative speculation counts: what is new since the last call."""
+        if counts is None:
+            return
+        f, labels = self.families, (self.role, self.model_name)
+        seen = self._spec_seen or SpecCounts(0, 0, 0, (), ())
+        self._spec_seen = counts
+        f.spec_num_drafts.labels(*labels).inc(counts.num_drafts - seen.num_drafts)
+        f.spec_num_draft_tokens.labels(*labels).inc(counts.num_draft_tokens - seen.num_draft_tokens)
+        f.spec_num_accepted_tokens.labels(*labels).inc(
+            counts.num_accepted_tokens - seen.num_accepted_tokens
+        )
+        rates = counts.acceptance_per_pos()
+        for i, accepted in enumerate(counts.accepted_per_pos):
+            if not counts.proposed_per_pos[i]:
+                continue  # no draft reached this position yet
+            before = seen.accepted_per_pos[i] if i < len(seen.accepted_per_pos) else 0
+            f.spec_accepted_per_pos.labels(*labels, str(i)).inc(accepted - before)
+            f.spec_acceptance_rate_per_pos.labels(*labels, str(i)).set(rates[i])
+        f.spec_mean_accepted_length.labels(*labels).set(counts.mean_accepted_length)
 
     def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
         labels = (self.role, self.model_name, direction)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x06rtp.v1\"\x95\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x39\n\nlogit_bias\x18\r \x03(\x0b\x32%.rtp.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.rtp.v1.TopLogprob\"\x96\x01\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\x0f\n\x07k_scale\x18\x08 \x01(\x0c\x12\x0f\n\x07v_scale\x18\t \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x06rtp.v1\"\xf1\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x39\n\nlogit_bias\x18\r \x03(\x0b\x32%.rtp.v1.SamplingParams.LogitBiasEntry\x12#\n\x16num_speculative_tokens\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1a\n\x12speculative_advice\x18\x0f \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x19\n\x17_num_speculative_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.rtp.v1.TopLogprob\"\x96\x01\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\x0f\n\x07k_scale\x18\x08 \x01(\x0c\x12\x0f\n\x07v_scale\x18\t \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=25
-  _globals['_SAMPLINGPARAMS']._serialized_end=430
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=360
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=408
-  _globals['_TOPLOGPROB']._serialized_start=432
-  _globals['_TOPLOGPROB']._serialized_end=479
-  _globals['_TOKENLOGPROB']._serialized_start=481
-  _globals['_TOKENLOGPROB']._serialized_end=563
-  _globals['_KVBLOCK']._serialized_start=566
-  _globals['_KVBLOCK']._serialized_end=716
+  _globals['_SAMPLINGPARAMS']._serialized_end=522
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=425
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=473
+  _globals['_TOPLOGPROB']._serialized_start=524
+  _globals['_TOPLOGPROB']._serialized_end=571
+  _globals['_TOKENLOGPROB']._serialized_start=573
+  _globals['_TOKENLOGPROB']._serialized_end=655
+  _globals['_KVBLOCK']._serialized_start=658
+  _globals['_KVBLOCK']._serialized_end=808
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,36 @@
+"""The one interface every draft-token proposer implements.
+
+A proposer sees the running requests that may speculate this step (decoding, no grammar,
+speculation on) and how many drafts each may have; it returns up to that many tokens it
+guesses come next after each request's `token_ids`. It never touches KV blocks or the
+scheduler: the drafts become part of the request's next step (engine/scheduler.py gives
+it 1 + len(drafts) tokens), the target model computes them all in the same batched pass,
+and engine/spec/rejection.py keeps the longest prefix the target agrees with, plus one.
+
+How a proposer plugs in:
+
+* n-gram / prompt lookup (engine/spec/ngram.py): pure token matching, no model.
+* a draft model (a smaller model with the same tokenizer): runs its own forward passes
+  over its own paged KV inside `propose`, k tokens autoregressively, batched over the
+  requests; greedy drafting keeps every draft a function of the context, which is what
+  the acceptance rule needs (see rejection.py).
+* MTP / EAGLE heads: they read the target's last hidden states rather than tokens. The
+  model runner would keep the final hidden state of each request's last accepted token
+  (it has it in `forward` before the LM head) and hand it over with the requests; the
+  head then proposes exactly like a draft model. Nothing else changes: the scheduler,
+  the verification pass, the acceptance rule, rollback and metrics are shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
+        """Up to budgets[i] draft tokens to follow requests[i].token_ids (an empty list:
+        no guess). Deterministic given the request's tokens and state."""
+        ...

@@ -1,0 +1,87 @@
+"""Speculative decoding, composed into the engine: who may speculate, how far, and what
+came of it.
+
+Before each schedule, every running request that is decoding (exactly one token without
+KV), has no grammar and has speculation on gets drafts from the proposer, as many as pay
+at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
+never past its max_tokens or the context limit. After the step, the accepted counts feed
+that estimate and the counters.
+
+Rows with a grammar do not speculate: a draft token would need its grammar validity
+checked (and the matcher rolled back on rejection) before it could be verified; the
+simplest correct choice is to leave those rows to one token a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.cost_model import StepCost
+from engine.request import Request, RequestStatus
+from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, draft_row_cost
+from engine.spec.proposer import Proposer
+from engine.spec.stats import SpecCounts, SpecStats
+
+
+class Speculator:
+    def __init__(
+        self, proposer: Proposer, num_tokens: int, max_model_len: int, adaptive: bool = True
+    ) -> None:
+        """`adaptive` False: every request proposes its k_max drafts each step."""
+        if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {num_tokens}"
+            )
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.max_model_len = max_model_len
+        self.adaptive = adaptive
+        self._stats = SpecStats(MAX_SPECULATIVE_TOKENS)
+
+    def propose(self, running: Sequence[Request], step: StepCost) -> None:
+        """Set `spec_token_ids` of every running request (empty where it does not speculate).
+        `step`: the engine's fitted step time, what a draft row costs."""
+        decoding: list[tuple[Request, int]] = []
+        for r in running:
+            r.spec_token_ids = []
+            if r.status != RequestStatus.RUNNING or r.num_computed_tokens != len(r.token_ids) - 1:
+                continue  # waiting for remote KV, or a prompt (a recompute) catching up
+            decoding.append((r, self._k_max(r)))
+        beta = draft_row_cost(step, len(decoding))
+        chosen: list[Request] = []
+        budgets: list[int] = []
+        for r, k in decoding:
+            if k == 0:
+                continue
+            if r.spec is None or r.spec.k_max != k:
+                r.spec = SpecState(k_max=k)
+            # d drafts yield up to d + 1 tokens, at positions up to len(token_ids) + d - 1.
+            room = min(
+                r.params.max_tokens - r.num_output_tokens - 1,
+                self.max_model_len - len(r.token_ids),
+            )
+            budget = min(r.spec.take_budget(beta) if self.adaptive else k, room)
+            if budget > 0:
+                chosen.append(r)
+                budgets.append(budget)
+        if not chosen:
+            return
+        for r, budget, drafts in zip(
+            chosen, budgets, self.proposer.propose(chosen, budgets), strict=True
+        ):
+            r.spec_token_ids = list(drafts[:budget])
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        """A verified draft of `proposed` tokens kept `accepted` of them."""
+        self._stats.observe(proposed, accepted)
+        if request.spec is not None:
+            request.spec.observe(proposed, accepted)
+
+    def stats(self) -> SpecCounts:
+        return self._stats.snapshot()
+
+    def _k_max(self, request: Request) -> int:
+        if request.guide is not None:
+            return 0
+        k = request.params.num_speculative_tokens
+        return self.num_tokens if k is None else k
