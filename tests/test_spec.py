@@ -277,6 +277,40 @@ def test_seeded_sampling_equals_no_speculation(model_dir, spec_prompts, referenc
     assert_pool_idle(engine)
 
 
+def test_a_draft_rows_penalties_count_the_drafts_before_it():
+    """Row i of a verification stands after drafts 1..i: presence, frequency and repetition
+    penalties count those drafts as output tokens (as they will be if accepted)."""
+    from engine.logits_processors import process_logits
+    from engine.spec.rejection import rows_of
+
+    r = req([1, 2, 3], frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=2.0)
+    r.append_token(7)  # one output token so far
+    rows = rows_of(r, [5, 5, 9])
+    out = process_logits(torch.ones(len(rows), 12), rows)
+    # Row 0 is the request itself, row i stands after drafts 1..i. Token 5: once before
+    # row 1, twice before rows 2 and 3; 7 in every row; 9 before row 3 only; prompt tokens
+    # only repetition-penalised (1 / 2).
+    f, p = 1.0, 0.5
+    assert out[:, 5].tolist() == [1.0, 0.5 - f - p, 0.5 - 2 * f - p, 0.5 - 2 * f - p]
+    assert out[:, 7].tolist() == [0.5 - f - p] * 4
+    assert out[:, 9].tolist() == [1.0, 1.0, 1.0, 0.5 - f - p]
+    assert out[:, 1].tolist() == [0.5] * 4
+    assert out[:, 0].tolist() == [1.0] * 4
+
+
+def test_penalised_output_is_the_same_with_speculation(model_dir, spec_prompts):
+    params = replace(
+        GREEDY, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
+        logit_bias=((spec_prompts[0][3], 2.0),),
+    )  # fmt: skip
+    want = _run(_engine(model_dir, None), spec_prompts, params)
+    engine = _engine(model_dir, 3)
+    got = _run(engine, spec_prompts, _mixed(params, want))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.stats().spec.num_accepted_tokens > 0
+    assert_pool_idle(engine)
+
+
 def test_stops_mid_draft(model_dir, spec_prompts, reference):
     """max_tokens, a stop token and min_tokens cut inside a verified draft as without one."""
     ref = reference[0][0].token_ids
