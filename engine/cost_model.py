@@ -126,6 +126,11 @@ class StepCost:
     def step_s(self, prompt_tokens: int = 0, decode_rows: int = 0) -> float:
         return self.fixed_s + self.token_s * prompt_tokens + self.row_s * decode_rows
 
+    def decode_step_s(self, running: int) -> float:
+        """Seconds of a decode-only step of the running batch (at least one request; 0 if
+        unfitted): what load reports and Stats publish."""
+        return self.step_s(0, max(1, running)) if self.fitted else 0.0
+
     def prefill_s(self, tokens: int, decode_rows: int = 0) -> float:
         """Seconds to compute `tokens` prompt tokens, a chunk of at most token_budget a
         step, while `decode_rows` requests decode in every one of those steps."""

@@ -15,18 +15,10 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from engine import LLM, SamplingParams
 from services.frontend.tool_calls import parse_all
 from tests.cluster import launch
+from tests.test_tool_calls import WEATHER
 
 jsonschema = pytest.importorskip("jsonschema")
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TIME = {
     "type": "object",
     "properties": {"timezone": {"type": "string", "maxLength": 24}},

@@ -106,7 +106,7 @@ def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_p
         unix_ms=int(time.time() * 1000),
         queue_wait_s=cost.queue_wait_s(s.num_queued_tokens, s.num_running),
         prefill_tokens_per_s=cost.prefill_tokens_per_s,
-        decode_step_s=cost.step_s(0, max(1, s.num_running)) if cost.fitted else 0.0,
+        decode_step_s=cost.decode_step_s(s.num_running),
         max_num_waiting=llm.max_num_waiting,
         incarnation=feed.incarnation,
         kv_seq=feed.seq,

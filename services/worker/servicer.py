@@ -62,7 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             queued_tokens=stats.num_queued_tokens,
             queue_wait_s=cost.queue_wait_s(stats.num_queued_tokens, stats.num_running),
             prefill_tokens_per_s=cost.prefill_tokens_per_s,
-            decode_step_s=cost.step_s(0, max(1, stats.num_running)) if cost.fitted else 0.0,
+            decode_step_s=cost.decode_step_s(stats.num_running),
             max_num_waiting=self.llm.max_num_waiting,
             dtype=self.llm.config.dtype,
             weight_dtype=self.llm.config.weight_dtype,
