@@ -467,17 +467,21 @@ def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts,
     try:
 
         async def main():
-            gate = threading.Event()
-            blocker = asyncio.ensure_future(llm.call(lambda engine: gate.wait(10)))
-            await asyncio.sleep(0.05)  # the engine thread is inside the blocking call
+            inside, gate = threading.Event(), threading.Event()
+
+            def block(engine) -> None:
+                inside.set()
+                gate.wait(10)
+
+            blocker = asyncio.ensure_future(llm.call(block))
+            assert await asyncio.to_thread(inside.wait, 10)  # the engine thread is blocked
             cancelled = asyncio.ensure_future(llm.call(lambda engine: ran.append("late")))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0)  # (it is in the engine's inbox)
             cancelled.cancel()  # queued behind the blocker: cancelled before it runs
-            await asyncio.sleep(0.05)  # (the cancel reaches the engine's future a tick later)
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled  # once it is, so is the engine-side future it waited on
             gate.set()
             await blocker
-            with pytest.raises(asyncio.CancelledError):
-                await cancelled
             # (a dead engine thread would never answer: fail instead of hanging)
             result, _ = await asyncio.wait_for(_collect(llm, prompts[0], GREEDY), 60)
             return result
