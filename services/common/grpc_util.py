@@ -13,6 +13,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common import tracing
 
 MAX_MESSAGE_BYTES = 256 << 20
+# Trailing metadata of a worker call that failed because a peer it called failed (a decode
+# worker's prefill worker): that peer's address, so the caller routes around the right one.
+FAILED_PEER_KEY = "rtp-failed-peer"
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -20,7 +20,7 @@ from services.common.flags import add_common_flags, add_drain_flag, advertised, 
 from services.common.naming import NameClient, make_member
 from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend.generation import Generator
+from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.grpc_api import FrontendServicer
 from services.frontend.http_api import build_app
 from services.frontend.model_info import ModelInfo
@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
     p.add_argument("--max-n", type=int, default=int(env("max_n", "8")), help="largest n")
     p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=int(env("max_migrations", str(DEFAULT_MAX_MIGRATIONS))),
+        help="times a sequence may move to another worker after its worker failed",
+    )
+    p.add_argument(
         "--master",
         default=env("master"),
         help="host:port of the master (default: the one the nameservice knows)",
@@ -86,7 +92,9 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer, args.model)
     names = NameClient(args.nameservice) if args.nameservice else None
     router = Router(args.master, names.watch if names is not None else None)
-    generator = Generator(model, tokenizer, router, args.max_concurrent, args.max_n)
+    generator = Generator(
+        model, tokenizer, router, args.max_concurrent, args.max_n, args.max_migrations
+    )
     runner = web.AppRunner(
         build_app(generator),
         handler_cancellation=True,  # a client that goes away cancels its worker calls

@@ -31,11 +31,13 @@ from pathlib import Path
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
 from services.launcher import servers
+from services.launcher.supervisor import RESTART_POLICIES, Supervisor
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
 STOP_SLACK_S = 1.2  # past the drain timeout: for processes to exit before they are killed
 DRAINING = ("frontend", "prefill", "decode", "fused")  # the rest stops once these are gone
+SUPERVISE_EVERY_S = 0.25  # how often exited children are noticed (and restarted)
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
@@ -105,6 +107,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
     add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
+    p.add_argument(
+        "--restart",
+        choices=RESTART_POLICIES,
+        default=env("restart", "no"),
+        help="on-failure: start a process that exited again, same command line, with backoff "
+        "(no: keep serving with what is left)",
+    )
     p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
@@ -133,8 +142,7 @@ class Cluster:
 
     def spawn(self, name: str, *flags: str) -> subprocess.Popen:
         common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
-        argv = [sys.executable, "-m", "services.cli", name, *common, *flags]
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        proc = _child([sys.executable, "-m", "services.cli", name, *common, *flags])
         self.procs.append((name, proc))
         log.info("started %s pid=%d", name, proc.pid)
         return proc
@@ -162,6 +170,10 @@ class Cluster:
                     proc.wait()
         for server in reversed(self.infra):
             server.stop(timeout=0.3)
+
+
+def _child(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
 
 def _default_threads(args: argparse.Namespace) -> int:
@@ -234,6 +246,14 @@ def _start(cluster: Cluster, model: str) -> str:
     return cluster.addresses["frontend"]
 
 
+def _write_info(cluster: Cluster) -> None:
+    if cluster.args.info_file:  # written whole, then renamed: readers never see half of it
+        path = Path(cluster.args.info_file)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cluster.info(), indent=2))
+        tmp.replace(path)
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/ready", timeout=1.0) as reply:
@@ -258,14 +278,13 @@ async def serve(args: argparse.Namespace) -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"frontend {url} not ready after {READY_TIMEOUT_S:.0f} s")
                 await asyncio.sleep(0.2)
-            if args.info_file:
-                Path(args.info_file).write_text(json.dumps(cluster.info(), indent=2))
+            _write_info(cluster)
             sys.stdout.write(f"rtp-serve is up: {url}/v1 (model {model})\n")
             sys.stdout.flush()
-            while True:  # a dead child degrades the cluster; say so, keep serving
-                await asyncio.sleep(1.0)
-                for name, proc in cluster.procs:
-                    if proc.returncode is None and proc.poll() is not None:
-                        log.error("%s (pid %d) exited with %s", name, proc.pid, proc.returncode)
+            supervisor = Supervisor(args.restart, _child)
+            while True:
+                await asyncio.sleep(SUPERVISE_EVERY_S)
+                if await asyncio.to_thread(supervisor.check, cluster.procs, cluster.infra):
+                    _write_info(cluster)  # the new pids
         finally:
             await asyncio.to_thread(cluster.stop)
