@@ -21,6 +21,15 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Servers ping their clients on idle connections: a caller that vanished without closing
+# its connection (a host gone, a partition) has its calls cancelled within about 40 s, so
+# a worker stops computing for it. Only servers ping (clients pinging more often than a
+# server allows would be sent away).
+_SERVER_OPTIONS = [
+    *_OPTIONS,
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
 
 
 def create_server(
@@ -28,7 +37,7 @@ def create_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later aio server bound to `bind` (port 0: any free port), with the standard
     health service registered. Returns (server, port, health servicer)."""
-    server = grpc.aio.server(options=_OPTIONS, interceptors=tracing.server_interceptors())
+    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=tracing.server_interceptors())
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {bind}")

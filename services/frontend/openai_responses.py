@@ -71,9 +71,17 @@ def usage(choices: list[Choice]) -> Json:
 class ResponseBuilder:
     """Builds the objects of one response: same id, creation time and model throughout."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText, logprobs: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        token_text: TokenText,
+        logprobs: bool,
+        request_id: str | None = None,
+    ) -> None:
+        """`request_id`: the id the client chose, else a fresh one."""
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.id = request_id or ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
         self._tt = token_text

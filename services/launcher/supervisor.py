@@ -30,8 +30,8 @@ Spawn = Callable[[list[str]], subprocess.Popen]
 
 @dataclass(slots=True)
 class _Backoff:
+    started_at: float  # when the process was first seen running, or last restarted
     delay: float = BACKOFF_MIN_S
-    started_at: float = field(default_factory=time.monotonic)
     exited_at: float | None = None
 
     def due(self, now: float) -> bool:
@@ -51,6 +51,7 @@ class _Backoff:
 class Supervisor:
     policy: str  # one of RESTART_POLICIES
     spawn: Spawn  # starts a child from its argv (the launcher's: dies with the launcher)
+    clock: Callable[[], float] = time.monotonic
     restarts: int = 0
     _reported: set[int] = field(default_factory=set)  # pids whose exit was logged
     _backoff: dict[tuple[str, int], _Backoff] = field(default_factory=dict)
@@ -58,29 +59,31 @@ class Supervisor:
     def check(self, procs: list[tuple[str, subprocess.Popen]], infra: list[ManagedProcess]) -> bool:
         """Log what exited and, by the policy, restart it (replaced in `procs` / `infra` in
         place); True if anything was restarted."""
-        now = time.monotonic()
+        now = self.clock()
         changed = False
         for slot, (name, proc) in enumerate(procs):
+            backoff = self._slot(name, slot, now)
             if proc.poll() is None:
                 continue
             self._exited(name, proc.pid, proc.returncode)
-            if self.policy == "no" or not self._slot(name, slot).due(now):
+            if self.policy == "no" or not backoff.due(now):
                 continue
             fresh = self.spawn(list(proc.args))
             procs[slot] = (name, fresh)
-            self._slot(name, slot).restarted(now)
+            backoff.restarted(now)
             self.restarts += 1
             changed = True
             log.warning("restarted %s: pid %d (was %d)", name, fresh.pid, proc.pid)
         for slot, server in enumerate(infra):
+            backoff = self._slot(server.name, slot, now)
             if server.running():
                 continue
             self._exited(server.name, server.pid, server.popen.returncode)
-            if self.policy == "no" or not self._slot(server.name, slot).due(now):
+            if self.policy == "no" or not backoff.due(now):
                 continue
             old = server.pid
             ok = server.restart()
-            self._slot(server.name, slot).restarted(now)  # a failed attempt backs off too
+            backoff.restarted(now)  # a failed attempt backs off too
             if ok:
                 self.restarts += 1
                 changed = True
@@ -93,5 +96,8 @@ class Supervisor:
             what = "restarting it" if self.policy != "no" else "not restarting it (--restart no)"
             log.error("%s (pid %d) exited with %s; %s", name, pid, code, what)
 
-    def _slot(self, name: str, slot: int) -> _Backoff:
-        return self._backoff.setdefault((name, slot), _Backoff())
+    def _slot(self, name: str, slot: int, now: float) -> _Backoff:
+        backoff = self._backoff.get((name, slot))
+        if backoff is None:
+            backoff = self._backoff[(name, slot)] = _Backoff(started_at=now)
+        return backoff
