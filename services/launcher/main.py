@@ -62,6 +62,18 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "--redis-url", default=env("redis_url"), help="use this Redis instead of starting one"
     )
     p.add_argument("--no-cache", action="store_true", help="run without the cache service tier")
+    p.add_argument(
+        "--cache-capacity-mib",
+        type=int,
+        default=None,
+        help="the cache service's memory tier (T2) in MiB (default: the cache service's)",
+    )
+    p.add_argument(
+        "--redis-maxmemory-mib",
+        type=int,
+        default=256,
+        help="maxmemory of the Redis tier (T3) this starts, in MiB (LRU beyond it)",
+    )
     p.add_argument("--policy", default="cache_aware")
     p.add_argument(
         "--max-local-prefill-tokens",
@@ -202,7 +214,9 @@ def _start(cluster: Cluster, model: str) -> str:
         nats_url = nats.url
     redis_url = args.redis_url
     if redis_url is None and not args.no_cache:
-        redis = servers.start_redis(cluster.data_dir / "redis")
+        redis = servers.start_redis(
+            cluster.data_dir / "redis", maxmemory=f"{args.redis_maxmemory_mib}mb"
+        )
         cluster.infra.append(redis)
         redis_url = redis.url
     ns_port, ns_metrics_port = servers.free_port(), servers.free_port()
@@ -218,7 +232,10 @@ def _start(cluster: Cluster, model: str) -> str:
         master += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
     cluster.spawn("master", *master)
     if not args.no_cache:
-        cluster.spawn("cache", *common, "--redis-url", redis_url)
+        capacity = ()
+        if args.cache_capacity_mib is not None:
+            capacity = ("--capacity-mib", str(args.cache_capacity_mib))
+        cluster.spawn("cache", *common, "--redis-url", redis_url, *capacity)
     threads = args.threads or _default_threads(args)
     drain = ["--drain-timeout", str(args.drain_timeout)]
     numerics = ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
