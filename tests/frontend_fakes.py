@@ -49,11 +49,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         base_prompt_len: int | None = None,
         per_message: int = 1,
         blame_prefill: bool = False,
+        logprob_by_seed: bool = False,
     ) -> None:
         """`per_message`: tokens sent together, as a speculating worker does.
         `blame_prefill`: a scripted failure names the request's prefill worker as the peer
-        that failed (as a decode worker whose prefill worker died does)."""
+        that failed (as a decode worker whose prefill worker died does).
+        `logprob_by_seed`: every sampled token's logprob is -0.5 - (seed % 7) / 10, so
+        sequences with different seeds rank differently."""
         self.blame_prefill = blame_prefill
+        self.logprob_by_seed = logprob_by_seed
         self.script = list(script)
         self.per_message = per_message
         self.fail = list(fail)
@@ -99,8 +103,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         common_pb2.TopLogprob(token_id=token + j, logprob=-1.0 - j)
                         for j in range(params.logprobs)
                     ]
+                    lp = -0.5 - (params.seed % 7) / 10 if self.logprob_by_seed else -0.5
                     msg.logprobs.append(
-                        common_pb2.TokenLogprob(token_id=token, logprob=-0.5, top=top)
+                        common_pb2.TokenLogprob(token_id=token, logprob=lp, top=top)
                     )
                 if not reason and len(msg.token_ids) < self.per_message:
                     continue

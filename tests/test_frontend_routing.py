@@ -277,3 +277,28 @@ def test_a_client_request_id_is_used_and_never_in_flight_twice(tiny, script) -> 
     assert again == (200, "client-retry:42")
     assert invalid == (400, "X-Request-Id")
     assert [r.request_id for r in worker.requests] == ["client-retry:42"] * 2  # never the dup
+
+
+def test_best_of_returns_the_n_candidates_with_the_best_logprob_per_token(tiny, script) -> None:
+    # Seeds 13, 14, 15 score -1.1, -0.5 and -0.6 per token: n=2 of best_of=3 are the last two.
+    worker = FakeWorker(script, logprob_by_seed=True)
+    workers = {"w1": (FUSED, worker)}
+    body = {"prompt": "x", "max_tokens": 4, "n": 2, "best_of": 3, "seed": 13, "logprobs": 1}
+    status, out = complete(tiny, workers, body)
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    firsts = [c["logprobs"]["token_logprobs"][0] for c in out["choices"]]
+    assert firsts == pytest.approx([-0.5, -0.6])
+    assert out["usage"]["completion_tokens"] == 3 * 4  # every candidate was generated
+    assert sorted(r.params.seed for r in worker.requests) == [13, 14, 15]
+
+    # Without logprobs asked, the candidates still carry the sampled tokens' (for ranking),
+    # and the answer shows none.
+    worker = FakeWorker(script, logprob_by_seed=True)
+    status, out = complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x", "best_of": 2})
+    assert status == 200 and len(out["choices"]) == 1 and out["choices"][0]["logprobs"] is None
+    assert [r.params.logprobs for r in worker.requests] == [0, 0]
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 9}):
+        status, out = complete(tiny, {"w1": (FUSED, FakeWorker(script))}, {"prompt": "x"} | bad)
+        assert status == 400 and out["error"]["param"] == "best_of", (bad, out)
+    # (best_of > n with stream is refused by the schema: test_frontend_unit.)

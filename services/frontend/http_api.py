@@ -27,7 +27,7 @@ from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import Delta, DeltaStream, Generator
 from services.frontend.inputs import GenerateInput, prepare
-from services.frontend.openai_responses import Choice, ResponseBuilder
+from services.frontend.openai_responses import Choice, ResponseBuilder, best
 from services.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -156,7 +156,9 @@ async def _generate(
         else:  # echo: each choice's text starts with the prompt
             echo = _prompt_text(gen, req, ids) if req.echo else ""
             choices = [Choice(text=echo) for _ in inputs]
-        return await _respond(request, gen, builder, inputs, choices, req.stream, req.include_usage)
+        return await _respond(
+            request, gen, builder, inputs, choices, req.stream, req.include_usage, opts.n
+        )
 
 
 def _client_request_id(request: web.Request) -> str | None:
@@ -254,7 +256,9 @@ async def _respond(
     choices: list[Choice],
     stream: bool,
     include_usage: bool,
+    n: int,
 ) -> web.StreamResponse:
+    """`n`: the choices the client gets (fewer than `choices` with best_of: the best)."""
     # Every choice is routed and has its first tokens before anything is sent, so a request
     # nobody can serve still gets a proper error status.
     span = trace.get_current_span()
@@ -267,8 +271,9 @@ async def _respond(
             async with contextlib.aclosing(merge(streams)) as deltas:
                 async for i, delta in deltas:
                     choices[i].add(delta)
+            shown = best(choices, n)
             return web.json_response(
-                builder.response(choices), headers={REQUEST_ID_HEADER: builder.id}
+                builder.response(shown, choices), headers={REQUEST_ID_HEADER: builder.id}
             )
         return await _stream_sse(request, builder, streams, choices, include_usage)
     finally:
