@@ -456,7 +456,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tool_mode == "none":
             return None
         names = frozenset(t.function.name for t in self.tools or ())
-        return ToolCallParser(names, stream_arguments=self.tool_mode in ("required", "named"))
+        streamed = self.tool_mode in ("required", "named")
+        return ToolCallParser(names, streamed, max_calls=None if self.parallel_tool_calls else 1)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (OpenAI's shape, unset fields left out)."""
