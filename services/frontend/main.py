@@ -16,7 +16,7 @@ from aiohttp import web
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, kv_numerics, resolve_dtype
 from engine.tokenizer import Tokenizer
 from services.common import grpc_util
-from services.common.flags import add_common_flags, add_drain_flag, advertised, env
+from services.common.flags import add_common_flags, add_drain_flag, advertised, env, int_or_none
 from services.common.naming import NameClient, make_member
 from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
@@ -29,10 +29,6 @@ from services.frontend.router_client import Router
 log = logging.getLogger(__name__)
 
 GRPC_SERVICE = "rtp.v1.Frontend"
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
@@ -61,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=_int_or_none(env("max_model_len")),
+        default=int_or_none(env("max_model_len")),
         help="context length (default: max_position_embeddings of config.json)",
     )
     p.add_argument(

@@ -107,8 +107,12 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="torch threads per worker (0: PD workers each get every core, since they mostly "
         "take turns; fused replicas split the cores)",
     )
-    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+    p.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
                    help="speculative decoding in every worker (see rtp-serve fused --help)")  # fmt: skip
+    p.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: the draft model (a directory or preset)")  # fmt: skip
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="with --speculative draft: the draft's first N layers draft")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="with --speculative: drafts per request and step at most")  # fmt: skip
     p.add_argument(
@@ -245,7 +249,11 @@ def _start(cluster: Cluster, model: str) -> str:
               "--host-kv-cache-mib", str(args.host_kv_cache_mib),
               "--memory-share", str(_worker_count(args)),
               "--speculative", args.speculative]  # fmt: skip
-    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens"):
+    if args.draft_model is not None:
+        from engine.make_model import resolve_model
+
+        worker += ["--draft-model", str(resolve_model(args.draft_model))]
+    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
         if getattr(args, flag) is not None:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.fused:
