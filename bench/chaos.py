@@ -7,15 +7,18 @@
 The cluster runs with `--restart on-failure`, so a killed process is started again by the
 launcher, as an orchestrator would. Per fault, while `--clients` greedy streams run back to
 back: SIGKILL one process (a worker while it runs a request: mid-prefill on a prefill worker,
-mid-transfer or mid-decode on a decode worker), or SIGSTOP a worker for STOP_TTLS heartbeat
-TTLs (a hung peer the cluster declares dead) and then SIGCONT it. Reported per fault:
+mid-transfer or mid-decode on a decode worker), or SIGSTOP a process for STOP_TTLS heartbeat
+TTLs and then SIGCONT it (a hung worker, which the cluster declares dead; a hung nameservice,
+which must not declare everyone dead when it runs again). Reported per fault:
 
 - requests finished during the phase, failed ones and texts that differ from the offline
   engine's (the goal is 0 and 0 for every fault but the frontend's own);
 - recovery: seconds from the fault until routing is healthy again (the process is back, every
   role has as many members as before, and a probe request is served on the master's route);
 - blocks still held by the workers once traffic stopped (0: nothing leaked);
-- whether the master's prefix index equals what the workers hold (the index resynced).
+- whether the master's prefix index equals what the workers hold (the index resynced);
+- members the nameservice dropped for missed heartbeats meanwhile (a stopped nameservice
+  must drop none once it runs again).
 """
 
 from __future__ import annotations
@@ -92,11 +95,12 @@ FAULTS = {
         Fault("nats", "nats"),
         Fault("master", "master"),
         Fault("nameservice", "nameservice"),
+        Fault("stop-nameservice", "nameservice", stop=True),
         Fault("frontend", "frontend"),
     )
 }
 ALL_PD = ["prefill", "decode", "stop-decode", "cache", "redis", "nats", "master",
-          "nameservice", "frontend"]  # fmt: skip
+          "nameservice", "stop-nameservice", "frontend"]  # fmt: skip
 ALL_FUSED = ["fused", "stop-fused", "cache", "redis", "nats", "master", "nameservice",
              "frontend"]  # fmt: skip
 
@@ -110,12 +114,21 @@ class Row:
     recovery_s: float | None = None  # None: not healthy within RECOVERY_TIMEOUT_S
     leaked_blocks: int = 0
     index_ok: bool = False
+    expired: int | None = None  # members the nameservice dropped for silence (None: restarted)
     errors: list[str] = field(default_factory=list)  # the first few, for the reader
 
     def passed(self, fault: Fault) -> bool:
         lost_ok = fault.may_fail or self.failed == 0
         healthy = self.recovery_s is not None and self.index_ok
-        return lost_ok and self.mismatched == 0 and healthy and self.leaked_blocks == 0
+        # A hung nameservice, once it runs again, must not drop the members it did not hear.
+        spurious = fault.name == "stop-nameservice" and self.expired != 0
+        return (
+            lost_ok
+            and self.mismatched == 0
+            and healthy
+            and self.leaked_blocks == 0
+            and not spurious
+        )
 
 
 # -- the traffic -----------------------------------------------------------------------------
@@ -184,6 +197,19 @@ class View:
 
     def pids(self, name: str) -> list[int]:
         return [p["pid"] for p in self.info()["pids"] if p["name"] == name]
+
+    async def heartbeats_missed(self, http: aiohttp.ClientSession) -> float | None:
+        """The nameservice's count of members dropped for silence (None: unreachable)."""
+        try:
+            async with http.get(f"http://{self.info()['nameservice_metrics']}/metrics") as r:
+                text = await r.text()
+        except Exception:
+            return None
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("rtp:heartbeats_missed_total{")
+        )
 
     async def members(self) -> list[ns.Member] | None:
         """Everyone registered, or None while the nameservice does not answer."""
@@ -307,6 +333,8 @@ async def run_fault(
     traffic.row = row
     await asyncio.sleep(warm_s)
     pid = view.pids(fault.process)[0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        missed_before = await view.heartbeats_missed(http)
     victim = _member_of(pid, await view.members() or [])
     if victim is None and fault.process in MEMBERS:
         row.errors.append(f"{fault.process} pid {pid} is no registered member")
@@ -335,6 +363,10 @@ async def run_fault(
             await asyncio.sleep(0.1)
         if why is not None:
             row.errors.insert(0, f"not healthy after {RECOVERY_TIMEOUT_S:g} s: {why}")
+        missed_after = await view.heartbeats_missed(http)
+        same_nameservice = fault.process != "nameservice" or fault.stop
+        if same_nameservice and missed_before is not None and missed_after is not None:
+            row.expired = int(missed_after - missed_before)
     await asyncio.sleep(tail_s)
     traffic.row = None  # what still finishes counts in no phase
     return row
@@ -461,15 +493,16 @@ async def _until_whole(view: View, timeout: float = RECOVERY_TIMEOUT_S) -> None:
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'fault':<12} {'requests':>8} {'failed':>6} {'wrong':>5} {'recovery':>9} "
-    head += f"{'leaked':>6} {'index':>5}  pass"
+    head = f"{'fault':<16} {'requests':>8} {'failed':>6} {'wrong':>5} {'recovery':>9} "
+    head += f"{'leaked':>6} {'index':>5} {'expired':>7}  pass"
     lines = [head]
     for r in rows:
         rec = f"{r.recovery_s:.2f} s" if r.recovery_s is not None else "never"
         ok = "yes" if r.passed(FAULTS[r.fault]) else "NO"
         lines.append(
-            f"{r.fault:<12} {r.requests:>8} {r.failed:>6} {r.mismatched:>5} {rec:>9} "
-            f"{r.leaked_blocks:>6} {'ok' if r.index_ok else 'NO':>5}  {ok}"
+            f"{r.fault:<16} {r.requests:>8} {r.failed:>6} {r.mismatched:>5} {rec:>9} "
+            f"{r.leaked_blocks:>6} {'ok' if r.index_ok else 'NO':>5} "
+            f"{'-' if r.expired is None else r.expired:>7}  {ok}"
         )
         lines += [f"    {e}" for e in r.errors]
     return "\n".join(lines)

@@ -197,11 +197,11 @@ def run(args: argparse.Namespace) -> dict:
 
     model = str(resolve_model(args.model))
     # Small cache tiers fill during warm-up: after it, their memory must stay flat too.
-    flags = ["--ttl", "1", "--kv-cache-mib", str(args.kv_cache_mib),
+    flags = ["--kv-cache-mib", str(args.kv_cache_mib),
              "--cache-capacity-mib", "4", "--redis-maxmemory-mib", "8",
              *topology_flags(args.topology), *args.launcher_args.split()]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, launch(model, Path(tmp), *flags) as c:
-        view = View(c.url, Path(tmp) / "cluster.json", 1.0)
+        view = View(c.url, Path(tmp) / "cluster.json", ttl=3.0)  # the launcher's default
         soak, leaked = asyncio.run(_soak(view, Path(model).name, args))
     return summarize(soak, leaked, args.window_s)
 

@@ -58,6 +58,17 @@ def test_registry_expires_exactly_at_ttl() -> None:
     assert len(reg) == 0 and not reg.heartbeat("a")
 
 
+def test_registry_forgives_a_pause_of_its_own() -> None:
+    clock = FakeClock(100.0)
+    reg = Registry(ttl=3.0, clock=clock)
+    reg.register(pb.Member(id="a", role=pb.ROLE_FUSED))
+    clock.now = 110.0  # the service was stopped for 9 s; a's heartbeats wait in its socket
+    reg.forgive(9.0)
+    assert reg.expire() == []  # a was silent 1 s of the time the service ran
+    assert _kinds(reg.expire(102.999 + 9.0)) == []
+    assert _kinds(reg.expire(103.0 + 9.0)) == [("KIND_LEFT", "a", "expired")]
+
+
 def test_registry_reregister_replaces() -> None:
     reg = Registry(ttl=3.0, clock=FakeClock())
     first = pb.Member(id="d1", role=pb.ROLE_DECODE, address="127.0.0.1:1")

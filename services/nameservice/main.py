@@ -102,9 +102,22 @@ class NameService(pb_grpc.NameServiceServicer):
             await asyncio.sleep(left)
 
     async def expire_forever(self) -> None:
-        """Drop silent members, checking ten times per TTL."""
+        """Drop silent members, checking ten times per TTL. A check that comes late by more
+        than a tick means this process did not run meanwhile (a starved CPU, a stopped
+        process): the heartbeats queued for it are not late, so that pause is forgiven
+        before anyone is dropped (else every member would expire at once)."""
+        tick = self.registry.ttl / 10
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.registry.ttl / 10)
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            paused = now - last - tick
+            last = now
+            if paused > tick:
+                self.registry.forgive(paused)
+                ns_metrics.nameservice().paused(paused)
+                log.warning("nameservice did not run for %.2f s; that pause counts against no "
+                            "member's heartbeats", paused)  # fmt: skip
             await self._broadcast(self.registry.expire())
 
     def end_watches(self) -> None:
