@@ -77,7 +77,8 @@ def load_llama_weights(
     def proj(*names: str, quantize: bool = True) -> LinearOp:
         """[out, in] checkpoint weights, concatenated on `out`, as one projection. INT8 is
         quantized from the checkpoint's own values, not from a rounded copy."""
-        w = torch.cat([raw(n) for n in names])
+        parts = [raw(n) for n in names]
+        w = torch.cat(parts) if len(parts) > 1 else parts[0]  # one part: no copy
         wd = weight_dtype if quantize else "auto"
         return make_linear(w if wd == "int8" else w.to(dtype), dtype, wd, kernels)
 

@@ -1,0 +1,134 @@
+"""Model loading: time from nothing to a ready engine, ours vs transformers, cold and warm;
+and the time `rtp-serve up` takes to be ready.
+
+    python bench/load.py                                  # llama-100m and llama-1b (sharded)
+    python bench/load.py --models llama-100m --trials 3 --up
+
+Each timing is a fresh Python process (imports excluded: the clock starts once torch and
+the project are imported), as a worker starting up would be:
+
+  ours   engine.llm_engine.LLMEngine(EngineConfig(model, small KV)): reads the safetensors
+         in file order (engine/weights.py), fuses, allocates the KV pool, ready to step
+  hf     transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=float32)
+
+cold: the checkpoint's pages are dropped from the page cache first (posix_fadvise
+DONTNEED on every file: no root needed; the disk read is then real unless the storage has
+its own cache); warm: read once just before. `--up`: seconds from `rtp-serve up` (tiny-llama,
+fused:1) to ready, with the CPU kernels already built and with them built afresh (a new
+TORCH_EXTENSIONS_DIR), which is what a fresh install costs on first start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent  # run as a script: the repository root first
+sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
+
+from kernels.isa import cpu_isa  # noqa: E402
+
+_ONE = """
+import json, sys, time
+import torch
+kind, model = sys.argv[1], sys.argv[2]
+torch.set_num_threads(int(sys.argv[3]))
+if kind == "ours":
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    start = time.perf_counter()
+    LLMEngine(EngineConfig(model=model, num_kv_blocks=64, num_threads=int(sys.argv[3])))
+else:
+    from transformers import AutoModelForCausalLM
+    start = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def drop_page_cache(model_dir: Path) -> None:
+    for path in model_dir.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def warm_page_cache(model_dir: Path) -> None:
+    for path in model_dir.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def time_one(kind: str, model_dir: Path, cold: bool, threads: int) -> float:
+    (drop_page_cache if cold else warm_page_cache)(model_dir)
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE, kind, str(model_dir), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=_ROOT,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def time_up(fresh_kernels: bool) -> float:
+    from services.launcher.process import launch
+
+    env_before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    with tempfile.TemporaryDirectory(prefix="load-up-") as tmp:
+        if fresh_kernels:
+            os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(tmp) / "torch_extensions")
+        try:
+            start = time.perf_counter()
+            with launch("tiny-llama", Path(tmp), "--fused", "1", "--kv-cache-mib", "64"):
+                return time.perf_counter() - start
+        finally:
+            if env_before is None:
+                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+            else:
+                os.environ["TORCH_EXTENSIONS_DIR"] = env_before
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="llama-100m,llama-1b")
+    ap.add_argument("--trials", type=int, default=2, help="per cell; the median is shown")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--up", action="store_true", help="also time rtp-serve up to ready")
+    args = ap.parse_args()
+    from engine.make_model import resolve_model
+
+    print(f"cpu: {cpu_isa().describe()}")
+    print(f"{'model':12} {'size':>8} {'cache':>5} {'ours s':>8} {'hf s':>8} {'hf/ours':>8}")
+    for name in args.models.split(","):
+        model_dir = Path(resolve_model(name))
+        size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
+        for cold in (True, False):
+            cells = {}
+            for kind in ("ours", "hf"):
+                runs = [time_one(kind, model_dir, cold, args.threads) for _ in range(args.trials)]
+                cells[kind] = statistics.median(runs)
+            print(f"{name:12} {size / 2**30:>6.2f}Gi {'cold' if cold else 'warm':>5} "
+                  f"{cells['ours']:>8.2f} {cells['hf']:>8.2f} "
+                  f"{cells['hf'] / cells['ours']:>7.1f}x", flush=True)  # fmt: skip
+    if args.up:
+        for fresh in (False, True):
+            what = "kernels built afresh" if fresh else "kernels already built"
+            print(f"rtp-serve up (tiny-llama, fused:1) to ready, {what}: {time_up(fresh):.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
