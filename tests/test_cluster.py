@@ -60,6 +60,9 @@ def reference(model):
 @pytest.fixture(scope="module", params=["pd", "fused"])
 def cluster(request, model, tmp_path_factory):
     flags = ("--prefill", "2", "--decode", "1") if request.param == "pd" else ("--fused", "2")
+    # Speculation on (n-gram; in PD the decode worker speculates): every test below checks
+    # greedy texts against the engine without it, so they check that it changes nothing.
+    flags += ("--speculative", "ngram")
     with launch(model, tmp_path_factory.mktemp(request.param), *flags) as c:
         c.mode = request.param
         yield c
@@ -332,6 +335,36 @@ def test_master_index_equals_what_the_workers_hold(cluster):
     assert sum(float(line.rsplit(" ", 1)[1]) for line in resyncs) >= len(workers)  # each once
     for worker_id, hashes in truth.items():
         assert f'rtp:index_blocks{{worker="{worker_id}"}} {float(len(hashes))}' in text
+
+
+def test_the_workers_speculated(cluster, reference):
+    """Speculation runs in the cluster (in PD on the decode worker): a request whose advice
+    is the text it will write drafts from it, and its output is still the engine's."""
+    prompt = PROMPTS[0]
+    want = reference(prompt)[1]
+    body = {"model": _model_id(cluster), "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "speculative_advice": prompt + want}  # fmt: skip
+    reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == want
+    roles = (nameservice_pb2.ROLE_DECODE, nameservice_pb2.ROLE_FUSED)
+
+    def drafted() -> float:
+        total = 0.0
+        for m in cluster.workers():
+            if m.role in roles:
+                text = httpx.get(f"http://{m.metrics_address}/metrics", timeout=5).text
+                total += sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("rtp:spec_decode_num_accepted_tokens_total{")
+                )
+        return total
+
+    deadline = time.monotonic() + 10  # the counters follow the load reports
+    while drafted() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert drafted() > 0
 
 
 def test_sigkill_worker_is_dropped_and_traffic_moves(cluster, reference):

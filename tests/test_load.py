@@ -139,7 +139,10 @@ def test_deadline_passing_in_the_queue_is_504_and_leaves_nothing_held(cluster):
                 asyncio.create_task(stream_text(http, body(PROMPTS[i], 1900), started[i]))
                 for i in range(6)
             ]
+            deadline = time.monotonic() + 120  # a slow machine is slow, not stuck
             while await running(cluster) < 4 or sum(e.is_set() for e in started) < 4:
+                assert time.monotonic() < deadline, "the long streams never filled the batches"
+                assert not any(t.done() for t in busy), [t for t in busy if t.done()]
                 await asyncio.sleep(0.05)
             reply = await http.post("/v1/completions", json=body(PROMPTS[5], 8, timeout=0.5))
             stats = await asyncio.to_thread(cluster.worker_stats)
