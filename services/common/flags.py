@@ -52,6 +52,14 @@ def add_common_flags(
         )
     if nats:
         p.add_argument("--nats-url", default=env("nats_url"), help="nats://host:port (optional)")
+        p.add_argument(
+            "--nats-token",
+            default=env("nats_token"),
+            help="NATS auth token (or put user:password in --nats-url)",
+        )
+    from services.common.tls import add_tls_flags  # here: tls imports env() from this module
+
+    add_tls_flags(p)
 
 
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
@@ -80,3 +88,10 @@ def advertised(args: argparse.Namespace, port: int) -> str:
     if host == AUTO_HOST:
         host = socket.gethostbyname(socket.gethostname())
     return f"{host}:{port}"
+
+
+def redact(url: str) -> str:
+    """`url` without the credentials it may carry (scheme://user:password@host -> host): for
+    logs, which never show a secret."""
+    scheme, sep, rest = url.rpartition("://")
+    return scheme + sep + rest.rpartition("@")[2]
