@@ -3,7 +3,7 @@
 Values are serialized `rtp.v1.KVBlock` messages under `rtp:{namespace}:kv:{hash hex}`,
 each with a TTL; Redis's own `maxmemory` policy bounds its size. A password (Redis's
 `requirepass`) authenticates the connection. Values are data, never code: workers check
-each block's integrity tag (`services/worker/kv_integrity.py`) before using it.
+each block's integrity tag (`services/cache/integrity.py`) before using it.
 
 Redis is an optimisation, never a dependency: every operation has a bounded timeout and
 turns any failure into "miss" / "not written", with a rate-limited warning. After a failure
