@@ -21,8 +21,17 @@ DEFAULT_MODEL_HELP = (
 
 
 def env(name: str, default: str | None = None) -> str | None:
-    """Value of RTP_<NAME> (upper-cased, dashes as underscores), else `default`."""
-    return os.environ.get("RTP_" + name.upper().replace("-", "_"), default)
+    """Value of RTP_<NAME> (upper-cased, dashes as underscores); else the contents of the
+    file RTP_<NAME>_FILE names (how compose and Kubernetes secrets arrive: as files, kept
+    out of the environment), without its trailing newline; else `default`."""
+    var = "RTP_" + name.upper().replace("-", "_")
+    if var in os.environ:
+        return os.environ[var]
+    path = os.environ.get(var + "_FILE")
+    if path:
+        with open(path) as f:
+            return f.read().rstrip("\r\n")
+    return default
 
 
 def add_common_flags(

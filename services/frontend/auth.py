@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import hmac
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,8 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> ApiKeys:
     keys = list(args.api_key or [])
     if not keys:  # the environment is the flags' default, as for every flag
-        keys = [env("api_key") or "", *(env("api_keys") or "").split(",")]
+        # Read directly: RTP_API_KEY_FILE names --api-key-file, not a file holding one key.
+        keys = [os.environ.get("RTP_API_KEY", ""), *os.environ.get("RTP_API_KEYS", "").split(",")]
     if args.api_key_file:
         keys += read_key_file(Path(args.api_key_file))
     api_keys = ApiKeys.of((k.strip() for k in keys), args.metrics_key)
