@@ -151,7 +151,8 @@ def test_openai_client_with_and_without_the_key(cluster, model):
         model=model_id, prompt="The quick brown fox", max_tokens=MAX_TOKENS, temperature=0
     )
     llm = LLM(model, num_kv_blocks=64)
-    ref = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    ref = llm.generate(["The quick brown fox"], greedy)[0]
     assert out.choices[0].text == ref.text
 
 
@@ -222,7 +223,8 @@ def test_a_poisoned_cache_block_is_detected_counted_and_never_used(cluster, memb
     (cache,) = _members(cluster, member, nameservice_pb2.ROLE_CACHE)
     llm = LLM(model, num_kv_blocks=64)
     prompt = llm.tokenizer.encode("a prefix that someone poisons in the cache, " * 8)[:70]
-    reference = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    reference = llm.generate([prompt], greedy)[0].token_ids
     keys = block_hash_keys(prompt, 16, cache_salt(model, "float32"))[:4]
     params = params_to_pb(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
 
