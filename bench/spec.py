@@ -1,12 +1,15 @@
-"""Speculative decoding benchmark: decode tokens/s with and without n-gram speculation.
+"""Speculative decoding benchmark: decode tokens/s with and without speculation.
 
     python bench/spec.py [--model smollm2-135m] [--threads 2] [--k 5] [--max-tokens 128]
-                         [--batches 1,16] [--workloads edit,chat]
+                         [--batches 1,16] [--workloads edit,chat] [--methods ngram,draft]
+                         [--draft-model DIR] [--draft-layers N]
 
 Workloads, greedy, on the real model:
   edit  code-editing prompts whose answer repeats most of the given code; the code is the
         request's speculative_advice (RTP-LLM's sp_advice_prompt), n-gram on top
   chat  ordinary chat questions, n-gram only (whatever repeats in prompt and output)
+Methods: ngram (prompt lookup and advice), draft (a draft model: --draft-model, else the
+model's own first --draft-layers layers, default a quarter; it ignores advice).
 
 Each (workload, batch) runs twice on the same engine: speculation off for every request
 (num_speculative_tokens=0), then on. Decode tokens/s counts the output tokens after each
@@ -167,24 +170,37 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--workloads", default="edit,chat")
+    ap.add_argument("--methods", default="ngram", help="ngram, draft, or both")
+    ap.add_argument("--draft-model", default=None, help="draft: a model directory or preset")
+    ap.add_argument("--draft-layers", type=int, default=None, help="draft: its first N layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
-    engine = LLMEngine(
-        EngineConfig(
-            model=model,
-            dtype="float32",
-            speculative="ngram",
-            num_speculative_tokens=args.k,
-            max_num_seqs=32,
-            num_threads=args.threads,
-        )
-    )
     print(f"cpu: {cpu_isa().describe()}")
     print(f"model {args.model}, float32, threads {args.threads}, k {args.k}, greedy, "
           f"max_tokens {args.max_tokens}")  # fmt: skip
-    print(f"{'workload':8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
-          f"{'accept':>7} {'mean len':>8} {'equal':>6}")  # fmt: skip
+    print(f"{'method':6} {'workload':8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} "
+          f"{'speedup':>8} {'accept':>7} {'mean len':>8} {'equal':>6}")  # fmt: skip
+    for method in args.methods.split(","):
+        draft = {}
+        if method == "draft":
+            draft_dir = str(resolve_model(args.draft_model)) if args.draft_model else None
+            draft = {"draft_model": draft_dir, "draft_num_layers": args.draft_layers}
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype="float32",
+                speculative=method,
+                num_speculative_tokens=args.k,
+                max_num_seqs=32,
+                num_threads=args.threads,
+                **draft,
+            )
+        )
+        bench_method(engine, method, args)
+
+
+def bench_method(engine: LLMEngine, method: str, args: argparse.Namespace) -> None:
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for workload in args.workloads.split(","):
         for b in map(int, args.batches.split(",")):
@@ -196,7 +212,7 @@ def main() -> None:
             assert before is not None and engine.stats().spec is not None
             rate, mean_len = diff(before, engine.stats().spec)
             same = all(on.outputs[f"on-{i}"] == off.outputs[f"off-{i}"] for i in range(b))
-            print(f"{workload:8} {b:>5} {off.tokens_per_s:>10.1f} {on.tokens_per_s:>9.1f} "
+            print(f"{method:6} {workload:8} {b:>5} {off.tokens_per_s:>10.1f} {on.tokens_per_s:>9.1f} "
                   f"{on.tokens_per_s / off.tokens_per_s:>7.2f}x {rate:>7.2f} {mean_len:>8.2f} "
                   f"{str(same):>6}", flush=True)  # fmt: skip
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from engine.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
 from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
 
-SPECULATIVE_METHODS = (None, "ngram")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -142,10 +142,14 @@ class EngineConfig:
     num_threads: int | None = None
     # Picks the random seeds of requests that bring none (engine/sampling_noise.py).
     seed: int = 0
-    # Speculative decoding (engine/spec/): None (off) or "ngram"; each decoding request
-    # proposes up to num_speculative_tokens drafts a step (adaptive; per request too).
+    # Speculative decoding (engine/spec/): None (off), "ngram" or "draft"; each decoding
+    # request proposes up to num_speculative_tokens drafts a step (adaptive; per request too).
     speculative: str | None = None
     num_speculative_tokens: int = 3
+    # "draft": the draft model's directory (None: the target itself), and how many of its
+    # first layers draft (None: all of a draft model's; a quarter of the target's).
+    draft_model: str | None = None
+    draft_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -173,6 +177,10 @@ class EngineConfig:
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens}"
             )
+        if self.draft_num_layers is not None and self.draft_num_layers <= 0:
+            raise ValueError(f"draft_num_layers must be positive, got {self.draft_num_layers}")
+        if self.speculative != "draft" and (self.draft_model or self.draft_num_layers):
+            raise ValueError('draft_model and draft_num_layers need speculative="draft"')
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

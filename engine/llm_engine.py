@@ -23,7 +23,9 @@ from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.spec.draft_model import DraftModelProposer
 from engine.spec.ngram import NgramProposer
+from engine.spec.proposer import Proposer
 from engine.spec.speculator import Speculator
 from engine.spec.stats import SpecCounts
 from engine.structured import Grammars
@@ -104,12 +106,23 @@ class LLMEngine:
         self.grammars = Grammars(
             Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
         )
-        self.speculator = (
-            Speculator(NgramProposer(), config.num_speculative_tokens, self.limits.max_model_len)
-            if config.speculative == "ngram"
-            else None
-        )
+        self.speculator = self._speculator(config)
         self._seeds = random.Random(config.seed)  # for requests that bring no seed
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        if config.speculative is None:
+            return None
+        if config.speculative == "ngram":
+            proposer: Proposer = NgramProposer()
+        else:
+            proposer = DraftModelProposer(
+                self.model_config,
+                config,
+                self.limits,
+                config.draft_model,
+                config.draft_num_layers,
+            )
+        return Speculator(proposer, config.num_speculative_tokens, self.limits.max_model_len)
 
     # -- requests --------------------------------------------------------------------------
     def make_request(
@@ -173,6 +186,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
+        if request is not None and self.speculator is not None:
+            self.speculator.release(request_id)
         return None if request is None else _delta(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -213,6 +228,9 @@ class LLMEngine:
                     accepted = len(sampled[s.request.request_id]) - 1
                     self.speculator.observe(s.request, len(s.spec_token_ids), accepted)
         advanced, finished = self.scheduler.update_from_output(sched, sampled)
+        if self.speculator is not None:
+            for r in finished:
+                self.speculator.release(r.request_id)
         exports = {
             r.request_id: self._export(r, tables[r.request_id])
             for r in finished
@@ -366,6 +384,8 @@ class LLMEngine:
         self.scheduler.check_integrity()
         if self.host is not None:
             self.host.check_integrity()
+        if self.speculator is not None:
+            self.speculator.check_integrity()
 
 
 def _delta(

@@ -130,6 +130,8 @@ PRESETS: dict[str, Preset] = {
     ),
     "tiny-mistral": Preset("MistralForCausalLM", "mistral", 128, 4, 4, 2, 352, False, seed=3),
     "llama-100m": Preset("LlamaForCausalLM", "llama", 768, 12, 12, 12, 2048, False, seed=4),
+    # About 1B parameters (4 GiB in float32, 16 shards): what bench/load.py times loading.
+    "llama-1b": Preset("LlamaForCausalLM", "llama", 2048, 22, 32, 8, 5632, False, seed=5),
 }  # fmt: skip
 
 

@@ -51,14 +51,22 @@ def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, config: EngineConfig, limits: EngineLimits
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        limits: EngineLimits,
+        truncated: bool = False,
     ) -> None:
+        """`truncated`: the checkpoint has more layers than `model_config` (a draft made of
+        its first layers); the others are not loaded."""
         self.cfg = model_config
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
         tensors = load_tensors(config.model, device=str(self.device))
+        if truncated:
+            tensors = _first_layers(tensors, model_config.num_layers)
         self.kernels = cpu_kernels(self.device)
         weights = load_llama_weights(
             tensors, model_config, self.dtype, self.kernels, config.weight_dtype
@@ -256,6 +264,16 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, device=dev),
         )
+
+
+def _first_layers(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors without those of layers n and up."""
+
+    def layer(name: str) -> int | None:
+        parts = name.split(".")
+        return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+    return {k: v for k, v in tensors.items() if (i := layer(k)) is None or i < n}
 
 
 def _is_prefill(item: ScheduledRequest) -> bool:

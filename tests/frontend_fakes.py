@@ -17,7 +17,7 @@ from engine.tokenizer import Tokenizer
 from services.common import grpc_util
 from services.common.pb import common_pb2, master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend.generation import Generator
+from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.http_api import build_app
 from services.frontend.model_info import ModelInfo
 from services.frontend.router_client import Router
@@ -48,8 +48,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         delay: float = 0.0,
         base_prompt_len: int | None = None,
         per_message: int = 1,
+        blame_prefill: bool = False,
+        logprob_by_seed: bool = False,
     ) -> None:
-        """`per_message`: tokens sent together, as a speculating worker does."""
+        """`per_message`: tokens sent together, as a speculating worker does.
+        `blame_prefill`: a scripted failure names the request's prefill worker as the peer
+        that failed (as a decode worker whose prefill worker died does).
+        `logprob_by_seed`: every sampled token's logprob is -0.5 - (seed % 7) / 10, so
+        sequences with different seeds rank differently."""
+        self.blame_prefill = blame_prefill
+        self.logprob_by_seed = logprob_by_seed
         self.script = list(script)
         self.per_message = per_message
         self.fail = list(fail)
@@ -71,6 +79,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         try:
             for i in range(params.max_tokens):
                 if fail is not None and i == self.fail_after:
+                    if self.blame_prefill:
+                        peer = ((grpc_util.FAILED_PEER_KEY, request.prefill_address),)
+                        context.set_trailing_metadata(peer)
                     await context.abort(fail, "scripted failure")
                 pos = start + i
                 last = i == params.max_tokens - 1
@@ -92,8 +103,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         common_pb2.TopLogprob(token_id=token + j, logprob=-1.0 - j)
                         for j in range(params.logprobs)
                     ]
+                    lp = -0.5 - (params.seed % 7) / 10 if self.logprob_by_seed else -0.5
                     msg.logprobs.append(
-                        common_pb2.TokenLogprob(token_id=token, logprob=-0.5, top=top)
+                        common_pb2.TokenLogprob(token_id=token, logprob=lp, top=top)
                     )
                 if not reason and len(msg.token_ids) < self.per_message:
                     continue
@@ -123,7 +135,7 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
         if self.fail is not None:
             await context.abort(self.fail, "scripted master failure")
         for decode, prefill in self.routes:
-            if decode not in request.exclude:
+            if decode not in request.exclude and prefill not in request.exclude:
                 plan = master_pb2.RoutePlan(decode=self.members[decode], policy="fake")
                 if prefill is not None:
                     plan.prefill.CopyFrom(self.members[prefill])
@@ -153,6 +165,7 @@ async def frontend(
     master: FakeMaster | None = None,
     master_address: str | None = None,
     max_concurrent: int = 256,
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS,
 ) -> AsyncIterator[Harness]:
     """The HTTP app over fake workers (known from a fake nameservice watch) and master."""
     servers, members = [], {}
@@ -178,7 +191,13 @@ async def frontend(
         while len(router.membership.members) < len(members):
             await asyncio.sleep(0)
         model = ModelInfo.load(str(model_dir))
-        gen = Generator(model, Tokenizer(model_dir), router, max_concurrent=max_concurrent)
+        gen = Generator(
+            model,
+            Tokenizer(model_dir),
+            router,
+            max_concurrent=max_concurrent,
+            max_migrations=max_migrations,
+        )
         async with TestClient(TestServer(build_app(gen))) as client:
             yield Harness(client, gen, members, servers)
         await router.close()

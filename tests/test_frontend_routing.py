@@ -147,6 +147,55 @@ def test_stream_resumes_on_another_worker_after_a_crash(tiny, tok, script) -> No
     assert resumed.params.max_tokens == 9
 
 
+def test_a_failed_prefill_worker_is_routed_around_not_its_decode_worker(tiny, script) -> None:
+    # d1's prefill worker p1 dies: d1 says so, and the retry keeps d1 but takes p2.
+    decode = FakeWorker(script, fail=[UNAVAILABLE], blame_prefill=True)
+    master = FakeMaster([("d1", "p1"), ("d1", "p2")])
+    workers = {"d1": (DECODE, decode), "p1": (PREFILL, FakeWorker(script)),
+               "p2": (PREFILL, FakeWorker(script))}  # fmt: skip
+    status, body = complete(tiny, workers, {"prompt": "x"}, master)
+    assert status == 200, body
+    assert [list(r.exclude) for r in master.requests] == [[], ["p1"]]
+    assert [r.prefill_address for r in decode.requests] == [
+        master.members["p1"].address,
+        master.members["p2"].address,
+    ]
+
+
+def test_a_sequence_moves_at_most_max_migrations_times(tiny, tok, script) -> None:
+    # Every worker dies after 2 tokens: with one migration allowed, the second failure is
+    # the answer (a 200 stream that ends in an error event), and the third worker is never
+    # asked.
+    prompt = tok.encode("crash everything")
+    n = len(prompt)
+    crashing = [FakeWorker(script, fail=[UNAVAILABLE], fail_after=2, base_prompt_len=n)
+                for _ in range(3)]  # fmt: skip
+    master = FakeMaster([("w1", None), ("w2", None), ("w3", None)])
+    workers = {f"w{i + 1}": (FUSED, w) for i, w in enumerate(crashing)}
+
+    names = ('rtp:request_migrations_total{model_name="tiny-llama"}',
+             'rtp:request_migration_limit_reached_total{model_name="tiny-llama"}',
+             'rtp:routes_total{model_name="tiny-llama",source="master"}')  # fmt: skip
+
+    async def counts(h) -> list[float]:
+        async with h.client.get("/metrics") as resp:
+            lines = (await resp.text()).splitlines()
+        return [sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(n)) for n in names]
+
+    async def go():
+        async with frontend(tiny, workers, master, max_migrations=1) as h:
+            before = await counts(h)  # the registry is the process's: other tests count too
+            body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "stream": True}
+            async with h.client.post("/v1/completions", json=body) as resp:
+                events = await sse_events(resp)
+            return events, [b - a for a, b in zip(before, await counts(h), strict=True)]
+
+    events, counted = run(go())
+    assert any("error" in e for e in events if isinstance(e, dict)), events
+    assert [len(w.requests) for w in crashing] == [1, 1, 0]
+    assert counted == [1.0, 1.0, 2.0]  # one migration, then the limit; two master routes
+
+
 def test_membership_round_robin_and_leave() -> None:
     def event(kind, mid, role):
         member = ns_pb2.Member(id=mid, role=role, address=f"{mid}:1")
@@ -197,3 +246,59 @@ def test_grpc_frontend_generate(tiny, tok, script) -> None:
     assert out[-1].finished and out[-1].finish_reason == "stop"
     assert not any(m.finished for m in out[:-1])
     assert out[-1].prompt_tokens == len(tok.encode("hi")) and out[-1].cached_tokens == 16
+
+
+def test_a_client_request_id_is_used_and_never_in_flight_twice(tiny, script) -> None:
+    worker = FakeWorker(script, delay=0.05)
+
+    async def go():
+        async with frontend(tiny, {"w1": (FUSED, worker)}) as h:
+            body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 8, "stream": True}
+            named = {"X-Request-Id": "client-retry:42"}
+            async with h.client.post("/v1/completions", json=body, headers=named) as first:
+                assert first.headers["X-Request-Id"] == "client-retry:42"
+                await first.content.readline()  # the first one is streaming now
+                async with h.client.post("/v1/completions", json=body, headers=named) as dup:
+                    refused = dup.status, await dup.json()
+                events = await sse_events(first)
+            # Once it ended, the id is free again; a bad id is refused by name.
+            once_more = {**body, "stream": False}
+            async with h.client.post("/v1/completions", json=once_more, headers=named) as r:
+                again = r.status, (await r.json())["id"]
+            bad = {"X-Request-Id": "no spaces allowed"}
+            async with h.client.post("/v1/completions", json=once_more, headers=bad) as r:
+                invalid = r.status, (await r.json())["error"]["param"]
+            return refused, events, again, invalid
+
+    refused, events, again, invalid = run(go())
+    assert refused[0] == 409 and refused[1]["error"]["code"] == "duplicate_request_id"
+    assert "client-retry:42" in refused[1]["error"]["message"]
+    assert events[-1] == "[DONE]" and events[0]["id"] == "client-retry:42"
+    assert again == (200, "client-retry:42")
+    assert invalid == (400, "X-Request-Id")
+    assert [r.request_id for r in worker.requests] == ["client-retry:42"] * 2  # never the dup
+
+
+def test_best_of_returns_the_n_candidates_with_the_best_logprob_per_token(tiny, script) -> None:
+    # Seeds 13, 14, 15 score -1.1, -0.5 and -0.6 per token: n=2 of best_of=3 are the last two.
+    worker = FakeWorker(script, logprob_by_seed=True)
+    workers = {"w1": (FUSED, worker)}
+    body = {"prompt": "x", "max_tokens": 4, "n": 2, "best_of": 3, "seed": 13, "logprobs": 1}
+    status, out = complete(tiny, workers, body)
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    firsts = [c["logprobs"]["token_logprobs"][0] for c in out["choices"]]
+    assert firsts == pytest.approx([-0.5, -0.6])
+    assert out["usage"]["completion_tokens"] == 3 * 4  # every candidate was generated
+    assert sorted(r.params.seed for r in worker.requests) == [13, 14, 15]
+
+    # Without logprobs asked, the candidates still carry the sampled tokens' (for ranking),
+    # and the answer shows none.
+    worker = FakeWorker(script, logprob_by_seed=True)
+    status, out = complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x", "best_of": 2})
+    assert status == 200 and len(out["choices"]) == 1 and out["choices"][0]["logprobs"] is None
+    assert [r.params.logprobs for r in worker.requests] == [0, 0]
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 9}):
+        status, out = complete(tiny, {"w1": (FUSED, FakeWorker(script))}, {"prompt": "x"} | bad)
+        assert status == 400 and out["error"]["param"] == "best_of", (bad, out)
+    # (best_of > n with stream is refused by the schema: test_frontend_unit.)

@@ -105,7 +105,7 @@ def test_malformed_bodies(tiny, raw: bytes, text: str) -> None:
         (completion(stream_options={"include_usage": True}), "stream_options"),
         (completion(stream="yes"), "stream"),
         (completion(echo=True, logprobs=1), "echo"),
-        (completion(best_of=3), "best_of"),
+        (completion(best_of=3, stream=True), "best_of"),
         (completion(suffix="x"), "suffix"),
         (completion(presence_penalty=2.5), "presence_penalty"),
         (completion(frequency_penalty="1"), "frequency_penalty"),

@@ -3,6 +3,7 @@ draft accounting, and end to end: output with speculation == without, token for 
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -183,9 +184,9 @@ def test_drafts_are_dropped_rather_than_preempt_anyone():
 
 
 # -- end to end on the tiny preset --------------------------------------------------------
-def _engine(model_dir, spec_k: int | None, **args) -> LLMEngine:
+def _engine(model_dir, spec_k: int | None, method: str = "ngram", **args) -> LLMEngine:
     if spec_k is not None:
-        args |= {"speculative": "ngram", "num_speculative_tokens": spec_k}
+        args |= {"speculative": method, "num_speculative_tokens": spec_k}
     return make_llm(model_dir(PRESET), **args).engine
 
 
@@ -340,6 +341,12 @@ class WrongProposer:
         pairs = zip(requests, budgets, strict=True)
         return [[(r.token_ids[-1] + 1 + i) % 256 for i in range(k)] for r, k in pairs]
 
+    def release(self, request_id: str) -> None:
+        pass
+
+    def check_integrity(self) -> None:
+        pass
+
 
 def test_rejected_kv_is_never_read(model_dir, spec_prompts, reference):
     """Every draft is (almost always) wrong, over a poisoned cache: if rejected drafts' KV
@@ -473,6 +480,8 @@ def test_worker_flags_build_the_engine_config(model_dir):
     assert engine_config(p.parse_args(base)).speculative is None
     with pytest.raises(SystemExit):
         p.parse_args([*base, "--speculative", "medusa"])
+    draft = engine_config(p.parse_args([*base, "--speculative", "draft", "--draft-layers", "2"]))
+    assert (draft.speculative, draft.draft_model, draft.draft_num_layers) == ("draft", None, 2)
 
 
 # -- the real model -----------------------------------------------------------------------
@@ -508,3 +517,85 @@ def test_smollm2_greedy_equals_no_speculation(smollm2):
     stats = engine.stats().spec
     assert stats.num_accepted_tokens > 10, stats
     assert_pool_idle(engine)
+
+
+# -- the draft-model proposer -----------------------------------------------------------------
+# The target as its own draft (all its layers) must always be right, greedily: any KV the
+# draft side lost or kept wrongly across accepted and rejected drafts shows as a rejection.
+# Its first layer alone is the built-in truncated draft: mostly wrong on a random model, so
+# the rollback runs constantly; the output must not care either way.
+DRAFTS = {"whole target": {"draft_num_layers": 4}, "first layer": {"draft_num_layers": 1}}
+
+
+@pytest.mark.parametrize(
+    ("draft", "k"),
+    [("whole target", 1), ("whole target", 3), ("whole target", 5), ("first layer", 3)],
+)
+def test_draft_model_greedy_equals_no_speculation(model_dir, spec_prompts, reference, k, draft):
+    engine = _engine(model_dir, k, "draft", **DRAFTS[draft])
+    params = [GREEDY, GREEDY, replace(GREEDY, num_speculative_tokens=0), GREEDY]
+    outs = _run(engine, spec_prompts, params)  # integrity (the draft's pool too) every step
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference[0]]
+    stats = engine.stats().spec
+    assert stats.num_draft_tokens > 0
+    if draft == "whole target":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_pool_idle(engine)
+    proposer = engine.speculator.proposer
+    assert proposer._shadows == {}  # every shadow released with its request
+    assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("draft", list(DRAFTS))
+def test_draft_model_seeded_sampling_equals_no_speculation(
+    model_dir, spec_prompts, reference, draft
+):
+    engine = _engine(model_dir, 3, "draft", **DRAFTS[draft])
+    outs = _run(engine, spec_prompts, SEEDED)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference[1]]
+    assert engine.stats().spec.num_draft_tokens > 0
+
+
+def test_draft_model_under_preemption_a_small_draft_pool_and_arrivals(
+    model_dir, spec_prompts, reference
+):
+    """The target pool is too small (preemption, recompute) and so is the draft's (its
+    shadows are dropped and rebuilt); prompts chunk; requests arrive over several steps."""
+    args = {"num_kv_blocks": 16, "max_num_batched_tokens": 24, "draft_num_layers": 4}
+    prompts = spec_prompts + spec_prompts[:2]
+    at = [0, 0, 1, 2, 6, 9]
+    base = _run(
+        _engine(model_dir, None, num_kv_blocks=16, max_num_batched_tokens=24), prompts, GREEDY, at
+    )
+    engine = _engine(model_dir, 3, "draft", **args)
+    made: list[Request] = []
+    outs = _run(engine, prompts, GREEDY, at, made)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert sum(r.num_preemptions for r in made) > 0
+    stats = engine.stats().spec
+    assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_pool_idle(engine)
+
+
+def test_another_model_drafts_and_the_output_is_still_the_targets(
+    model_dir, spec_prompts, reference
+):
+    # tiny-mistral: another model (other weights) over the same vocabulary.
+    engine = _engine(model_dir, 3, "draft", draft_model=str(model_dir("tiny-mistral")))
+    assert engine.speculator.proposer.model_config.architecture == "MistralForCausalLM"
+    outs = _run(engine, spec_prompts[:2], GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference[0][:2]]
+    assert engine.stats().spec.num_draft_tokens > 0
+
+
+def test_draft_model_settings_are_checked(model_dir, tmp_path):
+    other = tmp_path / "other-vocab"
+    other.mkdir()
+    config = json.loads((model_dir("tiny-mistral") / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"vocab_size": 9000}))
+    with pytest.raises(ValueError, match="same tokenizer"):
+        _engine(model_dir, 3, "draft", draft_model=str(other))
+    with pytest.raises(ValueError, match="draft layers must be in"):
+        _engine(model_dir, 3, "draft", draft_num_layers=9)
+    with pytest.raises(ValueError, match='need speculative="draft"'):
+        _engine(model_dir, 3, "ngram", draft_num_layers=1)

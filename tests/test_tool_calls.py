@@ -67,6 +67,23 @@ def test_parser_on_fixed_texts(text, content, calls) -> None:
 @pytest.mark.parametrize(
     "text",
     [
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+        '<tool_call>[{"name": "get_time", "arguments": {}}, '
+        '{"name": "get_weather", "arguments": {}}]</tool_call>',
+    ],
+)
+def test_without_parallel_tool_calls_only_the_first_call_counts(text) -> None:
+    # auto with parallel_tool_calls false: no grammar stops a second call; it is dropped.
+    for pieces in ([text], list(text)):  # whole, and a character at a time
+        parser = ToolCallParser(NAMES, max_calls=1)
+        content = "".join(parser.push(piece)[0] for piece in pieces) + parser.finish()[0]
+        assert content == "" and [c.name for c in parser.calls] == ["get_time"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}\n</tool_call>',  # bad JSON
         '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # not a tool
         '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',  # not an object

@@ -33,6 +33,12 @@ class NgramProposer:
     def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
         return [self._one(r, k) if k > 0 else [] for r, k in zip(requests, budgets, strict=True)]
 
+    def release(self, request_id: str) -> None:
+        pass  # nothing is kept per request
+
+    def check_integrity(self) -> None:
+        pass
+
     def _one(self, request: Request, k: int) -> list[int]:
         tokens = request.token_ids
         advice = request.params.speculative_advice

@@ -10,10 +10,11 @@ and engine/spec/rejection.py keeps the longest prefix the target agrees with, pl
 How a proposer plugs in:
 
 * n-gram / prompt lookup (engine/spec/ngram.py): pure token matching, no model.
-* a draft model (a smaller model with the same tokenizer): runs its own forward passes
-  over its own paged KV inside `propose`, k tokens autoregressively, batched over the
-  requests; greedy drafting keeps every draft a function of the context, which is what
-  the acceptance rule needs (see rejection.py).
+* a draft model (engine/spec/draft_model.py: a smaller model with the same tokenizer, or
+  the target's first layers): runs its own forward passes over its own paged KV inside
+  `propose`, k tokens autoregressively, batched over the requests; greedy drafting keeps
+  every draft a function of the context, which is what the acceptance rule needs (see
+  rejection.py). It keeps per-request state, which `release` frees.
 * MTP / EAGLE heads: they read the target's last hidden states rather than tokens. The
   model runner would keep the final hidden state of each request's last accepted token
   (it has it in `forward` before the LM head) and hand it over with the requests; the
@@ -33,4 +34,12 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
         """Up to budgets[i] draft tokens to follow requests[i].token_ids (an empty list:
         no guess). Deterministic given the request's tokens and state."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request ended: drop whatever is kept for it."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Assert the proposer's own invariants (its KV blocks, for a draft model)."""
         ...

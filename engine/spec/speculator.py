@@ -77,6 +77,13 @@ class Speculator:
         if request.spec is not None:
             request.spec.observe(proposed, accepted)
 
+    def release(self, request_id: str) -> None:
+        """The request ended (finished or aborted): the proposer forgets its state."""
+        self.proposer.release(request_id)
+
+    def check_integrity(self) -> None:
+        self.proposer.check_integrity()
+
     def stats(self) -> SpecCounts:
         return self._stats.snapshot()
 

@@ -34,6 +34,12 @@ def env(name: str, default: str | None = None) -> str | None:
     return default
 
 
+def int_or_none(value: str | None) -> int | None:
+    """An optional integer flag's default from its environment variable (unset or empty:
+    None)."""
+    return int(value) if value else None
+
+
 def add_common_flags(
     p: argparse.ArgumentParser, *, nameservice: bool = True, nats: bool = True
 ) -> None:

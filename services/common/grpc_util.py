@@ -17,10 +17,22 @@ from services.common import tracing
 from services.common.tls import TlsConfig
 
 MAX_MESSAGE_BYTES = 256 << 20
+# Trailing metadata of a worker call that failed because a peer it called failed (a decode
+# worker's prefill worker): that peer's address, so the caller routes around the right one.
+FAILED_PEER_KEY = "rtp-failed-peer"
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+]
+# Servers ping their clients on idle connections: a caller that vanished without closing
+# its connection (a host gone, a partition) has its calls cancelled within about 40 s, so
+# a worker stops computing for it. Only servers ping (clients pinging more often than a
+# server allows would be sent away).
+_SERVER_OPTIONS = [
+    *_OPTIONS,
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
 _UNSET = object()
@@ -47,7 +59,7 @@ def create_server(
     """A started-later aio server bound to `bind` (port 0: any free port), with the standard
     health service registered; mutual TLS with `tls`, else the process's. Returns (server,
     port, health servicer)."""
-    server = grpc.aio.server(options=_OPTIONS, interceptors=tracing.server_interceptors())
+    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=tracing.server_interceptors())
     tls = tls or process_tls()
     if tls is None:
         port = server.add_insecure_port(bind)

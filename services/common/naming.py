@@ -136,8 +136,12 @@ class NameClient:
             try:
                 call = pb_grpc.NameServiceStub(channel).Watch(pb.WatchRequest())
                 metadata = dict(await call.initial_metadata())
-                pending = int(metadata.get(SNAPSHOT_SIZE_KEY, 0))
-                failures, backoff = 0, WATCH_BACKOFF_S[0]
+                # A call that failed before the stream opened has no initial metadata (and
+                # raises below): that is no empty snapshot, and nobody is lost because of it.
+                size = metadata.get(SNAPSHOT_SIZE_KEY)
+                pending = int(size) if size is not None else -1
+                if size is not None:
+                    failures, backoff = 0, WATCH_BACKOFF_S[0]
                 in_snapshot: set[str] = set()
                 if pending == 0:
                     for gone in _lost(reported, in_snapshot):

@@ -27,7 +27,7 @@ from services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
 from services.worker.drain import drained
 from services.worker.kv_wire import join_blocks
-from services.worker.servicer import PeerUnavailableError, WorkerServicer, abort_status
+from services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
 from services.worker.tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,7 @@ class DecodeServicer(WorkerServicer):
             async for msg in stream:
                 yield msg
         except (ValueError, RuntimeError) as exc:
-            code, message = abort_status(exc)
-            await context.abort(code, message)
+            await abort(context, exc)
 
     def _salt_mismatch(self) -> None:
         # Only routing suffers (the master's index never matches this worker's keys): serve
@@ -166,7 +165,9 @@ class DecodeServicer(WorkerServicer):
                     self.metrics.kv_transfer(RECEIVED, msg.block.ByteSize())
                     blocks.append(msg.block)
             if first is None or not first.token_ids:
-                raise PeerUnavailableError("prefill worker sent no first token")
+                raise PeerUnavailableError(
+                    "prefill worker sent no first token", request.prefill_address
+                )
             layout = self.llm.kv_layout
             kv = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, layout)
             _end_kv_transfer(spans[0], blocks)
@@ -188,7 +189,9 @@ class DecodeServicer(WorkerServicer):
                 yield msg
         except grpc.aio.AioRpcError as exc:
             raise PeerUnavailableError(
-                f"prefill worker {request.prefill_address} failed: {exc.code().name} {exc.details()}"
+                f"prefill worker {request.prefill_address} failed: {exc.code().name} "
+                f"{exc.details()}",
+                request.prefill_address,
             ) from exc
         finally:
             for span in spans:

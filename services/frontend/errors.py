@@ -14,6 +14,8 @@ class ErrorKind(enum.Enum):
     UNAUTHORIZED = (401, "invalid_request_error", grpc.StatusCode.UNAUTHENTICATED)
     NOT_FOUND = (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)
     TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    # A request id (X-Request-Id) that a request still in flight carries.
+    CONFLICT = (409, "invalid_request_error", grpc.StatusCode.ALREADY_EXISTS)
     OVERLOADED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     INTERNAL = (500, "server_error", grpc.StatusCode.INTERNAL)
     UNAVAILABLE = (503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)

@@ -9,7 +9,12 @@
 
 A worker that fails before its first token is swapped for another (excluded from the next
 route); one that fails later is resumed elsewhere from prompt + tokens so far, so the
-client sees one uninterrupted stream. Closing a stream cancels its worker call, which makes
+client sees one uninterrupted stream. Each such move is a migration; a sequence moves at
+most `max_migrations` times (then the last worker's error is the answer), so a request that
+crashes every worker it touches cannot take the whole cluster down. Only one worker stream
+of a sequence is open at a time: the failed one is cancelled before the next opens, under
+a new worker-side request id (`<id>-r<attempt>`), so a worker that was only slow never
+generates it twice. Closing a stream cancels its worker call, which makes
 the worker abort the request and free its blocks.
 
 A request with a deadline (`timeout`) gives every call on its path (master, worker, and
@@ -30,7 +35,7 @@ from opentelemetry import trace
 
 from engine.block_hash import block_hash_keys
 from engine.tokenizer import Tokenizer
-from services.common import tracing
+from services.common import grpc_util, tracing
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend import metrics
 from services.frontend.detokenizer import TextStream, TokenText
@@ -43,11 +48,11 @@ from services.frontend.errors import (
 )
 from services.frontend.inputs import GenerateInput
 from services.frontend.model_info import Admission, ModelInfo
-from services.frontend.router_client import Router
+from services.frontend.router_client import Route, Router
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # worker streams opened per request: the first and two retries
+DEFAULT_MAX_MIGRATIONS = 3  # worker streams per sequence: the first and up to 3 more
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +97,12 @@ class Generator:
         router: Router,
         max_concurrent: int = 256,
         max_n: int = 8,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.model = model
+        self.max_migrations = max_migrations
         self.tokenizer = tokenizer
         self.router = router
         self.admission = Admission(max_concurrent)
@@ -117,7 +126,9 @@ class Generator:
         produced: list[int] = []  # output tokens so far, over every attempt
         exclude: list[str] = []
         last_error: FrontendError | None = None
-        for attempt in range(MAX_ATTEMPTS):
+        for attempt in range(1 + self.max_migrations):
+            if attempt:
+                self.metrics.migrations.inc()
             if _passed(inp.remaining()):
                 yield self._deadline_passed(inp, produced)
                 return
@@ -150,6 +161,7 @@ class Generator:
                 },
             )
             timer.routed(route.predicted_ttft_s)
+            self.metrics.routed_by(route.source)
             request = worker_pb2.GenerateRequest(
                 request_id=inp.request_id if attempt == 0 else f"{inp.request_id}-r{attempt}",
                 prompt_token_ids=prompt,
@@ -167,6 +179,7 @@ class Generator:
             timer.started()
             call = stub.Generate(request, timeout=left)
             who = f"worker {route.decode.id or route.decode.address}"
+            failed_peer = ""  # the worker's peer that failed, where the worker says so
             try:
                 async for msg in call:
                     first = timer.last_token is None
@@ -188,6 +201,7 @@ class Generator:
                     yield self._deadline_passed(inp, produced)
                     return
                 last_error = from_rpc_error(exc, who)
+                failed_peer = _trailing(exc, grpc_util.FAILED_PEER_KEY)
                 if exc.code() not in RETRYABLE:
                     raise last_error from exc
             finally:
@@ -200,8 +214,15 @@ class Generator:
                 len(produced),
                 extra={"request_id": inp.request_id},
             )
-            exclude.append(route.decode.id)
+            exclude.append(_failed(route, failed_peer))
         assert last_error is not None
+        self.metrics.migration_limit.inc()
+        log.warning(
+            "request %s: giving up after %d migrations",
+            inp.request_id,
+            self.max_migrations,
+            extra={"request_id": inp.request_id},
+        )
         raise last_error
 
     def _deadline_passed(
@@ -270,6 +291,21 @@ class Generator:
         finally:
             timer.closed()  # counted as aborted unless it finished
             await messages.aclose()
+
+
+def _failed(route: Route, failed_peer: str) -> str:
+    """The member id to route around after `route` failed: its prefill worker when that is
+    what failed (the decode worker said so), else the worker whose stream broke."""
+    if route.prefill is not None and failed_peer == route.prefill.address:
+        return route.prefill.id
+    return route.decode.id
+
+
+def _trailing(exc: grpc.aio.AioRpcError, key: str) -> str:
+    for k, v in exc.trailing_metadata() or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode()
+    return ""
 
 
 def _passed(remaining: float | None) -> bool:

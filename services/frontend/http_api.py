@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 from dataclasses import replace
 from typing import Any
@@ -28,7 +29,7 @@ from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import Delta, DeltaStream, Generator
 from services.frontend.inputs import GenerateInput, prepare
-from services.frontend.openai_responses import Choice, ResponseBuilder
+from services.frontend.openai_responses import Choice, ResponseBuilder, best
 from services.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +45,11 @@ from services.frontend.tool_prompt import inline_tools
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
+# A client may name its request (the response's id and this header carry the name back). A
+# name in flight is not admitted twice, so a client retrying a request whose answer it lost
+# never has it generated twice at once.
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 GENERATOR = web.AppKey("generator", Generator)
 _STARTED = int(time.time())
 
@@ -134,14 +140,17 @@ async def _generate(
     gen = request.app[GENERATOR]
     req = parse(kind, parse_json(await request.read()))
     _check_model(gen, req.model)
-    with gen.admission.admit():
+    client_id = _client_request_id(request)
+    with gen.admission.admit(client_id):
         with tracing.tracer.start_as_current_span("tokenize"):
             ids = _prompt_ids(gen, req)
         opts = req.options
         if req.speculative_advice:
             advice = gen.tokenizer.encode(req.speculative_advice, add_special_tokens=False)
             opts = replace(opts, speculative_advice=tuple(advice))
-        builder = ResponseBuilder(req.chat, req.model, gen.token_text, opts.logprobs is not None)
+        builder = ResponseBuilder(
+            req.chat, req.model, gen.token_text, opts.logprobs is not None, client_id
+        )
         prompt_param = "messages" if req.chat else "prompt"
         inputs = prepare(
             gen.model, gen.max_n, builder.id, ids, opts, req.default_max_tokens(), prompt_param
@@ -151,7 +160,22 @@ async def _generate(
         else:  # echo: each choice's text starts with the prompt
             echo = _prompt_text(gen, req, ids) if req.echo else ""
             choices = [Choice(text=echo) for _ in inputs]
-        return await _respond(request, gen, builder, inputs, choices, req.stream, req.include_usage)
+        return await _respond(
+            request, gen, builder, inputs, choices, req.stream, req.include_usage, opts.n
+        )
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The request id the client chose (X-Request-Id), checked; None if it chose none."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise invalid(
+            f"the {REQUEST_ID_HEADER} header must be 1 to 128 letters, digits or any of '._:@-'",
+            REQUEST_ID_HEADER,
+        )
+    return value
 
 
 def _prompt_ids(gen: Generator, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
@@ -236,7 +260,9 @@ async def _respond(
     choices: list[Choice],
     stream: bool,
     include_usage: bool,
+    n: int,
 ) -> web.StreamResponse:
+    """`n`: the choices the client gets (fewer than `choices` with best_of: the best)."""
     # Every choice is routed and has its first tokens before anything is sent, so a request
     # nobody can serve still gets a proper error status.
     span = trace.get_current_span()
@@ -249,7 +275,10 @@ async def _respond(
             async with contextlib.aclosing(merge(streams)) as deltas:
                 async for i, delta in deltas:
                     choices[i].add(delta)
-            return web.json_response(builder.response(choices))
+            shown = best(choices, n)
+            return web.json_response(
+                builder.response(shown, choices), headers={REQUEST_ID_HEADER: builder.id}
+            )
         return await _stream_sse(request, builder, streams, choices, include_usage)
     finally:
         _trace_usage(span, choices)
@@ -264,9 +293,8 @@ async def _stream_sse(
     choices: list[Choice],
     include_usage: bool,
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    resp = web.StreamResponse(headers=headers | {REQUEST_ID_HEADER: builder.id})
     await resp.prepare(request)
     try:
         if builder.chat:  # OpenAI opens each chat choice with the assistant role

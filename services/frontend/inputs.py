@@ -47,6 +47,7 @@ class Options:
     num_speculative_tokens: int | None = None  # None: the workers' setting; 0: off
     speculative_advice: tuple[int, ...] = ()  # token ids (the HTTP ingress tokenizes text)
     n: int = 1
+    best_of: int | None = None  # completions: candidates to generate, the best n returned
     session_id: str = ""
     priority: int = 0
     timeout: float | None = None  # seconds from now; None: no deadline
@@ -83,7 +84,8 @@ def prepare(
     default_max_tokens: int | None,
     prompt_param: str = "prompt",
 ) -> list[GenerateInput]:
-    """One GenerateInput per choice; raises FrontendError(INVALID) naming the parameter.
+    """One GenerateInput per choice (per candidate with `best_of`); raises
+    FrontendError(INVALID) naming the parameter.
     `default_max_tokens` None: as many as the context leaves room for."""
     vocab, limit, n_prompt = model.vocab_size, model.context_len, len(prompt_ids)
     try:
@@ -102,12 +104,18 @@ def prepare(
         )
     if not 1 <= opts.n <= max_n:
         raise invalid(f"n must be between 1 and {max_n}, got {opts.n}", "n")
+    candidates = opts.n if opts.best_of is None else opts.best_of
+    if not opts.n <= candidates <= max_n:
+        raise invalid(f"best_of must be between n ({opts.n}) and {max_n}, got {candidates}",
+                      "best_of")  # fmt: skip
     if opts.logprobs is not None and not 0 <= opts.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {opts.logprobs}", "logprobs")
-    if opts.seed is not None and not _INT64[0] <= opts.seed <= _INT64[1] - opts.n:
+    if opts.seed is not None and not _INT64[0] <= opts.seed <= _INT64[1] - candidates:
         raise invalid(f"seed must be a 64-bit integer, got {opts.seed}", "seed")
     try:
         sampling = {f: getattr(opts, f) for f in _SAMPLING_FIELDS} | {"max_tokens": max_tokens}
+        if candidates > opts.n and opts.logprobs is None:
+            sampling["logprobs"] = 0  # the candidates are ranked by their tokens' logprobs
         params = SamplingParams(**sampling)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
@@ -122,10 +130,10 @@ def prepare(
         raise invalid(f"timeout must be a number of seconds > 0, got {opts.timeout}", "timeout")
     deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
     inputs = []
-    for i in range(opts.n):
+    for i in range(candidates):
         # n choices with one seed would be n copies: choice i samples with seed + i.
         p = params if params.seed is None else replace(params, seed=params.seed + i)
-        rid = request_id if opts.n == 1 else f"{request_id}-{i}"
+        rid = request_id if candidates == 1 else f"{request_id}-{i}"
         inputs.append(
             GenerateInput(
                 rid,

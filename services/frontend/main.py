@@ -16,12 +16,12 @@ from aiohttp import web
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, kv_numerics, resolve_dtype
 from engine.tokenizer import Tokenizer
 from services.common import grpc_util
-from services.common.flags import add_common_flags, add_drain_flag, advertised, env
+from services.common.flags import add_common_flags, add_drain_flag, advertised, env, int_or_none
 from services.common.naming import NameClient, make_member
 from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend import auth
-from services.frontend.generation import Generator
+from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.grpc_api import FrontendServicer
 from services.frontend.http_api import build_app
 from services.frontend.model_info import ModelInfo
@@ -30,10 +30,6 @@ from services.frontend.router_client import Router
 log = logging.getLogger(__name__)
 
 GRPC_SERVICE = "rtp.v1.Frontend"
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
@@ -63,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=_int_or_none(env("max_model_len")),
+        default=int_or_none(env("max_model_len")),
         help="context length (default: max_position_embeddings of config.json)",
     )
     p.add_argument(
@@ -73,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="requests in flight; more are refused with 429",
     )
     p.add_argument("--max-n", type=int, default=int(env("max_n", "8")), help="largest n")
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=int(env("max_migrations", str(DEFAULT_MAX_MIGRATIONS))),
+        help="times a sequence may move to another worker after its worker failed",
+    )
     p.add_argument(
         "--master",
         default=env("master"),
@@ -88,7 +90,9 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer, args.model)
     names = NameClient(args.nameservice) if args.nameservice else None
     router = Router(args.master, names.watch if names is not None else None)
-    generator = Generator(model, tokenizer, router, args.max_concurrent, args.max_n)
+    generator = Generator(
+        model, tokenizer, router, args.max_concurrent, args.max_n, args.max_migrations
+    )
     keys = auth.from_args(args)
     runner = web.AppRunner(
         build_app(generator, keys),

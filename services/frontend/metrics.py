@@ -77,6 +77,27 @@ class FrontendFamilies:
             m,
             registry=registry,
         )
+        self.routes = Counter(
+            PREFIX + "routes",
+            "Worker streams routed, by who chose the worker: master, or fallback (the "
+            "frontend itself, round robin over the last membership it knows, while the "
+            "master is out of reach).",
+            [*m, "source"],
+            registry=registry,
+        )
+        self.migrations = Counter(
+            PREFIX + "request_migrations",
+            "Worker streams reopened on another worker after one failed (before the first "
+            "token a retry; after it, the sequence resumes from its tokens so far).",
+            m,
+            registry=registry,
+        )
+        self.migration_limit = Counter(
+            PREFIX + "request_migration_limit_reached",
+            "Sequences that failed because their worker failed again after --max-migrations.",
+            m,
+            registry=registry,
+        )
         self.http_requests = Counter(
             PREFIX + "http_requests",
             "HTTP requests by route and status (499: the client went away).",
@@ -162,6 +183,8 @@ class FrontendMetrics:
         "queue_time",
         "prompt_tokens",
         "generation_tokens",
+        "migrations",
+        "migration_limit",
     )
 
     def __init__(self, families: FrontendFamilies, model_name: str) -> None:
@@ -174,6 +197,11 @@ class FrontendMetrics:
         self.queue_time = families.request_queue_time.labels(model_name)
         self.prompt_tokens = families.prompt_tokens.labels(model_name)
         self.generation_tokens = families.generation_tokens.labels(model_name)
+        self.migrations = families.migrations.labels(model_name)
+        self.migration_limit = families.migration_limit.labels(model_name)
+
+    def routed_by(self, source: str) -> None:
+        self.families.routes.labels(self.model_name, source).inc()
 
     def sequence(self) -> SequenceTimer:
         """A timer for a sequence arriving now."""

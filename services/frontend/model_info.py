@@ -56,24 +56,37 @@ def _byte_level_decoder(tokenizer_json: Path) -> bool:
 
 
 class Admission:
-    """A bound on requests in flight: beyond it, refuse at once rather than queue."""
+    """Requests in flight: a bound on their number (beyond it, refuse at once rather than
+    queue), and their ids unique (a client retrying a request it gave an id to, while the
+    first attempt still runs, is refused rather than served twice)."""
 
     def __init__(self, limit: int) -> None:
         if limit <= 0:
             raise ValueError(f"max concurrent requests must be positive, got {limit}")
         self.limit = limit
         self.in_flight = 0
+        self._ids: set[str] = set()
 
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
+    def admit(self, request_id: str | None = None) -> Iterator[None]:
         if self.in_flight >= self.limit:
             raise FrontendError(
                 ErrorKind.OVERLOADED,
                 f"the server is at its limit of {self.limit} concurrent requests; retry later",
                 code="rate_limit_exceeded",
             )
+        if request_id is not None and request_id in self._ids:
+            raise FrontendError(
+                ErrorKind.CONFLICT,
+                f"a request with id {request_id!r} is already in flight; wait for it to end "
+                "(or send another id)",
+                code="duplicate_request_id",
+            )
         self.in_flight += 1
+        if request_id is not None:
+            self._ids.add(request_id)
         try:
             yield
         finally:
             self.in_flight -= 1
+            self._ids.discard(request_id)

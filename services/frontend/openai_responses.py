@@ -57,6 +57,20 @@ class Choice:
         return delta, calls
 
 
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """`best_of`: the `n` candidates with the highest log probability per token (OpenAI's
+    rule), in their original order among themselves."""
+    if len(choices) <= n:
+        return choices
+
+    def mean_logprob(i: int) -> float:
+        lps = choices[i].logprobs
+        return sum(lp.logprob for lp in lps) / len(lps) if lps else float("-inf")
+
+    ranked = sorted(range(len(choices)), key=lambda i: (-mean_logprob(i), i))[:n]
+    return [choices[i] for i in sorted(ranked)]
+
+
 def usage(choices: list[Choice]) -> Json:
     prompt = max((c.prompt_tokens for c in choices), default=0)
     completion = sum(c.completion_tokens for c in choices)
@@ -71,9 +85,17 @@ def usage(choices: list[Choice]) -> Json:
 class ResponseBuilder:
     """Builds the objects of one response: same id, creation time and model throughout."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText, logprobs: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        token_text: TokenText,
+        logprobs: bool,
+        request_id: str | None = None,
+    ) -> None:
+        """`request_id`: the id the client chose, else a fresh one."""
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.id = request_id or ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
         self._tt = token_text
@@ -83,10 +105,11 @@ class ResponseBuilder:
     def _head(self, obj: str) -> Json:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[Choice]) -> Json:
+    def response(self, choices: list[Choice], generated: list[Choice] | None = None) -> Json:
+        """`generated`: every sequence the usage counts, when more than `choices` (best_of)."""
         out = self._head("chat.completion" if self.chat else "text_completion")
         out["choices"] = [self._choice(i, c) for i, c in enumerate(choices)]
-        out["usage"] = usage(choices)
+        out["usage"] = usage(generated or choices)
         return out
 
     def _choice(self, index: int, c: Choice) -> Json:

@@ -11,6 +11,7 @@ is a known OpenAI field it does not implement, unless it is given its no-op valu
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
@@ -372,8 +373,8 @@ class CompletionRequest(_GenerationRequest):
         super()._check()
         if self.echo and self.logprobs is not None:
             raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
-        if self.best_of is not None and self.best_of != self.n:
-            raise invalid(f"best_of other than n ({self.n}) is not supported", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise invalid("best_of greater than n cannot be streamed", "best_of")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -392,7 +393,7 @@ class CompletionRequest(_GenerationRequest):
 
     @property
     def options(self) -> Options:
-        return self._options(self.max_tokens, self.logprobs)
+        return replace(self._options(self.max_tokens, self.logprobs), best_of=self.best_of)
 
     def default_max_tokens(self) -> int | None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -455,7 +456,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tool_mode == "none":
             return None
         names = frozenset(t.function.name for t in self.tools or ())
-        return ToolCallParser(names, stream_arguments=self.tool_mode in ("required", "named"))
+        streamed = self.tool_mode in ("required", "named")
+        return ToolCallParser(names, streamed, max_calls=None if self.parallel_tool_calls else 1)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (OpenAI's shape, unset fields left out)."""

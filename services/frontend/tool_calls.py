@@ -111,6 +111,9 @@ class ToolCallParser:
 
     names: frozenset[str]
     stream_arguments: bool = False
+    # parallel_tool_calls false: calls past the first are dropped (the grammar of required /
+    # a named function never lets the model write them; in auto it may).
+    max_calls: int | None = None
     calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""  # text not yet decided
     _space: str = ""  # content whitespace held back: dropped if a call follows
@@ -183,6 +186,8 @@ class ToolCallParser:
         self._space, self._after_call = "", True
         deltas = []
         for name, arguments in parsed:
+            if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                break
             index = len(self.calls)
             self.calls.append(ToolCall(new_call_id(), name, arguments))
             deltas += [

@@ -32,11 +32,13 @@ from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
 from services.launcher import certs, servers
 from services.launcher.secrets import ClusterSecrets
+from services.launcher.supervisor import RESTART_POLICIES, Supervisor
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
 STOP_SLACK_S = 1.2  # past the drain timeout: for processes to exit before they are killed
 DRAINING = ("frontend", "prefill", "decode", "fused")  # the rest stops once these are gone
+SUPERVISE_EVERY_S = 0.25  # how often exited children are noticed (and restarted)
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
@@ -61,6 +63,18 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "--redis-url", default=env("redis_url"), help="use this Redis instead of starting one"
     )
     p.add_argument("--no-cache", action="store_true", help="run without the cache service tier")
+    p.add_argument(
+        "--cache-capacity-mib",
+        type=int,
+        default=None,
+        help="the cache service's memory tier (T2) in MiB (default: the cache service's)",
+    )
+    p.add_argument(
+        "--redis-maxmemory-mib",
+        type=int,
+        default=256,
+        help="maxmemory of the Redis tier (T3) this starts, in MiB (LRU beyond it)",
+    )
     p.add_argument("--policy", default="cache_aware")
     p.add_argument(
         "--max-local-prefill-tokens",
@@ -94,8 +108,12 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="torch threads per worker (0: PD workers each get every core, since they mostly "
         "take turns; fused replicas split the cores)",
     )
-    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+    p.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
                    help="speculative decoding in every worker (see rtp-serve fused --help)")  # fmt: skip
+    p.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: the draft model (a directory or preset)")  # fmt: skip
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="with --speculative draft: the draft's first N layers draft")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="with --speculative: drafts per request and step at most")  # fmt: skip
     p.add_argument(
@@ -106,6 +124,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
     add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
+    p.add_argument(
+        "--restart",
+        choices=RESTART_POLICIES,
+        default=env("restart", "no"),
+        help="on-failure: start a process that exited again, same command line, with backoff "
+        "(no: keep serving with what is left)",
+    )
     p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
     add_security_arguments(p)
     p.add_argument("--log-level", default=env("log_level", "INFO"))
@@ -157,11 +182,7 @@ class Cluster:
 
     def spawn(self, name: str, *flags: str) -> subprocess.Popen:
         common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
-        argv = [sys.executable, "-m", "services.cli", name, *common, *flags]
-        env = {**os.environ, **self.secrets.env(name)}
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent
-        )
+        proc = _child([sys.executable, "-m", "services.cli", name, *common, *flags], self.secrets)
         self.procs.append((name, proc))
         log.info("started %s pid=%d", name, proc.pid)
         return proc
@@ -189,6 +210,13 @@ class Cluster:
                     proc.wait()
         for server in reversed(self.infra):
             server.stop(timeout=0.3)
+
+
+def _child(argv: list[str], secrets: ClusterSecrets) -> subprocess.Popen:
+    """A service process from its argv ([python, -m, services.cli, SERVICE, ...]), with the
+    secrets SERVICE uses in its environment (a restart gets them again)."""
+    env = {**os.environ, **secrets.env(argv[3])}
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
 
 
 def _default_threads(args: argparse.Namespace) -> int:
@@ -219,7 +247,11 @@ def _start(cluster: Cluster, model: str) -> str:
         nats_url = nats.url
     redis_url = args.redis_url
     if redis_url is None and not args.no_cache:
-        redis = servers.start_redis(cluster.data_dir / "redis", password=args.redis_password)
+        redis = servers.start_redis(
+            cluster.data_dir / "redis",
+            maxmemory=f"{args.redis_maxmemory_mib}mb",
+            password=args.redis_password,
+        )
         cluster.infra.append(redis)
         redis_url = redis.url
     ns_port, ns_metrics_port = servers.free_port(), servers.free_port()
@@ -235,7 +267,10 @@ def _start(cluster: Cluster, model: str) -> str:
         master += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
     cluster.spawn("master", *master)
     if not args.no_cache:
-        cluster.spawn("cache", *common, "--redis-url", redis_url)
+        capacity = ()
+        if args.cache_capacity_mib is not None:
+            capacity = ("--capacity-mib", str(args.cache_capacity_mib))
+        cluster.spawn("cache", *common, "--redis-url", redis_url, *capacity)
     threads = args.threads or _default_threads(args)
     drain = ["--drain-timeout", str(args.drain_timeout)]
     numerics = ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
@@ -245,7 +280,11 @@ def _start(cluster: Cluster, model: str) -> str:
               "--host-kv-cache-mib", str(args.host_kv_cache_mib),
               "--memory-share", str(_worker_count(args)),
               "--speculative", args.speculative]  # fmt: skip
-    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens"):
+    if args.draft_model is not None:
+        from engine.make_model import resolve_model
+
+        worker += ["--draft-model", str(resolve_model(args.draft_model))]
+    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
         if getattr(args, flag) is not None:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.fused:
@@ -262,6 +301,14 @@ def _start(cluster: Cluster, model: str) -> str:
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
+
+
+def _write_info(cluster: Cluster) -> None:
+    if cluster.args.info_file:  # written whole, then renamed: readers never see half of it
+        path = Path(cluster.args.info_file)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cluster.info(), indent=2))
+        tmp.replace(path)
 
 
 def _ready(url: str) -> bool:
@@ -288,14 +335,13 @@ async def serve(args: argparse.Namespace) -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"frontend {url} not ready after {READY_TIMEOUT_S:.0f} s")
                 await asyncio.sleep(0.2)
-            if args.info_file:
-                Path(args.info_file).write_text(json.dumps(cluster.info(), indent=2))
+            _write_info(cluster)
             sys.stdout.write(f"rtp-serve is up: {url}/v1 (model {model})\n")
             sys.stdout.flush()
-            while True:  # a dead child degrades the cluster; say so, keep serving
-                await asyncio.sleep(1.0)
-                for name, proc in cluster.procs:
-                    if proc.returncode is None and proc.poll() is not None:
-                        log.error("%s (pid %d) exited with %s", name, proc.pid, proc.returncode)
+            supervisor = Supervisor(args.restart, lambda argv: _child(argv, cluster.secrets))
+            while True:
+                await asyncio.sleep(SUPERVISE_EVERY_S)
+                if await asyncio.to_thread(supervisor.check, cluster.procs, cluster.infra):
+                    _write_info(cluster)  # the new pids
         finally:
             await asyncio.to_thread(cluster.stop)

@@ -38,6 +38,8 @@ class ManagedProcess:
     popen: subprocess.Popen
     url: str
     name: str
+    log_path: Path
+    ready: Callable[[int], bool]
 
     @property
     def pid(self) -> int:
@@ -61,6 +63,20 @@ class ManagedProcess:
                 self.popen.kill()
                 self.popen.wait(timeout)
         return self.popen.returncode
+
+    def restart(self) -> bool:
+        """Start the same server again on the same port, with the same arguments and log
+        (after it exited or was killed); True once it is ready."""
+        self.stop(timeout=2.0)
+        with open(self.log_path, "ab") as out:
+            self.popen = subprocess.Popen(
+                self.popen.args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
+        if _wait_ready(self, self.port, self.ready):
+            log.info("%s restarted: %s (pid %d)", self.name, self.url, self.pid)
+            return True
+        log.error("%s did not come back on %s; see %s", self.name, self.url, self.log_path)
+        return False
 
     def __enter__(self) -> Self:
         return self
@@ -161,7 +177,7 @@ def _start(
             popen = subprocess.Popen(
                 argv(p), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
             )
-        proc = ManagedProcess(popen, url(p), name)
+        proc = ManagedProcess(popen, url(p), name, log_path, ready)
         if _wait_ready(proc, p, ready):
             log.info("%s started: %s (pid %d, log %s)", name, proc.url, proc.pid, log_path)
             return proc

@@ -8,6 +8,13 @@ dropped. Every join and leave goes to each `Watch` stream and to NATS
 
 A Watch stream starts with one KIND_SNAPSHOT event per current member. Its initial metadata
 carries `rtp-snapshot-size`, so a client knows where the snapshot ends (see naming.py).
+
+The registry lives in memory only. A restarted nameservice knows nobody until the members
+of the cluster, which heartbeat every TTL/3, learn that it forgot them and register again;
+so for one TTL after it starts (the rejoin window) it takes registrations and heartbeats but
+holds back the snapshot that opens a Watch. A watcher that lost its stream keeps the
+membership it last knew meanwhile, and then gets the whole cluster, instead of an empty
+snapshot that would say everyone left. (List answers at once, with whoever is back.)
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -39,8 +47,11 @@ GRACE_S = 1.0
 
 
 class NameService(pb_grpc.NameServiceServicer):
-    def __init__(self, registry: Registry, bus: Bus, namespace: str) -> None:
+    def __init__(
+        self, registry: Registry, bus: Bus, namespace: str, rejoin_s: float | None = None
+    ) -> None:
         self.registry = registry
+        self._rejoined_at = time.monotonic() + (registry.ttl if rejoin_s is None else rejoin_s)
         self._bus = bus
         self._subject = subjects.membership(namespace)
         self._watchers: set[asyncio.Queue[Event | None]] = set()
@@ -68,6 +79,7 @@ class NameService(pb_grpc.NameServiceServicer):
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Event]:
+        await self._rejoin_window()
         # Snapshot and subscription are taken with no await between them, so no event is
         # missed or seen twice.
         queue: asyncio.Queue[Event | None] = asyncio.Queue(WATCH_QUEUE_SIZE)
@@ -82,10 +94,30 @@ class NameService(pb_grpc.NameServiceServicer):
         finally:
             self._watchers.discard(queue)
 
+    async def _rejoin_window(self) -> None:
+        """Until the members of the cluster have had one TTL to register again after a
+        restart of this service (see the module docstring)."""
+        left = self._rejoined_at - time.monotonic()
+        if left > 0:
+            await asyncio.sleep(left)
+
     async def expire_forever(self) -> None:
-        """Drop silent members, checking ten times per TTL."""
+        """Drop silent members, checking ten times per TTL. A check that comes late by more
+        than a tick means this process did not run meanwhile (a starved CPU, a stopped
+        process): the heartbeats queued for it are not late, so that pause is forgiven
+        before anyone is dropped (else every member would expire at once)."""
+        tick = self.registry.ttl / 10
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.registry.ttl / 10)
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            paused = now - last - tick
+            last = now
+            if paused > tick:
+                self.registry.forgive(paused)
+                ns_metrics.nameservice().paused(paused)
+                log.warning("nameservice did not run for %.2f s; that pause counts against no "
+                            "member's heartbeats", paused)  # fmt: skip
             await self._broadcast(self.registry.expire())
 
     def end_watches(self) -> None:

@@ -23,12 +23,21 @@ class NameServiceMetrics:
             ["role"],
             registry=registry,
         )
+        self.pauses = Counter(
+            PREFIX + "nameservice_pause_seconds",
+            "Time this process did not run (its expiry checks came late), forgiven to every "
+            "member's heartbeat deadline.",
+            registry=registry,
+        )
         self.members = Gauge(
             PREFIX + "members", "Registered members by role.", ["role"], registry=registry
         )
 
     def heartbeat(self, known: bool) -> None:
         self.heartbeats.labels("true" if known else "false").inc()
+
+    def paused(self, seconds: float) -> None:
+        self.pauses.inc(seconds)
 
     def membership(self, event: nameservice_pb2.MembershipEvent, expired: bool) -> None:
         """Account one broadcast membership change (`expired`: a LEFT for silence)."""

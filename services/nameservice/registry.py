@@ -95,6 +95,13 @@ class Registry:
             del self._entries[entry.member.id]
         return [left(entry.member, REASON_EXPIRED) for entry in gone]
 
+    def forgive(self, seconds: float) -> None:
+        """The service itself did not run for `seconds` (its process was starved or
+        stopped): heartbeats sent meanwhile could not be taken, so that time does not count
+        against anyone."""
+        for entry in self._entries.values():
+            entry.last_seen += seconds
+
     def members(self, role: pb.Role = pb.ROLE_UNSPECIFIED) -> list[pb.Member]:
         """Current members in registration order; ROLE_UNSPECIFIED means all roles."""
         return [

@@ -24,7 +24,7 @@ from services.common.pb import nameservice_pb2, worker_pb2
 from services.worker import metrics
 from services.worker.drain import drained
 from services.worker.kv_wire import split_blocks
-from services.worker.servicer import WorkerServicer, abort_status
+from services.worker.servicer import WorkerServicer, abort
 from services.worker.tiers import TierHits, Tiers
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,7 @@ class PrefillServicer(WorkerServicer):
                     final = out
                 _trace_prefill(span, len(prompt), hits, final)
         except (ValueError, RuntimeError) as exc:
-            code, message = abort_status(exc)
-            await context.abort(code, message)
+            await abort(context, exc)
         assert final is not None and final.prompt_kv is not None
         logprobs = [logprob_to_pb(lp) for lp in final.new_logprobs or []]
         yield worker_pb2.PrefillResponse(

@@ -9,7 +9,13 @@ from engine.async_llm import AsyncLLM
 from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
-from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
+from services.common.flags import (
+    DEFAULT_MODEL_HELP,
+    add_common_flags,
+    add_drain_flag,
+    env,
+    int_or_none,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +108,21 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         default=env("speculative", "none"),
         choices=["none", *(m for m in SPECULATIVE_METHODS if m)],
         help="speculative decoding: ngram proposes drafts by prompt lookup (and a request's "
-        "speculative_advice); the decode side speculates in PD mode",
+        "speculative_advice); draft by a draft model (--draft-model, --draft-layers); the "
+        "decode side speculates in PD mode",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=env("draft_model"),
+        help="with --speculative draft: a smaller model with the same tokenizer (default: "
+        "this model's own first --draft-layers layers)",
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=int_or_none(env("draft_layers")),
+        help="with --speculative draft: the draft model's first N layers draft (default: all "
+        "of a --draft-model's; a quarter of this model's)",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -164,4 +184,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads or None,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model if args.speculative == "draft" else None,
+        draft_num_layers=args.draft_layers if args.speculative == "draft" else None,
     )

@@ -7,6 +7,7 @@ import grpc
 
 from engine.async_llm import AsyncLLM, EngineStoppedError
 from engine.scheduler import QueueFullError
+from services.common import grpc_util
 from services.common.naming import NameClient
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.drain import Drain
@@ -15,7 +16,12 @@ from services.worker.tiers import Tiers
 
 
 class PeerUnavailableError(RuntimeError):
-    """Another worker this request depends on (the prefill side) failed or went away."""
+    """Another worker this request depends on (the prefill side, at `address`) failed or
+    went away."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -70,6 +76,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cpu_isa=self.llm.cpu_isa,
             linear_kernels=self.llm.linear_kernels,
         )
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with the status for `exc`, naming the failed peer if a peer failed."""
+    if isinstance(exc, PeerUnavailableError):
+        context.set_trailing_metadata(((grpc_util.FAILED_PEER_KEY, exc.address),))
+    code, message = abort_status(exc)
+    await context.abort(code, message)
 
 
 def abort_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:

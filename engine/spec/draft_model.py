@@ -1,0 +1,154 @@
+"""Drafts from a smaller model in the same worker, over its own paged KV.
+
+The draft is any model with the target's tokenizer (`--draft-model DIR`), or the target cut
+to its first m layers plus its final norm and head (`--draft-layers M`, the built-in option:
+self-speculation, no second checkpoint). It drafts greedily, so each draft is a function of
+the context, which is all the acceptance rule (engine/spec/rejection.py) needs: the output
+is the target's, token for token, whatever the draft proposes.
+
+Each request that speculates has a shadow here: an engine Request over the draft's own block
+pool whose tokens track the target request's. Per engine step, for the requests that may
+draft:
+
+1. sync: the shadow keeps the KV of its longest token prefix the target request still has
+   (a rejected draft's KV is cut off, as the target's is) and takes the target's tokens;
+2. draft pass 1: every shadow computes what it has not seen (its prompt on first use, the
+   tokens accepted since, at least the last one) in one batched forward pass of the draft
+   model, sampling draft 1;
+3. passes 2..k: one token each, batched, until every request has its budget.
+
+Shadows live until the engine releases their request (finished, aborted); when the draft's
+pool is full, the least recently drafted shadow not in this step is dropped (it computes
+its context again when it next drafts), and a request that still does not fit drafts
+nothing this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, EngineLimits, ModelConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.memory import kv_bytes_per_block
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        target: ModelConfig,
+        config: EngineConfig,
+        limits: EngineLimits,
+        draft_model: str | None = None,
+        num_layers: int | None = None,
+    ) -> None:
+        """`draft_model` None: the target's own checkpoint; `num_layers`: only its first
+        layers (None: all of the draft model's; with no draft model, a quarter of the
+        target's)."""
+        model_dir = draft_model or config.model
+        cfg = ModelConfig.from_dir(model_dir)
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({cfg.vocab_size}) is not the target's "
+                f"({target.vocab_size}): it needs the same tokenizer"
+            )
+        if num_layers is None and draft_model is None:
+            num_layers = max(1, cfg.num_layers // 4)
+        all_layers = cfg.num_layers
+        if num_layers is not None:
+            if not 1 <= num_layers <= all_layers:
+                raise ValueError(f"draft layers must be in [1, {all_layers}], got {num_layers}")
+            cfg = replace(cfg, num_layers=num_layers)
+        self.model_config = cfg
+        # As many tokens as the target's pool: every running request can have its shadow.
+        bytes_per_block = kv_bytes_per_block(cfg, config.resolved_kv_dtype, config.block_size)
+        draft_limits = replace(limits, bytes_per_block=bytes_per_block)
+        truncated = cfg.num_layers < all_layers
+        self.runner = ModelRunner(cfg, replace(config, model=model_dir), draft_limits, truncated)
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(
+            BlockPool(limits.num_kv_blocks), config.block_size, enable_caching=False
+        )
+        self._shadows: OrderedDict[str, Request] = OrderedDict()  # least recently drafted first
+        self._synced: dict[str, int] = {}  # the request's length when its shadow last synced
+        log.info("draft model: %s, %d of %d layers", model_dir, cfg.num_layers, all_layers)
+
+    def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        live = {r.request_id for r, k in zip(requests, budgets, strict=True) if k > 0}
+        todo: list[tuple[int, Request, int]] = []  # (index, shadow, budget)
+        for i, (r, k) in enumerate(zip(requests, budgets, strict=True)):
+            if k > 0:
+                shadow = self._sync(r)
+                if self._room(shadow, len(shadow.token_ids) - shadow.num_computed_tokens, live):
+                    todo.append((i, shadow, k))
+        while todo:
+            sched = SchedulerOutput(
+                [ScheduledRequest(s, len(s.token_ids) - s.num_computed_tokens) for _, s, _ in todo]
+            )
+            tables = {s.request_id: self.kv.block_ids(s.request_id) for _, s, _ in todo}
+            sampled = self.runner.execute(sched, tables)
+            more = []
+            for i, s, k in todo:
+                s.num_computed_tokens = len(s.token_ids)
+                token = sampled[s.request_id][0].token_id
+                drafts[i].append(token)
+                s.token_ids.append(token)
+                if len(drafts[i]) < k and self._room(s, 1, live):
+                    more.append((i, s, k))
+            todo = more
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        """The target request ended: its shadow and its blocks go."""
+        shadow = self._shadows.pop(request_id, None)
+        self._synced.pop(request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    # -- shadows ---------------------------------------------------------------------------
+    def _sync(self, request: Request) -> Request:
+        """The request's shadow, holding the KV of the longest prefix of its tokens the
+        request still has, and the request's tokens."""
+        rid = request.request_id
+        shadow = self._shadows.pop(rid, None)
+        if shadow is None:
+            shadow = Request(rid, [], _GREEDY, self.block_size, status=RequestStatus.RUNNING)
+            self._synced[rid] = 0
+        self._shadows[rid] = shadow  # now the most recently drafted
+        # Up to the last sync the shadow's tokens are the request's (which only grow); past
+        # it are the drafts, kept as far as the request accepted them.
+        same = min(self._synced[rid], shadow.num_computed_tokens)
+        limit = min(shadow.num_computed_tokens, len(request.token_ids) - 1)
+        while same < limit and shadow.token_ids[same] == request.token_ids[same]:
+            same += 1
+        if same < shadow.num_computed_tokens:
+            self.kv.truncate(shadow, same)
+        shadow.num_computed_tokens = same
+        shadow.token_ids = list(request.token_ids)
+        self._synced[rid] = len(request.token_ids)
+        return shadow
+
+    def _room(self, shadow: Request, num_new: int, live: set[str]) -> bool:
+        """Blocks for `num_new` more tokens of `shadow`, dropping the least recently drafted
+        shadows outside this step while they are short; False if they stay short."""
+        while not self.kv.allocate_slots(shadow, num_new, cache=False):
+            victim = next((rid for rid in self._shadows if rid not in live), None)
+            if victim is None:
+                return False
+            self.release(victim)
+        return True
