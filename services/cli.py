@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level, getattr(args, "log_format", "text"), args.service)
         if args.service != "up":  # the launcher serves no requests
             setup_tracing(args.service, default_instance_id())
+            from services.common import grpc_util, tls
+
+            grpc_util.use_tls(tls.from_args(args))
         code = run_service(importlib.import_module(args.module).serve(args))
         # Everything is closed by now (servers, bus, engine, spans): skip the interpreter's
         # teardown of grpc and torch, which takes most of a second on a loaded machine and

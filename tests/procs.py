@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 from services.common import grpc_util
+from services.common.tls import TlsConfig
 from services.launcher.servers import free_port
 
 START_TIMEOUT_S = 60.0
@@ -22,12 +23,17 @@ def spawn(name: str, *flags: str, env: dict[str, str] | None = None) -> subproce
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
-def wait_grpc(address: str, proc: subprocess.Popen, timeout: float = START_TIMEOUT_S) -> None:
+def wait_grpc(
+    address: str,
+    proc: subprocess.Popen,
+    timeout: float = START_TIMEOUT_S,
+    tls: TlsConfig | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"process for {address} exited with {proc.returncode}")
-        if asyncio.run(grpc_util.check_health(address, timeout=0.5)):
+        if asyncio.run(grpc_util.check_health(address, timeout=0.5, tls=tls)):
             return
         time.sleep(0.1)
     raise TimeoutError(f"{address} not healthy after {timeout} s")
@@ -45,13 +51,16 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 
 
 @contextlib.contextmanager
-def grpc_service(name: str, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A service on a free port, healthy before the body runs, stopped (SIGTERM) after."""
+def grpc_service(
+    name: str, *flags: str, tls: TlsConfig | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A service on a free port, healthy before the body runs, stopped (SIGTERM) after;
+    `tls`: the certificate to check its health with."""
     port = free_port()
     proc = spawn(name, "--port", str(port), *flags)
     address = f"127.0.0.1:{port}"
     try:
-        wait_grpc(address, proc)
+        wait_grpc(address, proc, tls=tls)
         yield address, proc
     finally:
         stop(proc)

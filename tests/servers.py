@@ -13,9 +13,9 @@ from services.launcher.servers import ManagedProcess, start_nats, start_redis
 
 
 @contextlib.contextmanager
-def nats(data_dir: Path, port: int = 0) -> Iterator[ManagedProcess]:
-    """A nats-server on 127.0.0.1, stopped (and checked to be stopped) on exit."""
-    proc = start_nats(data_dir, port)
+def nats(data_dir: Path, port: int = 0, token: str | None = None) -> Iterator[ManagedProcess]:
+    """A nats-server on 127.0.0.1 (requiring `token` if given), stopped on exit."""
+    proc = start_nats(data_dir, port, token)
     try:
         yield proc
     finally:
@@ -23,9 +23,12 @@ def nats(data_dir: Path, port: int = 0) -> Iterator[ManagedProcess]:
 
 
 @contextlib.contextmanager
-def redis(data_dir: Path, port: int = 0, maxmemory: str = "64mb") -> Iterator[ManagedProcess]:
-    """A memory-only redis-server on 127.0.0.1, stopped on exit."""
-    proc = start_redis(data_dir, port, maxmemory)
+def redis(
+    data_dir: Path, port: int = 0, maxmemory: str = "64mb", password: str | None = None
+) -> Iterator[ManagedProcess]:
+    """A memory-only redis-server on 127.0.0.1 (requiring `password` if given), stopped on
+    exit."""
+    proc = start_redis(data_dir, port, maxmemory, password)
     try:
         yield proc
     finally:

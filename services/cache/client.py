@@ -12,6 +12,9 @@ The remote tier is an optimisation: every call has a short deadline and any fail
     A.Get(k0 k2 k3) -> k0 k2          B.Get(k1 k4 k5) -> k1 k4 k5
     prefix  k0 k1 k2 | k3 missing on A, so the answer stops there (k4, k5 are dropped)
 
+Every block put is sealed with an integrity tag bound to its key (`integrity`, see
+services/cache/integrity.py); the caller verifies what `get_prefix` returns before use.
+
 Each instance gets one concurrent call with its keys in order, and answers with the longest
 prefix of those it holds; the global prefix is where the first key is missing. Fetching
 speculatively past it costs little: for a chained prefix cache, misses are nearly always
@@ -29,6 +32,7 @@ from typing import Any, TypeVar
 import grpc
 
 from services.cache import MAX_KEYS
+from services.cache.integrity import KVIntegrity
 from services.cache.ring import HashRing
 from services.common import grpc_util
 from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
@@ -49,7 +53,9 @@ class CacheClient:
         *,
         timeout_s: float = 1.0,
         warn_interval_s: float = 30.0,
+        integrity: KVIntegrity | None = None,
     ) -> None:
+        self.integrity = integrity or KVIntegrity()
         self.timeout_s = timeout_s
         self.warn_interval_s = warn_interval_s
         self._addresses: list[str] = []
@@ -82,9 +88,10 @@ class CacheClient:
         """
         groups: dict[int, list[common_pb2.KVBlock]] = {}
         if self._addresses:
+            blocks = [b for b in blocks if b.block_hash]
+            await asyncio.to_thread(lambda: [self.integrity.seal(b) for b in blocks])
             for block in blocks:
-                if block.block_hash:
-                    groups.setdefault(self._shard_index(block.block_hash), []).append(block)
+                groups.setdefault(self._shard_index(block.block_hash), []).append(block)
         calls = [
             self._put(self._addresses[i], batch)
             for i, shard_blocks in groups.items()

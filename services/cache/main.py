@@ -13,7 +13,7 @@ from services.cache.lru import ByteLRU
 from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
 from services.cache.servicer import CacheServicer
 from services.common import grpc_util, metrics
-from services.common.flags import add_common_flags, advertised, env
+from services.common.flags import add_common_flags, advertised, env, redact
 from services.common.pb import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "cache") -> None:
         help="redis://host:port of the storage tier (optional; without it: memory only)",
     )
     p.add_argument(
+        "--redis-password",
+        default=env("redis_password"),
+        help="Redis AUTH password (its requirepass); never logged",
+    )
+    p.add_argument(
         "--redis-ttl-s",
         type=int,
         default=int(env("redis_ttl_s", str(DEFAULT_TTL_S))),
@@ -46,7 +51,9 @@ async def serve(args: argparse.Namespace) -> None:
     if args.capacity_mib <= 0:
         raise ValueError(f"--capacity-mib must be positive, got {args.capacity_mib}")
     redis = (
-        RedisTier(args.redis_url, args.namespace, ttl_s=args.redis_ttl_s)
+        RedisTier(
+            args.redis_url, args.namespace, ttl_s=args.redis_ttl_s, password=args.redis_password
+        )
         if args.redis_url
         else None
     )
@@ -65,7 +72,7 @@ async def serve(args: argparse.Namespace) -> None:
             "cache serving on %s: %d MiB in memory, redis %s",
             address,
             args.capacity_mib,
-            args.redis_url or "off",
+            redact(args.redis_url) if args.redis_url else "off",
         )
         if args.nameservice:
             # Imported here: the nameservice is optional, and so is its client module.

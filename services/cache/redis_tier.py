@@ -1,7 +1,9 @@
 """`RedisTier`: the storage tier (T3) behind the cache service's in-memory LRU.
 
 Values are serialized `rtp.v1.KVBlock` messages under `rtp:{namespace}:kv:{hash hex}`,
-each with a TTL; Redis's own `maxmemory` policy bounds its size.
+each with a TTL; Redis's own `maxmemory` policy bounds its size. A password (Redis's
+`requirepass`) authenticates the connection. Values are data, never code: workers check
+each block's integrity tag (`services/cache/integrity.py`) before using it.
 
 Redis is an optimisation, never a dependency: every operation has a bounded timeout and
 turns any failure into "miss" / "not written", with a rate-limited warning. After a failure
@@ -22,6 +24,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from services.common.flags import redact
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -40,6 +44,7 @@ class RedisTier:
         write_timeout_s: float = 5.0,
         retry_after_s: float = 1.0,
         warn_interval_s: float = 30.0,
+        password: str | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -58,6 +63,7 @@ class RedisTier:
         self._down = False
         self._redis = aioredis.Redis.from_url(
             url,
+            password=password,
             socket_timeout=max(timeout_s, write_timeout_s),
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # no hidden retries: we degrade instead
@@ -128,7 +134,7 @@ class RedisTier:
             return None
         if self._down:
             self._down = False
-            log.info("redis %s is reachable again", self.url)
+            log.info("redis %s is reachable again", redact(self.url))
         return result
 
     def _failed(self, name: str, error: Exception) -> None:
@@ -141,7 +147,7 @@ class RedisTier:
             log.warning(
                 "redis %s unavailable (%s: %s); serving from memory only, retrying in %.1fs "
                 "(%d failures so far)",
-                self.url,
+                redact(self.url),
                 name,
                 error.__class__.__name__ + (f": {error}" if str(error) else ""),
                 self.retry_after_s,

@@ -11,7 +11,8 @@ degrade a service, never break it:
   published meanwhile is lost, so `on_reconnected` callbacks run once the server has the
   subscriptions again (the master resyncs its prefix index there).
 
-Subject names come from `services.common.subjects` only. A message published inside a
+A token (`--nats-token`) or user:password in the URL authenticates the connection; neither
+is ever logged. Subject names come from `services.common.subjects` only. A message published inside a
 trace carries its W3C context in NATS headers, and the subscriber's handler runs in it.
 """
 
@@ -29,6 +30,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.common import tracing
+from services.common.flags import redact
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,10 @@ class _Subscription(Generic[M]):
 class Bus:
     """One NATS connection per service; see the module docstring for failure behaviour."""
 
-    def __init__(self, client: Client | None, name: str) -> None:
+    def __init__(self, client: Client | None, name: str, token: str | None = None) -> None:
         self._nc = client
         self._name = name
+        self._token = token
         self._connecting: asyncio.Task[None] | None = None
         self._pending: list[_Subscription] = []  # subscribed before the first connect
         self._outage_logged = False
@@ -63,13 +66,13 @@ class Bus:
         self.dropped = 0
 
     @classmethod
-    async def connect(cls, url: str | None, name: str) -> Bus:
-        """A bus connected to `url`, or still connecting in the background if NATS is down;
-        a disabled bus if `url` is None."""
+    async def connect(cls, url: str | None, name: str, token: str | None = None) -> Bus:
+        """A bus connected to `url` (authenticated by `token` if given), or still connecting
+        in the background if NATS is down; a disabled bus if `url` is None."""
         if url is None:
             log.info("no NATS url: cluster events are disabled for %s", name)
             return cls(None, name)
-        bus = cls(Client(), name)
+        bus = cls(Client(), name, token)
         bus._connecting = asyncio.create_task(bus._connect(url), name=f"nats-connect-{name}")
         # Return once connected or once the first attempt failed (no waiting on a dead NATS).
         failed = asyncio.create_task(bus._first_failure.wait())
@@ -80,7 +83,9 @@ class Bus:
         )
         failed.cancel()
         if not bus._connecting.done():
-            log.warning("NATS at %s unreachable; %s keeps retrying in the background", url, name)
+            log.warning(
+                "NATS at %s unreachable; %s keeps retrying in the background", redact(url), name
+            )
         return bus
 
     @property
@@ -165,11 +170,12 @@ class Bus:
             max_reconnect_attempts=-1,
             reconnect_time_wait=RECONNECT_WAIT_S,
             connect_timeout=CONNECT_TIMEOUT_S,
+            token=self._token,
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
-        log.info("%s connected to NATS at %s", self._name, url)
+        log.info("%s connected to NATS at %s", self._name, redact(url))
         self._outage_logged = False
         pending, self._pending = self._pending, []
         for sub in pending:

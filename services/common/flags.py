@@ -21,8 +21,17 @@ DEFAULT_MODEL_HELP = (
 
 
 def env(name: str, default: str | None = None) -> str | None:
-    """Value of RTP_<NAME> (upper-cased, dashes as underscores), else `default`."""
-    return os.environ.get("RTP_" + name.upper().replace("-", "_"), default)
+    """Value of RTP_<NAME> (upper-cased, dashes as underscores); else the contents of the
+    file RTP_<NAME>_FILE names (how compose and Kubernetes secrets arrive: as files, kept
+    out of the environment), without its trailing newline; else `default`."""
+    var = "RTP_" + name.upper().replace("-", "_")
+    if var in os.environ:
+        return os.environ[var]
+    path = os.environ.get(var + "_FILE")
+    if path:
+        with open(path) as f:
+            return f.read().rstrip("\r\n")
+    return default
 
 
 def int_or_none(value: str | None) -> int | None:
@@ -58,6 +67,14 @@ def add_common_flags(
         )
     if nats:
         p.add_argument("--nats-url", default=env("nats_url"), help="nats://host:port (optional)")
+        p.add_argument(
+            "--nats-token",
+            default=env("nats_token"),
+            help="NATS auth token (or put user:password in --nats-url)",
+        )
+    from services.common.tls import add_tls_flags  # here: tls imports env() from this module
+
+    add_tls_flags(p)
 
 
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
@@ -86,3 +103,10 @@ def advertised(args: argparse.Namespace, port: int) -> str:
     if host == AUTO_HOST:
         host = socket.gethostbyname(socket.gethostname())
     return f"{host}:{port}"
+
+
+def redact(url: str) -> str:
+    """`url` without the credentials it may carry (scheme://user:password@host -> host): for
+    logs, which never show a secret."""
+    scheme, sep, rest = url.rpartition("://")
+    return scheme + sep + rest.rpartition("@")[2]

@@ -1,6 +1,8 @@
 """gRPC plumbing shared by every service: servers with health checking, and channels.
 
 KV blocks travel as raw bytes, so message size limits are raised well above gRPC's 4 MiB.
+Servers and channels use the process's transport security (`use_tls`; see `tls`): mutual
+TLS when configured, plaintext otherwise.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common import tls as tls_config
 from services.common import tracing
+from services.common.tls import TlsConfig
 
 MAX_MESSAGE_BYTES = 256 << 20
 # Trailing metadata of a worker call that failed because a peer it called failed (a decode
@@ -31,14 +35,36 @@ _SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
+_UNSET = object()
+_process_tls: TlsConfig | None | object = _UNSET
+
+
+def use_tls(config: TlsConfig | None) -> None:
+    """Set the process's transport security, once at start (None: plaintext)."""
+    global _process_tls
+    _process_tls = config
+
+
+def process_tls() -> TlsConfig | None:
+    """What `use_tls` set; until it is called, what the RTP_TLS_* environment says."""
+    global _process_tls
+    if _process_tls is _UNSET:
+        _process_tls = tls_config.from_env()
+    return _process_tls  # type: ignore[return-value]
+
 
 def create_server(
-    bind: str = "127.0.0.1:0",
+    bind: str = "127.0.0.1:0", tls: TlsConfig | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later aio server bound to `bind` (port 0: any free port), with the standard
-    health service registered. Returns (server, port, health servicer)."""
+    health service registered; mutual TLS with `tls`, else the process's. Returns (server,
+    port, health servicer)."""
     server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=tracing.server_interceptors())
-    port = server.add_insecure_port(bind)
+    tls = tls or process_tls()
+    if tls is None:
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, tls.server_credentials())
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {bind}")
     health_servicer = health.aio.HealthServicer()
@@ -62,9 +88,18 @@ async def set_serving(
         await asyncio.sleep(0.1)
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A channel to `address`: presenting `tls` (else the process's) certificate, if any."""
     interceptors = tracing.client_interceptors(address)  # trace context, when tracing is on
-    return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
+    tls = tls or process_tls()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address,
+        tls.channel_credentials(),
+        options=_OPTIONS + tls.channel_options(),
+        interceptors=interceptors,
+    )
 
 
 class ChannelCache:
@@ -105,9 +140,9 @@ class ChannelCache:
         await asyncio.gather(*(ch.close() for ch in channels), *self._closing)
 
 
-async def check_health(address: str, timeout: float = 1.0) -> bool:
+async def check_health(address: str, timeout: float = 1.0, tls: TlsConfig | None = None) -> bool:
     """True if the gRPC server at `address` answers SERVING."""
-    async with channel(address) as ch:
+    async with channel(address, tls) as ch:
         try:
             reply = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout

@@ -11,6 +11,7 @@ import grpc
 class ErrorKind(enum.Enum):
     # (HTTP status, OpenAI error type, gRPC status)
     INVALID = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    UNAUTHORIZED = (401, "invalid_request_error", grpc.StatusCode.UNAUTHENTICATED)
     NOT_FOUND = (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)
     TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     # A request id (X-Request-Id) that a request still in flight carries.

@@ -14,6 +14,8 @@ from engine.validation import InvalidRequestError
 from services.common import tracing
 from services.common.convert import params_fields_from_pb, structured_from_pb
 from services.common.pb import frontend_pb2, frontend_pb2_grpc
+from services.frontend import auth
+from services.frontend.auth import ApiKeys
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.generation import Generator
 from services.frontend.inputs import Options, prepare
@@ -53,12 +55,16 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
-    def __init__(self, generator: Generator) -> None:
+    def __init__(self, generator: Generator, keys: ApiKeys | None = None) -> None:
         self.generator = generator
+        self.keys = keys or ApiKeys()
 
     async def Generate(
         self, request: frontend_pb2.FrontendGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[frontend_pb2.FrontendGenerateResponse]:
+        metadata = dict(context.invocation_metadata() or ())
+        if not self.keys.allows("Generate", metadata.get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.unauthorized().message)
         gen = self.generator
         request_id = "fe-" + secrets.token_hex(12)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request_id)

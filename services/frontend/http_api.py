@@ -22,7 +22,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from services.common import metrics, tracing
+from services.frontend import auth
 from services.frontend import metrics as frontend_metrics
+from services.frontend.auth import ApiKeys
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import Delta, DeltaStream, Generator
@@ -52,8 +54,10 @@ GENERATOR = web.AppKey("generator", Generator)
 _STARTED = int(time.time())
 
 
-def build_app(generator: Generator) -> web.Application:
-    middlewares = [frontend_metrics.http_middleware(), _traced, _errors]
+def build_app(generator: Generator, keys: ApiKeys | None = None) -> web.Application:
+    """The app; with `keys`, requests without a valid API key get a 401 (see auth.py)."""
+    middlewares = [frontend_metrics.http_middleware(), auth.middleware(keys or ApiKeys())]
+    middlewares += [_traced, _errors]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[GENERATOR] = generator
     app.router.add_get("/v1/models", _models)

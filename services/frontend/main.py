@@ -20,6 +20,7 @@ from services.common.flags import add_common_flags, add_drain_flag, advertised, 
 from services.common.naming import NameClient, make_member
 from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
+from services.frontend import auth
 from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.grpc_api import FrontendServicer
 from services.frontend.http_api import build_app
@@ -33,6 +34,7 @@ GRPC_SERVICE = "rtp.v1.Frontend"
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     add_common_flags(p)  # --port is the HTTP port
+    auth.add_auth_flags(p)
     add_drain_flag(p, "the streams in flight")
     p.add_argument("--grpc-port", type=int, default=int(env("grpc_port", "0")))
     p.add_argument(
@@ -91,14 +93,15 @@ async def serve(args: argparse.Namespace) -> None:
     generator = Generator(
         model, tokenizer, router, args.max_concurrent, args.max_n, args.max_migrations
     )
+    keys = auth.from_args(args)
     runner = web.AppRunner(
-        build_app(generator),
+        build_app(generator, keys),
         handler_cancellation=True,  # a client that goes away cancels its worker calls
         access_log=None,
         shutdown_timeout=args.drain_timeout,  # on SIGTERM: stop listening, finish streams
     )
     server, grpc_port, health = grpc_util.create_server(f"{args.host}:{args.grpc_port}")
-    frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(generator), server)
+    frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(generator, keys), server)
     await router.start()
     try:
         await runner.setup()

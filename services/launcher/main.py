@@ -30,7 +30,8 @@ from pathlib import Path
 
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
-from services.launcher import servers
+from services.launcher import certs, servers
+from services.launcher.secrets import ClusterSecrets
 from services.launcher.supervisor import RESTART_POLICIES, Supervisor
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,27 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "(no: keep serving with what is left)",
     )
     p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
+    add_security_arguments(p)
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("security (README: Security); every secret reaches the services "
+                             "that use it by environment, never by command line")  # fmt: skip
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="frontend API key (repeatable); none: the API is open")  # fmt: skip
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="frontend API keys, one per line")  # fmt: skip
+    s.add_argument("--metrics-key", default=None, help="the key the frontend's /metrics needs")
+    s.add_argument("--nats-token", default=env("nats_token"),
+                   help="NATS token: the NATS started here requires it, every service sends it")  # fmt: skip
+    s.add_argument("--redis-password", default=env("redis_password"),
+                   help="Redis password: the Redis started here requires it (requirepass)")  # fmt: skip
+    s.add_argument("--kv-integrity-key", default=env("kv_integrity_key"),
+                   help="workers' HMAC key for KV blocks in the cache tiers")  # fmt: skip
+    s.add_argument("--tls", action="store_true",
+                   help="mutual TLS on all internal gRPC, with a throwaway CA made at start")  # fmt: skip
 
 
 def _die_with_parent() -> None:
@@ -148,17 +168,21 @@ class Cluster:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     infra: list[servers.ManagedProcess] = field(default_factory=list)
     addresses: dict[str, str] = field(default_factory=dict)
+    secrets: ClusterSecrets = field(default_factory=ClusterSecrets)
 
     def info(self) -> dict:
+        tls = self.secrets.tls
         return {
             **self.addresses,
+            # The member certificate's files (paths, not secrets), for tools that call in.
+            "tls": {"cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)} if tls else None,
             "pids": [{"name": n, "pid": p.pid} for n, p in self.procs]
             + [{"name": s.name, "pid": s.pid} for s in self.infra],
         }
 
     def spawn(self, name: str, *flags: str) -> subprocess.Popen:
         common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
-        proc = _child([sys.executable, "-m", "services.cli", name, *common, *flags])
+        proc = _child([sys.executable, "-m", "services.cli", name, *common, *flags], self.secrets)
         self.procs.append((name, proc))
         log.info("started %s pid=%d", name, proc.pid)
         return proc
@@ -188,8 +212,11 @@ class Cluster:
             server.stop(timeout=0.3)
 
 
-def _child(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+def _child(argv: list[str], secrets: ClusterSecrets) -> subprocess.Popen:
+    """A service process from its argv ([python, -m, services.cli, SERVICE, ...]), with the
+    secrets SERVICE uses in its environment (a restart gets them again)."""
+    env = {**os.environ, **secrets.env(argv[3])}
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
 
 
 def _default_threads(args: argparse.Namespace) -> int:
@@ -211,15 +238,19 @@ def _worker_count(args: argparse.Namespace) -> int:
 
 def _start(cluster: Cluster, model: str) -> str:
     args = cluster.args
+    tls = certs.issue_cluster_certs(cluster.data_dir / "tls") if args.tls else None
+    cluster.secrets = ClusterSecrets.from_args(args, tls)
     nats_url = args.nats_url
     if nats_url is None:
-        nats = servers.start_nats(cluster.data_dir / "nats")
+        nats = servers.start_nats(cluster.data_dir / "nats", token=args.nats_token)
         cluster.infra.append(nats)
         nats_url = nats.url
     redis_url = args.redis_url
     if redis_url is None and not args.no_cache:
         redis = servers.start_redis(
-            cluster.data_dir / "redis", maxmemory=f"{args.redis_maxmemory_mib}mb"
+            cluster.data_dir / "redis",
+            maxmemory=f"{args.redis_maxmemory_mib}mb",
+            password=args.redis_password,
         )
         cluster.infra.append(redis)
         redis_url = redis.url
@@ -265,7 +296,8 @@ def _start(cluster: Cluster, model: str) -> str:
         for _ in range(args.decode):
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
-    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics,
+    keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics, *keys,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
@@ -306,7 +338,7 @@ async def serve(args: argparse.Namespace) -> None:
             _write_info(cluster)
             sys.stdout.write(f"rtp-serve is up: {url}/v1 (model {model})\n")
             sys.stdout.flush()
-            supervisor = Supervisor(args.restart, _child)
+            supervisor = Supervisor(args.restart, lambda argv: _child(argv, cluster.secrets))
             while True:
                 await asyncio.sleep(SUPERVISE_EVERY_S)
                 if await asyncio.to_thread(supervisor.check, cluster.procs, cluster.infra):

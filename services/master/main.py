@@ -65,7 +65,7 @@ async def serve(args: argparse.Namespace) -> None:
     member = make_member(
         nameservice_pb2.ROLE_MASTER, address, metrics_address=advertised(args, metrics_port)
     )
-    bus = await Bus.connect(args.nats_url, member.id)
+    bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
     names = NameClient(args.nameservice) if args.nameservice else None
     feeder: asyncio.Task[None] | None = None
     fetch = SnapshotClient()

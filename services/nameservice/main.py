@@ -30,7 +30,7 @@ import grpc
 
 from services.common import grpc_util, metrics, subjects
 from services.common.bus import Bus
-from services.common.flags import add_common_flags, advertised, env
+from services.common.flags import add_common_flags, advertised, env, redact
 from services.common.naming import SNAPSHOT_SIZE_KEY
 from services.common.pb import nameservice_pb2 as pb
 from services.common.pb import nameservice_pb2_grpc as pb_grpc
@@ -165,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    bus = await Bus.connect(args.nats_url, "nameservice")
+    bus = await Bus.connect(args.nats_url, "nameservice", args.nats_token)
     service = NameService(Registry(ttl=args.ttl), bus, args.namespace)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     pb_grpc.add_NameServiceServicer_to_server(service, server)
@@ -182,7 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
             port,
             args.ttl,
             args.namespace,
-            args.nats_url or "-",
+            redact(args.nats_url) if args.nats_url else "-",
             advertised(args, metrics_port),
         )
         await server.wait_for_termination()

@@ -89,6 +89,13 @@ class WorkerFamilies:
             [*w, "direction"],
             registry=registry,
         )
+        self.kv_integrity_failures = Counter(
+            PREFIX + "kv_integrity_failures",
+            "KV blocks from the cache tiers dropped (and recomputed) because their integrity "
+            "tag did not match their key: corrupted, stored under another key, or forged.",
+            w,
+            registry=registry,
+        )
         # Speculative decoding, named as vLLM's spec_decode_* families.
         self.spec_num_drafts = Counter(
             PREFIX + "spec_decode_num_drafts",
@@ -215,6 +222,9 @@ class WorkerMetrics:
             f.spec_accepted_per_pos.labels(*labels, str(i)).inc(accepted - before)
             f.spec_acceptance_rate_per_pos.labels(*labels, str(i)).set(rates[i])
         f.spec_mean_accepted_length.labels(*labels).set(counts.mean_accepted_length)
+
+    def kv_integrity_failures(self, blocks: int) -> None:
+        self.families.kv_integrity_failures.labels(self.role, self.model_name).inc(blocks)
 
     def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
         labels = (self.role, self.model_name, direction)

@@ -46,7 +46,7 @@ async def serve_worker(
         metrics_address=advertised(args, metrics_port),
         member_id=args.worker_id,
     )
-    bus = await Bus.connect(args.nats_url, member.id)
+    bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
     feed = KVEventFeed(llm, bus, member.id, args.namespace)
     servicer.serve_snapshots(feed)
     names = NameClient(args.nameservice) if args.nameservice else None

@@ -6,7 +6,9 @@ remote tier (the cache service instances, backed by Redis), it is fetched and im
 the pool; else it is computed. Full blocks computed here are written back to the remote tier
 off the request path. Prefill workers and fused workers both do this. The remote tier is an
 optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
-uses its own pool alone.
+uses its own pool alone. Blocks fetched from it are used only if their integrity tag matches
+the key asked for (services/cache/integrity.py): a poisoned block reads as a miss too, and
+is counted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from engine.block_hash import BlockHash
 from engine.cost_model import TIER_REMOTE
 from engine.outputs import PromptKV
 from services.cache.client import CacheClient
+from services.cache.integrity import KVIntegrity
+from services.common.flags import env
 from services.common.naming import MemberSet, NameClient
 from services.common.pb import common_pb2, nameservice_pb2
 from services.worker.kv_wire import join_blocks, split_blocks
@@ -37,11 +41,20 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not use the cache service tier (found through the nameservice)",
     )
+    p.add_argument(
+        "--kv-integrity-key",
+        default=env("kv_integrity_key"),
+        help="a secret every worker of the cluster shares: blocks in the cache tiers carry "
+        "an HMAC-SHA256 with it (default: a plain SHA-256, which catches corruption only)",
+    )
 
 
 def cache_client(args: argparse.Namespace) -> CacheClient | None:
     """The remote tier's client (its instances come from the nameservice), unless disabled."""
-    return None if args.no_remote_cache else CacheClient([])
+    if args.no_remote_cache:
+        return None
+    secret = args.kv_integrity_key.encode() if args.kv_integrity_key else None
+    return CacheClient([], integrity=KVIntegrity(secret))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +100,15 @@ class Tiers:
         if self.cache is None or device == len(usable):
             return TierHits(device, 0)
         started = time.perf_counter()
-        found = await self.cache.get_prefix(usable[device:])
+        asked = usable[device:]
+        found = await self.cache.get_prefix(asked)
+        if found:  # hashing whole blocks: off the event loop (hashlib releases the GIL)
+            found, rejected = await asyncio.to_thread(
+                self.cache.integrity.valid_prefix, asked, found
+            )
+            if rejected:
+                log.warning("dropped %d remote KV blocks failing their integrity check", rejected)
+                self.metrics.kv_integrity_failures(rejected)
         if not found:
             return TierHits(device, 0)
         bs = self.block_size

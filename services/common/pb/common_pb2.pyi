@@ -66,7 +66,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVBlock(_message.Message):
-    __slots__ = ("block_hash", "index", "num_tokens", "dtype", "shape", "k", "v", "k_scale", "v_scale")
+    __slots__ = ("block_hash", "index", "num_tokens", "dtype", "shape", "k", "v", "k_scale", "v_scale", "integrity")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class KVBlock(_message.Message):
     V_FIELD_NUMBER: _ClassVar[int]
     K_SCALE_FIELD_NUMBER: _ClassVar[int]
     V_SCALE_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     index: int
     num_tokens: int
@@ -85,4 +86,5 @@ class KVBlock(_message.Message):
     v: bytes
     k_scale: bytes
     v_scale: bytes
-    def __init__(self, block_hash: _Optional[bytes] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., k_scale: _Optional[bytes] = ..., v_scale: _Optional[bytes] = ...) -> None: ...
+    integrity: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., k_scale: _Optional[bytes] = ..., v_scale: _Optional[bytes] = ..., integrity: _Optional[bytes] = ...) -> None: ...
