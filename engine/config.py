@@ -146,6 +146,10 @@ class EngineConfig:
     # proposes up to num_speculative_tokens drafts a step (adaptive; per request too).
     speculative: str | None = None
     num_speculative_tokens: int = 3
+    # Multi-LoRA (engine/lora/): adapters served from the start, as (name, PEFT directory);
+    # more are added at run time. At most max_loras are resident and run in one step.
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -173,6 +177,9 @@ class EngineConfig:
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens}"
             )
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 
