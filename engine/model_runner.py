@@ -204,7 +204,8 @@ class ModelRunner:
         if not names:
             return None
         resident = self.loras.activate(names)
-        return LoraBatch.of_rows([(s.num_new_tokens, s.request.lora) for s in items], resident)
+        rows = [(s.num_new_tokens, s.request.lora, _is_prefill(s)) for s in items]
+        return LoraBatch.of_rows(rows, resident, self.loras.stacked, self.dtype)
 
     def _prepare(
         self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]

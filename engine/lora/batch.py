@@ -1,24 +1,31 @@
 """The low-rank updates of one step, batched across rows with different adapters.
 
-The base projection runs once over every row; then, per adapter in the step, its rows get
-`(x A) B` added (weights.py: A and B already fused like the base projection). The model
-runner orders a step's rows by adapter within its decode and prefill parts, so an
-adapter's rows are at most two contiguous runs; each run is two small GEMMs on slices,
-with no gather or scatter:
+The base projection runs once over every row; then each row gets its adapter's `(x A) B`
+added (weights.py: A and B already fused like the base projection). The model runner orders
+a step's rows by adapter within its decode and prefill parts:
 
     rows:   | decodes: a a b - - | prefills: a a a b b - - - |      (- : the base model)
-    runs:     a [0,2) b [2,3)      a [5,8) b [8,10)
+    decode rows: one masked pass over every resident adapter (stacked.py)
+    prefill rows: per-adapter runs, a [5,8) b [8,10): two GEMMs on slices each
 
-(Measured against one batched gather of per-row A/B: bench/lora.py.)
+Decode rows are few and many adapters may be among them, so there one launch per
+adapter would dominate; prefill chunks are long, so there per-adapter GEMMs do only the
+work needed. (Measured, with a gathered per-row A/B as well: bench/lora.py.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.lora.stacked import Stacked, StackedRows
 from engine.lora.weights import LoraWeights
+
+# Up to this many decode rows, their update runs over the stacked adapters (stacked.py):
+# a GEMM launch per adapter costs more than the masked columns there.
+STACKED_MAX_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,26 +37,44 @@ class LoraRun:
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    runs: tuple[LoraRun, ...]
+    runs: tuple[LoraRun, ...]  # prefill rows (and decode rows past STACKED_MAX_ROWS)
+    decode: StackedRows | None = None  # the leading decode rows, over every resident adapter
 
     @classmethod
-    def of_rows(cls, row_adapters: list[tuple[int, str]], resident: dict[str, LoraWeights]):
-        """`row_adapters`: (number of rows, adapter name or "") per scheduled item, in row
-        order. Returns None when no row uses an adapter."""
+    def of_rows(
+        cls,
+        items: list[tuple[int, str, bool]],
+        resident: dict[str, LoraWeights],
+        stacked: Callable[[], Stacked],
+        dtype: torch.dtype,
+    ) -> LoraBatch | None:
+        """`items`: (number of rows, adapter name or "", is a prefill chunk) per scheduled
+        item, in row order (decodes first). None when no row uses an adapter."""
+        num_decode = sum(n for n, _, prefill in items if not prefill)
+        decode = None
+        if 0 < num_decode <= STACKED_MAX_ROWS and any(
+            name for _, name, prefill in items if not prefill
+        ):
+            names = [name for n, name, prefill in items if not prefill for _ in range(n)]
+            decode = StackedRows(stacked(), names, dtype)
         runs: list[LoraRun] = []
         row = 0
-        for n, name in row_adapters:
-            if name:
+        for n, name, _ in items:
+            if name and (decode is None or row >= decode.n):
                 last = runs[-1] if runs else None
                 if last is not None and last.end == row and last.weights.config.name == name:
                     runs[-1] = LoraRun(last.start, row + n, last.weights)
                 else:
                     runs.append(LoraRun(row, row + n, resident[name]))
             row += n
-        return cls(tuple(runs)) if runs else None
+        if decode is None and not runs:
+            return None
+        return cls(tuple(runs), decode)
 
     def add(self, layer: int, proj: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows] += (x[rows] A) B for each run's adapter, in place."""
+        """y[rows] += (x[rows] A) B for each row's adapter, in place."""
+        if self.decode is not None:
+            self.decode.add(layer, proj, x, y)
         for run in self.runs:
             pair = run.weights.layers[layer][proj]
             if pair is not None:

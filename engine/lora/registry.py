@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.lora.peft_config import LoraConfig, UnknownAdapterError
+from engine.lora.stacked import Stacked
 from engine.lora.weights import LoraWeights, load_lora_weights
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class LoraRegistry:
         self._resident: OrderedDict[str, LoraWeights] = OrderedDict()
         self._loads = 0
         self._evictions = 0
+        self._stacked: Stacked | None = None  # of the resident set; rebuilt when it changes
 
     def add(self, config: LoraConfig) -> None:
         """Serve `config` (raises AdapterError when it does not fit the model). Re-adding a
@@ -54,11 +56,13 @@ class LoraRegistry:
         self.known[config.name] = config
         if len(self._resident) < self.max_loras:
             self._resident[config.name] = weights
+            self._stacked = None
 
     def remove(self, name: str, missing_ok: bool = False) -> None:
         if self.known.pop(name, None) is None and not missing_ok:
             raise UnknownAdapterError(name)
-        self._resident.pop(name, None)
+        if self._resident.pop(name, None) is not None:
+            self._stacked = None
 
     def get(self, name: str) -> LoraConfig:
         try:
@@ -81,7 +85,14 @@ class LoraRegistry:
                 self._evictions += 1
                 log.debug("LoRA adapter %s evicted", victim)
             self._resident[name] = self._load(self.get(name))
+            self._stacked = None
         return {name: self._resident[name] for name in wanted}
+
+    def stacked(self) -> Stacked:
+        """Every resident adapter side by side (stacked.py), slots in name order."""
+        if self._stacked is None:
+            self._stacked = Stacked.build([self._resident[n] for n in sorted(self._resident)])
+        return self._stacked
 
     def stats(self) -> LoraStats:
         return LoraStats(tuple(self.known), tuple(self._resident), self._loads, self._evictions)
