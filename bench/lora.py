@@ -8,10 +8,11 @@ adapters resident (all of q/k/v/o/gate/up/down), the same `--batch` prompts subm
 together twice: every row on the base model, and row i on adapter i % adapters. Printed
 side by side: decode tokens/s (the steady state: output tokens after the first over the
 time after every row has its first token), end-to-end output tokens/s, and their ratio
-(target >= 0.8x). Last, the update of one projection at decode size by the two ways of
-batching it: per-adapter runs (what the engine does, engine/lora/batch.py) and a gathered
-per-row A/B (one bmm over [rows, in, r] copies). Wall-clock on a shared machine: compare
-within one run.
+(target >= 0.8x). Last, one layer's LoRA updates at decode size by three ways of batching
+them: the stacked masked pass the engine uses for decode rows (engine/lora/stacked.py), the
+per-adapter runs it uses for prefill chunks (engine/lora/batch.py), and a gathered per-row
+A/B (a bmm over [rows, in, R] copies). Wall-clock on a shared machine: compare within one
+run.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
+from engine.lora.batch import LoraBatch  # noqa: E402
 from engine.lora.make_adapter import build_adapter  # noqa: E402
+from engine.lora.weights import DOWN, GATE_UP, OUT, QKV  # noqa: E402
 from engine.make_model import resolve_model  # noqa: E402
 
 FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
@@ -65,29 +67,48 @@ def run(llm: LLM, prompts, loras, new_tokens: int) -> tuple[float, float]:
     return decode, produced / (end - start)
 
 
-def apply_micro(cfg: ModelConfig, rows: int, adapters: int, rank: int, reps: int = 200):
-    """Microseconds of one qkv update for `rows` decode rows, each on its own adapter."""
-    g = torch.Generator().manual_seed(0)
-    fan_in = cfg.hidden_size
-    out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    r = 3 * rank  # q, k and v stacked (engine/lora/weights.py)
-    a = torch.randn(adapters, fan_in, r, generator=g)
-    b = torch.randn(adapters, r, out, generator=g)
-    x = torch.randn(rows, fan_in, generator=g)
-    y = torch.zeros(rows, out)
-    slot = torch.arange(rows) % adapters
+def apply_micro(llm: LLM, names: list[str], reps: int = 100) -> dict[str, float]:
+    """Microseconds of one layer's four updates for len(names) decode rows, three ways:
+    the engine's stacked pass, the engine's per-adapter runs, and a gathered per-row A/B
+    (a bmm over per-row copies of the qkv A and B, extrapolated to the four projections)."""
+    registry = llm.engine.loras
+    resident = registry.activate(set(names))
+    cfg = llm.engine.model_config
+    dtype = llm.engine.runner.dtype
+    rows = len(names)
+    fan = {
+        QKV: (cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim),
+        OUT: (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+        GATE_UP: (cfg.hidden_size, 2 * cfg.intermediate_size),
+        DOWN: (cfg.intermediate_size, cfg.hidden_size),
+    }
+    xs = {p: torch.randn(rows, i, dtype=dtype) for p, (i, _) in fan.items()}
+    ys = {p: torch.zeros(rows, o, dtype=dtype) for p, (_, o) in fan.items()}
+    stacked = LoraBatch.of_rows([(1, n, False) for n in names], resident, registry.stacked, dtype)
+    runs = LoraBatch.of_rows([(1, n, True) for n in names], resident, registry.stacked, dtype)
+    pairs = [resident[n].layers[0][QKV] for n in names]
+    a = torch.stack([p.a for p in pairs])  # [rows, in, R]
+    b = torch.zeros(rows, a.shape[2], fan[QKV][1], dtype=dtype)
+    for i, p in enumerate(pairs):
+        for part in p.parts:
+            b[i, part.rows, part.cols] = part.b
 
-    def runs():
-        for i in range(rows):
-            y[i : i + 1].addmm_(torch.mm(x[i : i + 1], a[slot[i]]), b[slot[i]])
+    def batched(batch: LoraBatch):
+        def fn():
+            for p in fan:
+                batch.add(0, p, xs[p], ys[p])
+
+        return fn
 
     def gathered():
-        t = torch.bmm(x.unsqueeze(1), a.index_select(0, slot))
-        y.add_(torch.bmm(t, b.index_select(0, slot)).squeeze(1))
+        slot = torch.arange(rows)
+        for _ in fan:  # the qkv shapes four times: a lower bound of the real cost
+            t = torch.bmm(xs[QKV].unsqueeze(1), a.index_select(0, slot))
+            ys[QKV].add_(torch.bmm(t, b.index_select(0, slot)).squeeze(1))
 
     timings = {}
-    for name, fn in (("runs", runs), ("gather", gathered)):
-        for _ in range(10):
+    for name, fn in (("stacked", batched(stacked)), ("runs", batched(runs)), ("gather", gathered)):
+        for _ in range(5):
             fn()
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -149,11 +170,10 @@ def main() -> None:
     base = best["base"]
     for name, (dec, e2e) in best.items():
         print(f"{name:<14}{dec:>14.1f}{e2e:>12.1f}{dec / base[0]:>8.2f}x")
-    cfg = llm.engine.model_config
-    micro = apply_micro(cfg, args.batch, args.adapters, args.rank)
+    micro = apply_micro(llm, cases[f"{args.adapters} adapters"])
     print(
-        f"qkv update, {args.batch} rows on {args.adapters} adapters: runs {micro['runs']:.0f} us, "
-        f"gathered bmm {micro['gather']:.0f} us"
+        f"one layer's updates, {args.batch} decode rows: stacked {micro['stacked']:.0f} us, "
+        f"per-adapter runs {micro['runs']:.0f} us, gathered per-row bmm {micro['gather']:.0f} us"
     )
 
 

@@ -51,6 +51,7 @@ class EngineStats:
     num_queued_tokens: int  # prompt/recompute tokens not yet computed
     host_tier: HostTierStats | None = None  # T1, where configured
     spec: SpecCounts | None = None  # speculative decoding, where configured
+    loras: LoraStats | None = None  # LoRA adapters served and resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +381,7 @@ class LLMEngine:
             num_queued_tokens=queued,
             host_tier=None if self.host is None else self.host.stats(),
             spec=None if self.speculator is None else self.speculator.stats(),
+            loras=self.loras.stats(),
         )
 
     def take_kv_events(self) -> list[KVEvent]:

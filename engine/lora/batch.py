@@ -78,5 +78,4 @@ class LoraBatch:
         for run in self.runs:
             pair = run.weights.layers[layer][proj]
             if pair is not None:
-                s = slice(run.start, run.end)
-                y[s].addmm_(torch.mm(x[s], pair.a), pair.b)
+                pair.add(x[run.start : run.end], y[run.start : run.end])

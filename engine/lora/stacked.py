@@ -9,6 +9,9 @@ adapter's columns:
     t *= mask  (row i keeps only the columns of its adapter; a base row keeps none)
     y += t @ [B_0 ; B_1 ; ... ]               -> [T, out]
 
+(A fused projection has that last GEMM once per part, q/k/v or gate/up: t's columns are
+ordered part first, then adapter, so each part's columns and B's rows are contiguous.)
+
 The extra work is T x in x C multiply-adds, a few per cent of the base projection at decode
 sizes; prefill chunks (many rows) use per-adapter runs instead (batch.py).
 """
@@ -19,15 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.weights import LoraWeights
+from engine.lora.weights import LoraPair, LoraPart, LoraWeights
 
 
 @dataclass(frozen=True, slots=True)
 class StackedPair:
     a: torch.Tensor  # [in, C]
-    b: torch.Tensor  # [C, out]
-    col_slot: torch.Tensor  # [C]: which resident slot each column belongs to
-    layout: tuple[tuple[int, int], ...]  # (slot, width) per adapter: the mask's cache key
+    parts: tuple[LoraPart, ...]  # per fused part: its columns of t, of y, and B [r, out]
+    col_slot: torch.Tensor  # [C]: which resident slot each column of t belongs to
+    layout: tuple[tuple[int, int], ...]  # (slot, width) per column run: the mask's cache key
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,27 +42,37 @@ class Stacked:
     def build(cls, adapters: list[LoraWeights]) -> Stacked:
         layers = []
         for i in range(len(adapters[0].layers) if adapters else 0):
-            fused: list[StackedPair | None] = []
-            for proj in range(len(adapters[0].layers[i])):
-                parts = [
-                    (slot, w.layers[i][proj])
-                    for slot, w in enumerate(adapters)
-                    if w.layers[i][proj] is not None
-                ]
-                if not parts:
-                    fused.append(None)
-                    continue
-                layout = tuple((slot, p.a.shape[1]) for slot, p in parts)
-                fused.append(
-                    StackedPair(
-                        torch.cat([p.a for _, p in parts], dim=1).contiguous(),
-                        torch.cat([p.b for _, p in parts], dim=0).contiguous(),
-                        torch.cat([torch.full((w,), s) for s, w in layout]),
-                        layout,
-                    )
+            layers.append(
+                tuple(
+                    _stack([(s, w.layers[i][p]) for s, w in enumerate(adapters)])
+                    for p in range(len(adapters[0].layers[i]))
                 )
-            layers.append(tuple(fused))
+            )
         return cls(tuple(w.config.name for w in adapters), layers)
+
+
+def _stack(pairs: list[tuple[int, LoraPair | None]]) -> StackedPair | None:
+    """One projection of every resident adapter (slot, pair): A's columns part by part."""
+    # Output column ranges of the fused parts, in order, as any adapter targets them.
+    spans = sorted({(p.cols.start, p.cols.stop) for _, pair in pairs if pair for p in pair.parts})
+    if not spans:
+        return None
+    a_cols: list[torch.Tensor] = []
+    layout: list[tuple[int, int]] = []
+    parts: list[LoraPart] = []
+    c = 0
+    for start, stop in spans:
+        bs, c0 = [], c
+        for slot, pair in pairs:
+            for p in pair.parts if pair else ():
+                if (p.cols.start, p.cols.stop) == (start, stop):
+                    a_cols.append(pair.a[:, p.rows])
+                    bs.append(p.b)
+                    layout.append((slot, p.b.shape[0]))
+                    c += p.b.shape[0]
+        parts.append(LoraPart(slice(c0, c), slice(start, stop), torch.cat(bs).contiguous()))
+    col_slot = torch.cat([torch.full((w,), s) for s, w in layout])
+    return StackedPair(torch.cat(a_cols, dim=1).contiguous(), tuple(parts), col_slot, tuple(layout))
 
 
 class StackedRows:
@@ -82,4 +95,6 @@ class StackedRows:
             mask = (self._row_slot[:, None] == pair.col_slot[None, :]).to(self._dtype)
             self._masks[pair.layout] = mask.to(x.device)
         t = torch.mm(x[: self.n], pair.a).mul_(mask)
-        y[: self.n].addmm_(t, pair.b)
+        out = y[: self.n]
+        for part in pair.parts:
+            out[:, part.cols].addmm_(t[:, part.rows], part.b)

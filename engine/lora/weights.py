@@ -1,18 +1,16 @@
 """An adapter's tensors mapped onto the engine's fused projections.
 
 The engine runs q/k/v as one `qkv` projection and gate/up as one `gate_up` (models/llama.py),
-so an adapter's per-module pairs are fused the same way. For a fused projection whose
+so an adapter's per-module pairs are mapped onto those. For a fused projection whose
 outputs are [q | k | v], the update of each targeted part i is `s * (x A_i^T) B_i^T` into
-its own output columns; stacking the A's gives one [in, R] matrix, and the B's go on the
-diagonal of one [R, out] matrix (zeros elsewhere), so the whole update is two GEMMs:
+its own output columns. The A's are stacked into one [in, R] matrix, so one GEMM computes
+every part's low-rank activations; each part's B then writes its own column range:
 
-        x [T, in] @ A [in, r_q + r_k + r_v]  ->  [T, R]
-        [T, R]    @ B [R, out]               ->  [T, out],   B = | s*B_q^T   0       0     |
-                                                                 |   0     s*B_k^T   0     |
-                                                                 |   0       0     s*B_v^T |
+        t = x [T, in] @ [A_q | A_k | A_v]                  -> [T, r_q + r_k + r_v]
+        y[:, q cols] += t[:, :r_q] @ s*B_q^T, y[:, k cols] += ..., y[:, v cols] += ...
 
-An untargeted part has no rows in A and its columns of B stay zero. The scaling s is folded
-into B once, at load.
+(One block-diagonal B would be one GEMM fewer, but reads mostly zeros: a decode step is
+bound by the bytes it reads.) An untargeted part has no columns; s is folded into B at load.
 """
 
 from __future__ import annotations
@@ -42,12 +40,28 @@ _KEY = re.compile(
 
 
 @dataclass(frozen=True, slots=True)
-class LoraPair:
-    a: torch.Tensor  # [in, R]
-    b: torch.Tensor  # [R, out], the scaling folded in
+class LoraPart:
+    """One targeted module of a fused projection: its B and where it reads and writes."""
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.mm(torch.mm(x, self.a), self.b)
+    rows: slice  # its columns of the stacked activations t
+    cols: slice  # its columns of the fused projection's output
+    b: torch.Tensor  # [r, out_part], the scaling folded in
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    a: torch.Tensor  # [in, R]: the targeted parts' A^T side by side
+    parts: tuple[LoraPart, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.a.numel() + sum(p.b.numel() for p in self.parts)) * self.a.element_size()
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += update(x), in place."""
+        t = torch.mm(x, self.a)
+        for part in self.parts:
+            y[:, part.cols].addmm_(t[:, part.rows], part.b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +72,7 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
-            for layer in self.layers
-            for p in layer
-            if p is not None
-        )
+        return sum(p.nbytes for layer in self.layers for p in layer if p is not None)
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -106,44 +115,39 @@ def load_lora_weights(
     for i in range(model.num_layers):
         fused: list[LoraPair | None] = []
         for modules in _FUSED.values():
-            a_parts, b_parts, outs = [], [], []
+            a_parts: list[torch.Tensor] = []
+            parts: list[LoraPart] = []
+            c0 = 0
             for module in modules:
                 fan_in, fan_out = shapes[module]
-                outs.append(fan_out)
                 pair = pairs.get((i, module))
-                if pair is None:
-                    b_parts.append(None)
-                    continue
-                a, b = pair.get("A"), pair.get("B")
-                if a is None or b is None:
-                    raise AdapterError(
-                        f"adapter {config.name!r}: layer {i} {module} lacks lora_{'B' if a is not None else 'A'}"
-                    )
-                if tuple(a.shape) != (config.rank, fan_in) or tuple(b.shape) != (
-                    fan_out,
-                    config.rank,
-                ):
-                    raise AdapterError(
-                        f"adapter {config.name!r}: layer {i} {module} has A {tuple(a.shape)}, "
-                        f"B {tuple(b.shape)}; expected ({config.rank}, {fan_in}), ({fan_out}, {config.rank})"
-                    )
-                a_parts.append(a.float())
-                b_parts.append(b.float())
+                if pair is not None:
+                    a, b = _checked(config, i, module, pair, fan_in, fan_out)
+                    r0 = config.rank * len(a_parts)
+                    a_parts.append(a.float())
+                    b = _to(b.float().t() * config.scaling, dtype, device)
+                    parts.append(LoraPart(slice(r0, r0 + config.rank), slice(c0, c0 + fan_out), b))
+                c0 += fan_out
             if not a_parts:
                 fused.append(None)
                 continue
-            rank = config.rank * len(a_parts)
-            big_b = torch.zeros(rank, sum(outs))
-            r0, c0 = 0, 0
-            for b, out in zip(b_parts, outs, strict=True):
-                if b is not None:
-                    big_b[r0 : r0 + config.rank, c0 : c0 + out] = b.t() * config.scaling
-                    r0 += config.rank
-                c0 += out
-            a = torch.cat(a_parts).t()
-            fused.append(LoraPair(_to(a, dtype, device), _to(big_b, dtype, device)))
+            fused.append(LoraPair(_to(torch.cat(a_parts).t(), dtype, device), tuple(parts)))
         layers.append(tuple(fused))
     return LoraWeights(config, layers)
+
+
+def _checked(config: LoraConfig, layer: int, module: str, pair: dict, fan_in: int, fan_out: int):
+    a, b = pair.get("A"), pair.get("B")
+    if a is None or b is None:
+        missing = "lora_B" if a is not None else "lora_A"
+        raise AdapterError(f"adapter {config.name!r}: layer {layer} {module} lacks {missing}")
+    r = config.rank
+    if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
+        raise AdapterError(
+            f"adapter {config.name!r}: layer {layer} {module} has A {tuple(a.shape)}, "
+            f"B {tuple(b.shape)}; expected ({r}, {fan_in}), ({fan_out}, {r})"
+        )
+    return a, b
 
 
 def _to(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

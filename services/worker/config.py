@@ -9,7 +9,13 @@ from engine.async_llm import AsyncLLM
 from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
-from services.common.flags import DEFAULT_MODEL_HELP, add_common_flags, add_drain_flag, env
+from services.common.flags import (
+    DEFAULT_MODEL_HELP,
+    add_common_flags,
+    add_drain_flag,
+    add_lora_flags,
+    env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +118,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "it; a request may ask for its own)",
     )
 
+    add_lora_flags(p)
+
 
 def build_llm(args: argparse.Namespace) -> AsyncLLM:
     return AsyncLLM(engine_config(args), record_kv_events=True)
@@ -164,4 +172,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads or None,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        loras=tuple(args.loras),
+        max_loras=args.max_loras,
     )
