@@ -12,6 +12,7 @@ class ErrorKind(enum.Enum):
     # (HTTP status, OpenAI error type, gRPC status)
     INVALID = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     NOT_FOUND = (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)
+    CONFLICT = (409, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION)
     TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     OVERLOADED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     INTERNAL = (500, "server_error", grpc.StatusCode.INTERNAL)
@@ -87,6 +88,8 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, who: str) -> FrontendError:
     message = f"{who}: {exc.details() or code.name}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return FrontendError(ErrorKind.INVALID, message)
+    if code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter the worker does not serve
+        return FrontendError(ErrorKind.NOT_FOUND, message, "model", "model_not_found")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return FrontendError(ErrorKind.OVERLOADED, message, code="rate_limit_exceeded")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

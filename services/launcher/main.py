@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
-from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
+from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
 from services.launcher import servers
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--max-num-waiting", type=int, default=None, help="per worker (default: the worker's)"
     )
+    add_lora_flags(p)  # passed to every worker and the frontend
     add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
     p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
@@ -219,6 +220,8 @@ def _start(cluster: Cluster, model: str) -> str:
     for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens"):
         if getattr(args, flag) is not None:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    loras = [f"--lora={name}={path}" for name, path in args.loras]
+    worker += [*loras, "--max-loras", str(args.max_loras)]
     if args.fused:
         for _ in range(args.fused):
             cluster.spawn("fused", *worker)
@@ -228,7 +231,7 @@ def _start(cluster: Cluster, model: str) -> str:
         for _ in range(args.decode):
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
-    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics,
+    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics, *loras,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
