@@ -33,8 +33,10 @@ def _complete(client: httpx.Client, model: str) -> httpx.Response:
 
 def test_adapters_served_loaded_and_unloaded_on_a_pd_cluster(setup):
     model, root, a1, a2, expected = setup
+    run_dir = root / "run"
+    run_dir.mkdir()
     with (
-        launch(model, root / "run", "--prefill", "1", "--decode", "1", f"--lora=a1={a1}") as c,
+        launch(model, run_dir, "--prefill", "1", "--decode", "1", f"--lora=a1={a1}") as c,
         httpx.Client(base_url=c.url, timeout=60) as client,
     ):
         cards = client.get("/v1/models").json()["data"]
