@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.dtypes import torch_dtype
-from engine.lora.batch import LoraBatch
+from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
 from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
@@ -92,6 +92,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(model_config.eos_token_ids)
         self.loras = LoraRegistry(model_config, config.max_loras, self.dtype, self.device)
+        self._lora_mm = lora_matmul(self.kernels.ops, self.dtype)
         isa = self.kernels.isa
         self.cpu_isa = isa.describe() if isa else self.device.type
         self.linear_kernels = weights.layers[0].qkv.kernel + (
@@ -205,7 +206,7 @@ class ModelRunner:
             return None
         resident = self.loras.activate(names)
         rows = [(s.num_new_tokens, s.request.lora, _is_prefill(s)) for s in items]
-        return LoraBatch.of_rows(rows, resident, self.loras.stacked, self.dtype)
+        return LoraBatch.of_rows(rows, resident, self.loras.stacked, self.dtype, self._lora_mm)
 
     def _prepare(
         self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]

@@ -21,11 +21,21 @@ from dataclasses import dataclass
 import torch
 
 from engine.lora.stacked import Stacked, StackedRows
-from engine.lora.weights import LoraWeights
+from engine.lora.weights import LoraWeights, MatMul
 
 # Up to this many decode rows, their update runs over the stacked adapters (stacked.py):
 # a GEMM launch per adapter costs more than the masked columns there.
-STACKED_MAX_ROWS = 64
+STACKED_MAX_ROWS = 32  # kernels.linear.SMALL_M: where the compiled small GEMM pays
+
+
+def lora_matmul(ops: object | None, dtype: torch.dtype) -> MatMul:
+    """The GEMM for decode-sized LoRA updates: at a few rows MKL's sgemm spends more on
+    packing its operands than on the product (bench/lora.py), so float32 takes the compiled
+    kernel that streams w once (kernels/csrc/small_gemm.cpp); other dtypes torch.mm."""
+    small = getattr(ops, "small_gemm", None)
+    if small is None or dtype != torch.float32:
+        return torch.mm
+    return lambda x, w: small(x, w, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +49,7 @@ class LoraRun:
 class LoraBatch:
     runs: tuple[LoraRun, ...]  # prefill rows (and decode rows past STACKED_MAX_ROWS)
     decode: StackedRows | None = None  # the leading decode rows, over every resident adapter
+    mm: MatMul = torch.mm  # for the runs (the stacked rows carry their own)
 
     @classmethod
     def of_rows(
@@ -47,16 +58,18 @@ class LoraBatch:
         resident: dict[str, LoraWeights],
         stacked: Callable[[], Stacked],
         dtype: torch.dtype,
+        small_mm: MatMul = torch.mm,
     ) -> LoraBatch | None:
         """`items`: (number of rows, adapter name or "", is a prefill chunk) per scheduled
-        item, in row order (decodes first). None when no row uses an adapter."""
+        item, in row order (decodes first). None when no row uses an adapter. `small_mm`:
+        the GEMM for decode-sized row counts (lora_matmul)."""
         num_decode = sum(n for n, _, prefill in items if not prefill)
         decode = None
         if 0 < num_decode <= STACKED_MAX_ROWS and any(
             name for _, name, prefill in items if not prefill
         ):
             names = [name for n, name, prefill in items if not prefill for _ in range(n)]
-            decode = StackedRows(stacked(), names, dtype)
+            decode = StackedRows(stacked(), names, dtype, small_mm)
         runs: list[LoraRun] = []
         row = 0
         for n, name, _ in items:
@@ -69,7 +82,8 @@ class LoraBatch:
             row += n
         if decode is None and not runs:
             return None
-        return cls(tuple(runs), decode)
+        longest = max((r.end - r.start for r in runs), default=0)
+        return cls(tuple(runs), decode, small_mm if longest <= STACKED_MAX_ROWS else torch.mm)
 
     def add(self, layer: int, proj: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += (x[rows] A) B for each row's adapter, in place."""
@@ -78,4 +92,4 @@ class LoraBatch:
         for run in self.runs:
             pair = run.weights.layers[layer][proj]
             if pair is not None:
-                pair.add(x[run.start : run.end], y[run.start : run.end])
+                pair.add(x[run.start : run.end], y[run.start : run.end], self.mm)

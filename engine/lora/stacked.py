@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.weights import LoraPair, LoraPart, LoraWeights
+from engine.lora.weights import LoraPair, LoraPart, LoraWeights, MatMul
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,10 @@ def _stack(pairs: list[tuple[int, LoraPair | None]]) -> StackedPair | None:
 class StackedRows:
     """The decode rows [0, n) of one step over a `Stacked` set; masks made once per step."""
 
-    def __init__(self, stacked: Stacked, row_names: list[str], dtype: torch.dtype) -> None:
+    def __init__(
+        self, stacked: Stacked, row_names: list[str], dtype: torch.dtype, mm: MatMul
+    ) -> None:
+        self.mm = mm
         slot = {name: i for i, name in enumerate(stacked.names)}
         self.stacked = stacked
         self.n = len(row_names)
@@ -94,7 +97,8 @@ class StackedRows:
         if mask is None:
             mask = (self._row_slot[:, None] == pair.col_slot[None, :]).to(self._dtype)
             self._masks[pair.layout] = mask.to(x.device)
-        t = torch.mm(x[: self.n], pair.a).mul_(mask)
-        out = y[: self.n]
+        whole = x.shape[0] == self.n  # a decode-only step: no views to make
+        t = self.mm(x if whole else x[: self.n], pair.a).mul_(mask)
+        out = y if whole else y[: self.n]
         for part in pair.parts:
-            out[:, part.cols].addmm_(t[:, part.rows], part.b)
+            out[:, part.cols].add_(self.mm(t[:, part.rows], part.b))

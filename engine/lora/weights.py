@@ -16,6 +16,7 @@ bound by the bytes it reads.) An untargeted part has no columns; s is folded int
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.lora.peft_config import WEIGHTS_FILE, AdapterError, LoraConfig
+
+# x [T, k] @ w [k, n]: torch.mm, or the compiled kernel for decode-sized fp32 (lora_matmul).
+MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The engine's projections, in the order a layer runs them, and the HF modules fused in each.
 QKV, OUT, GATE_UP, DOWN = range(4)
@@ -57,11 +61,11 @@ class LoraPair:
     def nbytes(self) -> int:
         return (self.a.numel() + sum(p.b.numel() for p in self.parts)) * self.a.element_size()
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, y: torch.Tensor, mm: MatMul = torch.mm) -> None:
         """y += update(x), in place."""
-        t = torch.mm(x, self.a)
+        t = mm(x, self.a)
         for part in self.parts:
-            y[:, part.cols].addmm_(t[:, part.rows], part.b)
+            y[:, part.cols].add_(mm(t[:, part.rows], part.b))
 
 
 @dataclass(frozen=True, slots=True)
