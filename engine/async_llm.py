@@ -28,6 +28,8 @@ from engine.block_pool import KVEvent
 from engine.config import EngineConfig, KVLayout
 from engine.cost_model import CostModel, StepCost
 from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
+from engine.lora.peft_config import LoraConfig
+from engine.lora.registry import LoraStats
 from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -109,6 +111,7 @@ class AsyncLLM:
         export_kv_from: int | None = None,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
+        lora: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas until the request finishes. Closing the iterator aborts it.
 
@@ -116,7 +119,9 @@ class AsyncLLM:
         `remote_prefill` (PD decode side): once blocks are reserved, an output with
         `waiting_for_kv` (and the prompt tokens cached here) comes first; the request then
         waits for `deliver_kv`. `block_hashes`: the prompt's keys, when the caller has them.
-        Raises ValueError for bad input, QueueFullError when max_num_waiting requests wait.
+        `lora`: the adapter to run under ("" the base model).
+        Raises ValueError for bad input, UnknownAdapterError for an adapter not served,
+        QueueFullError when max_num_waiting requests wait.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         request = self.engine.make_request(
@@ -127,6 +132,7 @@ class AsyncLLM:
             export_kv_from=export_kv_from,
             remote_prefill=remote_prefill,
             block_hashes=block_hashes,
+            lora=lora,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(_Add(request, stream))
@@ -162,6 +168,25 @@ class AsyncLLM:
         future: Future = Future()
         self._inbox.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
+
+    def salt_for(self, lora: str = "") -> bytes:
+        """The block-hash salt of requests under `lora` (UnknownAdapterError if not served)."""
+        return self.engine.salt_for(lora)
+
+    async def add_lora(self, name: str, path: str) -> LoraStats:
+        """Serve the PEFT adapter in `path` as `name` (AdapterError, ValueError)."""
+        config = await asyncio.to_thread(LoraConfig.load, name, path)  # reads and hashes
+        return await self.call(lambda engine: (engine.add_lora(config), engine.lora_stats())[1])
+
+    async def remove_lora(self, name: str) -> LoraStats:
+        """Stop serving `name` (UnknownAdapterError; ValueError while requests use it)."""
+        return await self.call(lambda engine: (engine.remove_lora(name), engine.lora_stats())[1])
+
+    def lora_stats(self) -> LoraStats:
+        """As of the latest step (the engine thread's snapshot)."""
+        loras = self._stats.loras
+        assert loras is not None
+        return loras
 
     async def num_cached_prefix(self, block_hashes: list[BlockHash]) -> int:
         """How many leading blocks of these keys the device pool holds now."""

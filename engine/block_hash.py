@@ -44,6 +44,18 @@ def model_fingerprint(model_dir: str | os.PathLike) -> bytes:
     return h.digest()
 
 
+def adapter_fingerprint(adapter_dir: str | os.PathLike) -> bytes:
+    """Identify a LoRA adapter (PEFT layout) by content, as `model_fingerprint` a checkpoint:
+    the same adapter under two names or paths shares KV; a different one under a reused
+    name never does."""
+    path = Path(adapter_dir)
+    h = hashlib.blake2b(b"lora", digest_size=_DIGEST_SIZE)
+    config = json.loads((path / "adapter_config.json").read_text())
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    _hash_safetensors(path / "adapter_model.safetensors", h)
+    return h.digest()
+
+
 def _hash_safetensors(file: Path, h: hashlib.blake2b) -> None:
     # Layout: 8-byte little-endian header length, JSON header, then the tensor data.
     with open(file, "rb") as f:
@@ -60,7 +72,7 @@ def _hash_safetensors(file: Path, h: hashlib.blake2b) -> None:
 def cache_salt(model_dir: str | os.PathLike, kv_dtype: str, adapter: str = "") -> bytes:
     """The salt of a cache namespace: blocks from different namespaces never match.
 
-    `adapter` names a LoRA adapter (or is empty for the base model); `kv_dtype` is what fixes
+    `adapter` is a LoRA adapter's `adapter_fingerprint` in hex (empty for the base model); `kv_dtype` is what fixes
     a block's values besides its tokens: `engine.dtypes.kv_numerics(dtype, weight_dtype,
     kv_dtype)`, the dtype's name alone when weights and KV are stored in the model dtype.
     """

@@ -150,6 +150,10 @@ class EngineConfig:
     # first layers draft (None: all of a draft model's; a quarter of the target's).
     draft_model: str | None = None
     draft_num_layers: int | None = None
+    # Multi-LoRA (engine/lora/): adapters served from the start, as (name, PEFT directory);
+    # more are added at run time. At most max_loras are resident and run in one step.
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -181,6 +185,9 @@ class EngineConfig:
             raise ValueError(f"draft_num_layers must be positive, got {self.draft_num_layers}")
         if self.speculative != "draft" and (self.draft_model or self.draft_num_layers):
             raise ValueError('draft_model and draft_num_layers need speculative="draft"')
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

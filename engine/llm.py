@@ -28,18 +28,23 @@ class LLM:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]] | str,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str] = "",
     ) -> list[CompletionOutput]:
-        """One finished output per prompt, in prompt order, with `.text` decoded."""
+        """One finished output per prompt, in prompt order, with `.text` decoded. `lora`:
+        the adapter of every prompt, or one per prompt ("" the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
         # Validate everything before queueing anything: a bad prompt loses nothing.
         requests = [
-            self.engine.make_request(str(next(self._ids)), prompt, p)
-            for prompt, p in zip(prompts, per_prompt, strict=True)
+            self.engine.make_request(str(next(self._ids)), prompt, p, lora=name)
+            for prompt, p, name in zip(prompts, per_prompt, loras, strict=True)
         ]
         collectors = {
             r.request_id: OutputCollector(r.request_id, r.prompt_token_ids) for r in requests

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import torch
 
-from engine.block_hash import BlockHash, cache_salt
+from engine.block_hash import BlockHash, model_fingerprint, salt_of
 from engine.block_pool import BlockPool, KVBlock, KVEvent
 from engine.config import EngineConfig, KVLayout, ModelConfig
 from engine.cost_model import TIER_HOST, CostModel
 from engine.dtypes import kv_numerics
 from engine.host_tier import HostTier, HostTierStats
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora.peft_config import LoraConfig
+from engine.lora.registry import LoraStats
 from engine.model_runner import ModelRunner, resolve_limits
 from engine.outputs import PromptKV, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
@@ -51,6 +53,7 @@ class EngineStats:
     num_queued_tokens: int  # prompt/recompute tokens not yet computed
     host_tier: HostTierStats | None = None  # T1, where configured
     spec: SpecCounts | None = None  # speculative decoding, where configured
+    loras: LoraStats | None = None  # LoRA adapters served and resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +92,18 @@ class LLMEngine:
                 config.max_num_batched_tokens,
                 self.limits.max_model_len,
                 config.max_num_waiting,
+                config.max_loras,
             ),
             self.kv,
             self.model_config.eos_token_ids,
         )
-        self.cache_salt = cache_salt(
-            config.model, kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype)
-        )
+        # engine.block_hash.cache_salt, its parts kept: each adapter salts its own namespace.
+        self._model_id = model_fingerprint(config.model).hex()
+        self._numerics = kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype)
+        self.cache_salt = salt_of(self._model_id, self._numerics)
+        self.loras = self.runner.loras
+        for name, path in config.loras:
+            self.add_lora(LoraConfig.load(name, path))
         cfg = self.model_config
         self.kv_layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
@@ -124,6 +132,34 @@ class LLMEngine:
             )
         return Speculator(proposer, config.num_speculative_tokens, self.limits.max_model_len)
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+    def salt_for(self, lora: str = "") -> bytes:
+        """The block-hash salt of requests under `lora` ("" the base model)."""
+        if not lora:
+            return self.cache_salt
+        return salt_of(self._model_id, self._numerics, self.loras.get(lora).fingerprint)
+
+    def add_lora(self, config: LoraConfig) -> None:
+        """Serve an adapter (AdapterError if it does not fit this model). Replacing a name
+        in use by a request is refused: that request's KV was made under the old one."""
+        if config.name in self.loras.known:
+            self._check_unused(config.name)
+        self.loras.add(config)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter (UnknownAdapterError; ValueError while in use)."""
+        self.loras.get(name)
+        self._check_unused(name)
+        self.loras.remove(name)
+
+    def lora_stats(self) -> LoraStats:
+        return self.loras.stats()
+
+    def _check_unused(self, name: str) -> None:
+        users = sum(1 for r in self.scheduler.requests.values() if r.lora == name)
+        if users:
+            raise ValueError(f"the LoRA adapter `{name}` is in use by {users} requests")
+
     # -- requests --------------------------------------------------------------------------
     def make_request(
         self,
@@ -135,13 +171,16 @@ class LLMEngine:
         export_kv_from: int | None = None,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
+        lora: str = "",
     ) -> Request:
-        """Validate and convert a prompt into an engine request (raises ValueError).
+        """Validate and convert a prompt into an engine request (raises ValueError, or
+        UnknownAdapterError for a `lora` adapter this engine does not serve).
 
         `export_kv_from`: PD prefill side, the last output carries the prompt's KV from this
         position on. `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
         (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
         """
+        salt = self.salt_for(lora)  # raises UnknownAdapterError first
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         check_prompt(token_ids, vocab, self.limits.max_model_len)
@@ -166,7 +205,8 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             block_size=self.config.block_size,
-            salt=self.cache_salt,
+            salt=salt,
+            lora=lora,
             priority=priority,
             block_hashes=block_hashes or [],
             export_kv_from=export_kv_from,
@@ -359,6 +399,7 @@ class LLMEngine:
             num_queued_tokens=queued,
             host_tier=None if self.host is None else self.host.stats(),
             spec=None if self.speculator is None else self.speculator.stats(),
+            loras=self.loras.stats(),
         )
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -11,6 +11,8 @@ import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.dtypes import torch_dtype
+from engine.lora.batch import LoraBatch, lora_matmul
+from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
 from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
 from engine.outputs import PromptKV, SampledToken
@@ -97,6 +99,8 @@ class ModelRunner:
             for i, layer in enumerate(self.kv_cache)
         ]
         self.sampler = Sampler(model_config.eos_token_ids)
+        self.loras = LoraRegistry(model_config, config.max_loras, self.dtype, self.device)
+        self._lora_mm = lora_matmul(self.kernels.ops, self.dtype)
         isa = self.kernels.isa
         self.cpu_isa = isa.describe() if isa else self.device.type
         self.linear_kernels = weights.layers[0].qkv.kernel + (
@@ -182,14 +186,16 @@ class ModelRunner:
             return {}
         # Decodes (one new token) first, so attention can batch them in one call. A request
         # verifying drafts is decode rows too: one per token, each over the context before it.
-        items = sorted(out.scheduled, key=_is_prefill)
+        # Within each part rows are grouped by adapter (engine/lora/batch.py).
+        items = sorted(out.scheduled, key=lambda s: (_is_prefill(s), s.request.lora))
         input_ids, positions, meta, sample_rows = self._prepare(items, block_tables)
+        lora = self._lora_batch(items)
         samplers = [s for s in items if s.samples]
         if not samplers:
             no_rows = torch.tensor([0], device=self.device)
-            self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows)
+            self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows, lora)
             return {}
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows)
+        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows, lora)
         rows: list[Request | DraftRow] = []
         for s in samplers:
             rows.extend(rows_of(s.request, s.spec_token_ids))
@@ -201,6 +207,14 @@ class ModelRunner:
             result[s.request.request_id] = accept(s.spec_token_ids, tokens[i : i + n])
             i += n
         return result
+
+    def _lora_batch(self, items: list[ScheduledRequest]) -> LoraBatch | None:
+        names = {s.request.lora for s in items if s.request.lora}
+        if not names:
+            return None
+        resident = self.loras.activate(names)
+        rows = [(s.num_new_tokens, s.request.lora, _is_prefill(s)) for s in items]
+        return LoraBatch.of_rows(rows, resident, self.loras.stacked, self.dtype, self._lora_mm)
 
     def _prepare(
         self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]

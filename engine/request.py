@@ -59,7 +59,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     block_size: int
-    salt: bytes = b""  # engine.block_hash.cache_salt of the engine's model and KV dtype
+    salt: bytes = b""  # engine.block_hash.cache_salt of the engine's model, KV dtype, adapter
+    lora: str = ""  # the LoRA adapter it runs under (engine/lora/); "" for the base model
     priority: int = 0  # lower runs first; FCFS within a level
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     token_ids: list[int] = field(init=False)

@@ -40,6 +40,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_num_waiting: int = 256
+    # Distinct LoRA adapters running at once (the resident set, engine/lora/registry.py).
+    max_loras: int = 1
 
 
 class QueueFullError(RuntimeError):
@@ -189,6 +191,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self._waiting[0][1]
+            loras = self._running_loras()
+            if request.lora and request.lora not in loras and len(loras) >= self.config.max_loras:
+                break  # its adapter waits for one of the running ones to drain
             hits, num_hit_tokens = (
                 self.kv.get_computed_blocks(request)
                 if request.num_computed_tokens == 0
@@ -212,6 +217,9 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         self._stalled = not out.scheduled and not out.waiting_for_kv
         return out
+
+    def _running_loras(self) -> set[str]:
+        return {r.lora for r in self.running if r.lora}
 
     def _admit(self, request: Request, num_hit_tokens: int, status: RequestStatus) -> None:
         heapq.heappop(self._waiting)

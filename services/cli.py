@@ -34,6 +34,8 @@ def _make_model(args: argparse.Namespace) -> int:
     from engine.make_model import DEFAULT_PRESET, build_model
 
     log = logging.getLogger("rtp-serve")
+    if args.lora_rank is not None:
+        return _make_adapter(args, log)
     shard = args.max_shard_mib << 20 if args.max_shard_mib else None
     try:
         if args.source and args.preset is None:  # any supported GGUF, or a wheel holding one
@@ -49,6 +51,21 @@ def _make_model(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 1
     log.info("model %s written to %s", name, path)
+    return 0
+
+
+def _make_adapter(args: argparse.Namespace, log: logging.Logger) -> int:
+    from engine.lora.make_adapter import build_adapter
+    from engine.make_model import DEFAULT_PRESET
+
+    base = args.source or args.preset or DEFAULT_PRESET
+    targets = tuple(f"{t.strip()}_proj" for t in args.lora_targets.split(",") if t.strip())
+    try:
+        path = build_adapter(base, args.out, args.lora_rank, seed=args.lora_seed, targets=targets)
+    except (FileNotFoundError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    log.info("LoRA adapter (rank %d) for %s written to %s", args.lora_rank, base, path)
     return 0
 
 
@@ -95,6 +112,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "--max-shard-mib", type=int, default=None,
         help="shard weights above this size (default: 256 random, 2048 converted)",
     )  # fmt: skip
+    p.add_argument(
+        "--lora-rank", type=int, default=None,
+        help="write a random PEFT LoRA adapter of this rank for the preset (or --from a "
+        "model directory) instead of a model",
+    )  # fmt: skip
+    p.add_argument("--lora-seed", type=int, default=0, help="seed of the random adapter")
+    p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down",
+                   help="projections the adapter targets, comma-separated")  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_make_model)
 

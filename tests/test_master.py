@@ -461,3 +461,35 @@ def test_master_service_routes_by_nats_events(nats_server: str):
             await bus.close()
 
     asyncio.run(main(nats_server))
+
+
+def test_lora_requests_go_to_workers_serving_the_adapter_resident_first():
+    def lora_route(view, lora: str) -> master_pb2.RoutePlan:
+        req = master_pb2.RouteRequest(request_id="r", num_prompt_tokens=100, lora_name=lora)
+        plan = CacheAware().route(view, req)
+        view.check_integrity()
+        return plan
+
+    fused = [member(w, F) for w in ("f1", "f2", "f3")]
+    # f1 is idle but does not serve a1; f2 serves it (not resident), f3 has it resident.
+    loads = [
+        fitted("f1"),
+        fitted("f2", queued=10, loras=["a1"]),
+        fitted("f3", queued=20, loras=["a1"], resident_loras=["a1"]),
+    ]
+    # f3's 20 queued tokens beat f2's 10 plus the adapter's load (32 tokens' worth).
+    assert lora_route(cluster(*fused, loads=loads), "a1").decode.id == "f3"
+    loads[2] = fitted("f3", queued=60, loras=["a1"], resident_loras=["a1"])
+    assert lora_route(cluster(*fused, loads=loads), "a1").decode.id == "f2"
+    assert lora_route(cluster(*fused, loads=loads), "").decode.id == "f1"
+    # Nobody reports it (reports not in yet): every worker is a candidate; it answers itself.
+    assert lora_route(cluster(*fused, loads=loads), "a9").decode.id == "f1"
+    # PD: the decode side with the adapter resident, even with fewer free blocks.
+    pd = [member("p1", P), member("d1", D), member("d2", D)]
+    loads = [
+        fitted("p1", loras=["a1"], resident_loras=["a1"]),
+        load("d1", free=90, loras=["a1"]),
+        load("d2", free=40, loras=["a1"], resident_loras=["a1"]),
+    ]
+    assert lora_route(cluster(*pd, loads=loads), "a1").decode.id == "d2"
+    assert lora_route(cluster(*pd, loads=loads), "").decode.id == "d1"

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, RopeScaling
+from engine.lora.batch import LoraBatch
+from engine.lora.weights import DOWN, GATE_UP, OUT, QKV
 from kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
 from kernels.linear import Kernels, LinearOp, RowsLinear, make_linear
 
@@ -193,24 +195,36 @@ class LlamaModel:
         kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Run new tokens [T]; return float32 logits of the rows in `logits_indices`."""
+        """Run new tokens [T]; return float32 logits of the rows in `logits_indices`.
+        `lora`: the rows' adapters, whose updates are added after each base projection."""
         cfg = self.cfg
         d = cfg.head_dim
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.w.embed[input_ids]
-        for layer, cache in zip(self.w.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.w.layers, kv_caches, strict=True)):
             h = self.norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h, layer.qkv_bias)
+            if lora is not None:
+                lora.add(i, QKV, h, qkv)
             # RoPE on q and k together: one set of elementwise ops instead of two.
             qk = apply_rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
-            attn = self.attention.forward(q, k, v, cache, meta)
-            x = layer.o(attn.view(-1, self._q), None, x)  # residual fused into the GEMM
+            attn = self.attention.forward(q, k, v, cache, meta).view(-1, self._q)
+            x = layer.o(attn, None, x)  # residual fused into the GEMM
+            if lora is not None:
+                lora.add(i, OUT, attn, x)
             h = self.norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = layer.down(F.silu(gate) * up, None, x)
+            gate_up = layer.gate_up(h)
+            if lora is not None:
+                lora.add(i, GATE_UP, h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            x = layer.down(act, None, x)
+            if lora is not None:
+                lora.add(i, DOWN, act, x)
         x = self.norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         return self.w.lm_head(x).float()

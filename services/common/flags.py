@@ -110,3 +110,35 @@ def redact(url: str) -> str:
     logs, which never show a secret."""
     scheme, sep, rest = url.rpartition("://")
     return scheme + sep + rest.rpartition("@")[2]
+
+
+def _lora_flag(value: str) -> tuple[str, str]:
+    from engine.lora.peft_config import AdapterError, parse_lora_flag
+
+    try:
+        return parse_lora_flag(value)
+    except AdapterError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_lora_flags(p: argparse.ArgumentParser, *, max_loras: bool = True) -> None:
+    """--lora NAME=DIR (repeatable; RTP_LORA: comma-separated), and --max-loras."""
+    default = [_lora_flag(v) for v in (env("lora") or "").split(",") if v]
+    p.add_argument(
+        "--lora",
+        dest="loras",
+        type=_lora_flag,
+        action="append",
+        default=default,
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable); more can be "
+        "loaded at run time (POST /v1/load_lora_adapter)",
+    )
+    if max_loras:
+        p.add_argument(
+            "--max-loras",
+            type=int,
+            default=int(env("max_loras", "4")),
+            help="LoRA adapters resident at once (LRU-swapped from disk); also the most "
+            "distinct adapters one batch runs",
+        )

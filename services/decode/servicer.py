@@ -75,11 +75,12 @@ class DecodeServicer(WorkerServicer):
         try:
             params = params_from_pb(request.params, request.structured)
             # Hashed once here; the engine and the prefill worker reuse these keys.
-            hashes = block_hash_keys(prompt, self.block_size, self.llm.cache_salt)
+            salt = self.llm.salt_for(request.lora_name)
+            hashes = block_hash_keys(prompt, self.block_size, salt)
             if request.block_hashes and list(request.block_hashes) != hashes:
                 self._salt_mismatch()
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (ValueError, LookupError) as exc:
+            await abort(context, exc)
         if request.prefill_address:
             stream = self._pd(request, prompt, params, hashes, context)
         elif self.allow_fused:
@@ -91,7 +92,7 @@ class DecodeServicer(WorkerServicer):
         try:
             async for msg in stream:
                 yield msg
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, LookupError, RuntimeError) as exc:
             await abort(context, exc)
 
     def _salt_mismatch(self) -> None:
@@ -117,6 +118,7 @@ class DecodeServicer(WorkerServicer):
             request.priority,
             block_hashes=hashes,
             export_kv_from=export,
+            lora=request.lora_name,
         ):
             if out.prompt_kv is not None:
                 self.tiers.write_back_kv(out.prompt_kv, hashes, hits)
@@ -127,7 +129,13 @@ class DecodeServicer(WorkerServicer):
         worker fill them, forward its first token at once, then decode on."""
         rid = request.request_id
         outputs = self.llm.generate(
-            prompt, params, rid, request.priority, remote_prefill=True, block_hashes=hashes
+            prompt,
+            params,
+            rid,
+            request.priority,
+            remote_prefill=True,
+            block_hashes=hashes,
+            lora=request.lora_name,
         )
         call = None
         spans: list[trace.Span] = []  # kv_transfer, decode: ended however the call ends
@@ -145,6 +153,7 @@ class DecodeServicer(WorkerServicer):
                     skip_blocks=cached // self.block_size,
                     block_hashes=hashes,
                     structured=request.structured if request.HasField("structured") else None,
+                    lora_name=request.lora_name,
                 ),
                 timeout=context.time_remaining(),
             )

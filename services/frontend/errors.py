@@ -13,9 +13,10 @@ class ErrorKind(enum.Enum):
     INVALID = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     UNAUTHORIZED = (401, "invalid_request_error", grpc.StatusCode.UNAUTHENTICATED)
     NOT_FOUND = (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)
+    # At odds with the server's state: an adapter in use, a request id (X-Request-Id) that a
+    # request still in flight carries.
+    CONFLICT = (409, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION)
     TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
-    # A request id (X-Request-Id) that a request still in flight carries.
-    CONFLICT = (409, "invalid_request_error", grpc.StatusCode.ALREADY_EXISTS)
     OVERLOADED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     INTERNAL = (500, "server_error", grpc.StatusCode.INTERNAL)
     UNAVAILABLE = (503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)
@@ -90,6 +91,8 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, who: str) -> FrontendError:
     message = f"{who}: {exc.details() or code.name}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return FrontendError(ErrorKind.INVALID, message)
+    if code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter the worker does not serve
+        return FrontendError(ErrorKind.NOT_FOUND, message, "model", "model_not_found")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return FrontendError(ErrorKind.OVERLOADED, message, code="rate_limit_exceeded")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -38,6 +38,7 @@ from engine.tokenizer import Tokenizer
 from services.common import grpc_util, tracing
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend import metrics
+from services.frontend.adapters import Adapters, not_found
 from services.frontend.detokenizer import TextStream, TokenText
 from services.frontend.errors import (
     RETRYABLE,
@@ -98,17 +99,41 @@ class Generator:
         max_concurrent: int = 256,
         max_n: int = 8,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        adapters: Adapters | None = None,
     ) -> None:
         if max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.model = model
         self.max_migrations = max_migrations
+        self.adapters = adapters or Adapters(model.model_id, model.kv_numerics)
         self.tokenizer = tokenizer
         self.router = router
         self.admission = Admission(max_concurrent)
         self.max_n = max_n
         self.token_text = TokenText(tokenizer, model.byte_level)
         self.metrics = metrics.frontend(model.served_name)
+
+    def resolve_model(self, model: str) -> str:
+        """The LoRA adapter a request's `model` names ("" the base model); 404 otherwise."""
+        if model == self.model.served_name:
+            return ""
+        if self.adapters.get(model) is not None:
+            return model
+        served = ", ".join(
+            f"`{n}`" for n in [self.model.served_name, *(a.name for a in self.adapters)]
+        )
+        raise FrontendError(
+            ErrorKind.NOT_FOUND,
+            f"The model `{model}` does not exist (this server serves {served})",
+            "model",
+            "model_not_found",
+        )
+
+    def salt(self, lora: str) -> bytes:
+        adapter = self.adapters.get(lora) if lora else None
+        if lora and adapter is None:  # unloaded since the request was accepted
+            raise not_found(lora)
+        return self.model.cache_salt if adapter is None else adapter.salt
 
     async def start(self, inp: GenerateInput) -> DeltaStream:
         """Route and open the worker stream; returns once the first output arrived.
@@ -133,7 +158,7 @@ class Generator:
                 yield self._deadline_passed(inp, produced)
                 return
             prompt = inp.prompt_token_ids + produced
-            hashes = block_hash_keys(prompt, self.model.block_size, self.model.cache_salt)
+            hashes = block_hash_keys(prompt, self.model.block_size, self.salt(inp.lora))
             try:
                 route = await self.router.route(
                     master_pb2.RouteRequest(
@@ -143,6 +168,7 @@ class Generator:
                         session_id=inp.session_id,
                         priority=inp.priority,
                         exclude=exclude,
+                        lora_name=inp.lora,
                     ),
                     inp.remaining(),
                 )
@@ -170,6 +196,7 @@ class Generator:
                 prefill_address=route.prefill_address,
                 block_hashes=hashes,
                 structured=_resumed(inp.structured, len(produced)),
+                lora_name=inp.lora,
             )
             stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
             left = inp.remaining()

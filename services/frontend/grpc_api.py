@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
@@ -78,6 +79,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 else:
                     raise invalid("prompt is required (text or token_ids)", "prompt")
                 opts = options_from_pb(request, _deadline(context))
+                if request.model:
+                    opts = replace(opts, lora=gen.resolve_model(request.model))
                 (inp,) = prepare(gen.model, gen.max_n, request_id, ids, opts, DEFAULT_MAX_TOKENS)
                 stream = await gen.start(inp)
                 async with contextlib.aclosing(stream):

@@ -24,6 +24,7 @@ from opentelemetry.trace import Span, StatusCode
 from services.common import metrics, tracing
 from services.frontend import auth
 from services.frontend import metrics as frontend_metrics
+from services.frontend.adapters import load_adapter, unload_adapter
 from services.frontend.auth import ApiKeys
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
@@ -34,8 +35,10 @@ from services.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoraAdapterRequest,
     openapi,
     parse,
     parse_json,
@@ -66,6 +69,8 @@ def build_app(generator: Generator, keys: ApiKeys | None = None) -> web.Applicat
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/openapi.json", _openapi)
+    app.router.add_post("/v1/load_lora_adapter", _load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", metrics.handle_metrics)
@@ -100,15 +105,39 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 # -- endpoints -----------------------------------------------------------------------------
 async def _models(request: web.Request) -> web.Response:
-    model = request.app[GENERATOR].model
+    gen = request.app[GENERATOR]
+    model = gen.model
     card = {
         "id": model.served_name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "rtp-serve",
+        "root": model.path,
+        "parent": None,
         "max_model_len": model.context_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    # LoRA adapters as vLLM lists them: their own ids, `parent` the base model's.
+    loras = [
+        card | {"id": a.name, "created": a.created, "root": a.path, "parent": model.served_name}
+        for a in gen.adapters
+    ]
+    return web.json_response({"object": "list", "data": [card, *loras]})
+
+
+async def _load_lora(request: web.Request) -> web.Response:
+    gen = request.app[GENERATOR]
+    req = parse(LoadLoraAdapterRequest, parse_json(await request.read()))
+    if req.lora_name == gen.model.served_name:
+        raise invalid(f"`{req.lora_name}` is the base model's name", "lora_name")
+    await load_adapter(gen.adapters, gen.router, req.lora_name, req.lora_path)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def _unload_lora(request: web.Request) -> web.Response:
+    gen = request.app[GENERATOR]
+    req = parse(UnloadLoraAdapterRequest, parse_json(await request.read()))
+    await unload_adapter(gen.adapters, gen.router, req.lora_name)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -139,12 +168,12 @@ async def _generate(
     """Both generation endpoints: validate, tokenize, fan out `n`, route, respond."""
     gen = request.app[GENERATOR]
     req = parse(kind, parse_json(await request.read()))
-    _check_model(gen, req.model)
+    lora = gen.resolve_model(req.model)
     client_id = _client_request_id(request)
     with gen.admission.admit(client_id):
         with tracing.tracer.start_as_current_span("tokenize"):
             ids = _prompt_ids(gen, req)
-        opts = req.options
+        opts = replace(req.options, lora=lora)
         if req.speculative_advice:
             advice = gen.tokenizer.encode(req.speculative_advice, add_special_tokens=False)
             opts = replace(opts, speculative_advice=tuple(advice))
@@ -242,13 +271,7 @@ async def _detokenize(request: web.Request) -> web.Response:
 
 
 def _check_model(gen: Generator, model: str) -> None:
-    if model != gen.model.served_name:
-        raise FrontendError(
-            ErrorKind.NOT_FOUND,
-            f"The model `{model}` does not exist (this server serves `{gen.model.served_name}`)",
-            "model",
-            "model_not_found",
-        )
+    gen.resolve_model(model)  # 404 naming it
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class Options:
     session_id: str = ""
     priority: int = 0
     timeout: float | None = None  # seconds from now; None: no deadline
+    lora: str = ""  # the LoRA adapter `model` named ("" the base model), resolved by the ingress
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class GenerateInput:
     priority: int = 0
     timeout: float | None = None  # as the client gave it
     deadline: float | None = None  # time.monotonic() when the request gives up
+    lora: str = ""  # the LoRA adapter to run under ("" the base model)
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (<= 0: passed); None without one."""
@@ -145,6 +147,7 @@ def prepare(
                 opts.priority,
                 opts.timeout,
                 deadline,
+                opts.lora,
             )
         )
     return inputs

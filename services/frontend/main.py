@@ -16,11 +16,19 @@ from aiohttp import web
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, kv_numerics, resolve_dtype
 from engine.tokenizer import Tokenizer
 from services.common import grpc_util
-from services.common.flags import add_common_flags, add_drain_flag, advertised, env, int_or_none
+from services.common.flags import (
+    add_common_flags,
+    add_drain_flag,
+    add_lora_flags,
+    advertised,
+    env,
+    int_or_none,
+)
 from services.common.naming import NameClient, make_member
 from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend import auth
+from services.frontend.adapters import Adapters
 from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.grpc_api import FrontendServicer
 from services.frontend.http_api import build_app
@@ -80,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         default=env("master"),
         help="host:port of the master (default: the one the nameservice knows)",
     )
+    add_lora_flags(p, max_loras=False)  # the workers' --lora: served as models, hashed alike
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -90,8 +99,16 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer, args.model)
     names = NameClient(args.nameservice) if args.nameservice else None
     router = Router(args.master, names.watch if names is not None else None)
+    adapters = Adapters(model.model_id, model.kv_numerics)
+    adapters.load_flags(args.loras)
     generator = Generator(
-        model, tokenizer, router, args.max_concurrent, args.max_n, args.max_migrations
+        model,
+        tokenizer,
+        router,
+        args.max_concurrent,
+        args.max_n,
+        max_migrations=args.max_migrations,
+        adapters=adapters,
     )
     keys = auth.from_args(args)
     runner = web.AppRunner(

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.block_hash import cache_salt
+from engine.block_hash import model_fingerprint, salt_of
 from engine.config import ModelConfig
 from services.frontend.errors import ErrorKind, FrontendError
 
@@ -22,6 +22,9 @@ class ModelInfo:
     block_size: int
     cache_salt: bytes  # engine.block_hash.cache_salt, as the workers compute it
     byte_level: bool  # the tokenizer is a byte-level BPE (token bytes are recoverable)
+    # The cache salt's parts (engine.block_hash.salt_of): each LoRA adapter salts its own.
+    model_id: str = ""
+    kv_numerics: str = ""
 
     @classmethod
     def load(
@@ -35,14 +38,17 @@ class ModelInfo:
         cfg = ModelConfig.from_dir(path)
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        model_id = model_fingerprint(path).hex()
         return cls(
             path=path,
             served_name=served_name or Path(path).name,
             vocab_size=cfg.vocab_size,
             context_len=max_model_len or cfg.max_position_embeddings,
             block_size=block_size,
-            cache_salt=cache_salt(path, kv_numerics),
+            cache_salt=salt_of(model_id, kv_numerics),
             byte_level=_byte_level_decoder(Path(path) / "tokenizer.json"),
+            model_id=model_id,
+            kv_numerics=kv_numerics,
         )
 
 

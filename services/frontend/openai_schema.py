@@ -545,6 +545,20 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """`POST /v1/load_lora_adapter` (vLLM's shape): serve a PEFT adapter as model `lora_name`."""
+
+    lora_name: str
+    lora_path: str  # the adapter directory, as every worker (and this frontend) sees it
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """`POST /v1/unload_lora_adapter` (vLLM's shape)."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's, accepted and unused: names identify adapters
+
+
 R = TypeVar(
     "R",
     CompletionRequest,
@@ -552,6 +566,8 @@ R = TypeVar(
     TokenizeCompletionRequest,
     TokenizeChatRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
 )
 
 
@@ -646,6 +662,8 @@ def openapi() -> dict[str, Any]:
             TokenizeCompletionRequest,
             TokenizeChatRequest,
             DetokenizeRequest,
+            LoadLoraAdapterRequest,
+            UnloadLoraAdapterRequest,
         )
     ]
     _, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
@@ -698,6 +716,12 @@ def openapi() -> dict[str, Any]:
                 "{count, max_model_len, tokens, token_strs}",
             ),
             "/detokenize": post("DetokenizeRequest", "Token ids to text", "{prompt}"),
+            "/v1/load_lora_adapter": post(
+                "LoadLoraAdapterRequest", "Serve a LoRA adapter on every worker", "a message"
+            ),
+            "/v1/unload_lora_adapter": post(
+                "UnloadLoraAdapterRequest", "Stop serving a LoRA adapter", "a message"
+            ),
         },
         "components": {"schemas": components},
     }

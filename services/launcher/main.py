@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
-from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, env
+from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
 from services.launcher import certs, servers
 from services.launcher.secrets import ClusterSecrets
 from services.launcher.supervisor import RESTART_POLICIES, Supervisor
@@ -122,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--max-num-waiting", type=int, default=None, help="per worker (default: the worker's)"
     )
+    add_lora_flags(p)  # passed to every worker and the frontend
     add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
     p.add_argument(
@@ -287,6 +288,8 @@ def _start(cluster: Cluster, model: str) -> str:
     for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
         if getattr(args, flag) is not None:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    loras = [f"--lora={name}={path}" for name, path in args.loras]
+    worker += [*loras, "--max-loras", str(args.max_loras)]
     if args.fused:
         for _ in range(args.fused):
             cluster.spawn("fused", *worker)
@@ -297,7 +300,7 @@ def _start(cluster: Cluster, model: str) -> str:
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
-    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics, *keys,
+    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics, *keys, *loras,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]

@@ -36,6 +36,17 @@ from services.common.pb import events_pb2
 
 # Costs when no candidate has a fitted model: one unit per token computed.
 TOKEN_UNITS = StepCost(token_s=1.0)
+# A request whose LoRA adapter is not resident on a worker first waits for it to load from
+# disk (engine/lora/registry.py). Not fitted: charged as this many prompt tokens at that
+# worker's own rate (a small adapter's read costs about as much on the CPUs measured).
+LORA_SWAP_TOKENS = 32
+
+
+def lora_swap(report: events_pb2.LoadReport | None, step: StepCost, lora: str) -> float:
+    """The extra predicted cost of running under `lora` on this worker (0: resident)."""
+    if not lora or (report is not None and lora in report.resident_loras):
+        return 0.0
+    return step.prefill_s(LORA_SWAP_TOKENS)
 
 
 def step_cost(report: events_pb2.LoadReport | None) -> StepCost:

@@ -29,6 +29,7 @@ requests spreads out instead of piling up.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import itertools
@@ -95,6 +96,20 @@ def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[list[Mem
     )
 
 
+def serving(view: ClusterView, members: list[Member], lora: str) -> list[Member]:
+    """The members whose load report lists `lora` among the adapters they serve; all of
+    them when none does (reports not in yet: the worker itself answers NOT_FOUND)."""
+    if not lora or not members:
+        return members
+    have = [m for m in members if (r := view.load(m.id)) is not None and lora in r.loras]
+    return have or members
+
+
+def resident(view: ClusterView, member: Member, lora: str) -> bool:
+    load = view.load(member.id)
+    return not lora or (load is not None and lora in load.resident_loras)
+
+
 def session_slot(session_id: str, n: int) -> int:
     """Stable (across processes and restarts) index in [0, n) for a session."""
     digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
@@ -134,6 +149,10 @@ class Policy(ABC):
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
         first, decode = candidates(view, request.exclude)
+        first, decode = (
+            serving(view, first, request.lora_name),
+            serving(view, decode, request.lora_name),
+        )
         tokens = request.num_prompt_tokens
         if decode and self.max_local_prefill_tokens:
             tail = self._choose_decode(view, request, decode)
@@ -268,9 +287,10 @@ class CacheAware(Policy):
         preds = {}
         for m in first:
             own = cost.step_cost(reports[m.id])
-            preds[m.id] = cost.predict(
+            step = own if own.fitted else borrowed
+            pred = cost.predict(
                 reports[m.id],
-                own if own.fitted else borrowed,
+                step,
                 view.pending(m.id).tokens,
                 request.num_prompt_tokens,
                 _block_size(view, m.id),
@@ -278,6 +298,8 @@ class CacheAware(Policy):
                 below[m.id],
                 reachable,
             )
+            swap = cost.lora_swap(reports[m.id], step, request.lora_name)
+            preds[m.id] = dataclasses.replace(pred, seconds=pred.seconds + swap) if swap else pred
         return matched, preds
 
     def _choose_first(
@@ -312,16 +334,18 @@ class CacheAware(Policy):
     ) -> Choice:
         decode = with_room(view, decode)
 
-        # Workers that have not reported yet rank after those that have.
-        def key(m: Member) -> tuple[bool, int, int]:
+        # Workers that have not reported yet rank after those that have; then one with the
+        # request's LoRA adapter resident before one that would load it.
+        def key(m: Member) -> tuple[bool, bool, int, int]:
             load, pending = view.load(m.id), view.pending(m.id).blocks
             free = load.free_blocks - pending if load is not None else -pending
-            return (load is None, -free, _running(view, m.id))
+            cold = not resident(view, m, request.lora_name)
+            return (load is None, cold, -free, _running(view, m.id))
 
         best = min(key(m) for m in decode)
         tied = [m for m in decode if key(m) == best]
         chosen = tied[session_slot(request.request_id, len(tied))]  # the same on every replica
-        unknown, free = best[0], -best[1]
+        unknown, free = best[0], -best[2]
         return Choice(chosen, reason=" (no load report)" if unknown else f" (free {free} blocks)")
 
 

@@ -45,7 +45,7 @@ class PrefillServicer(WorkerServicer):
         prompt = list(request.prompt_token_ids)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
-            hashes = self._prompt_keys(prompt, list(request.block_hashes))
+            hashes = self._prompt_keys(prompt, list(request.block_hashes), request.lora_name)
             params = params_from_pb(request.params, request.structured)
             # Only the first token is sampled here (under the request's grammar, if any); the
             # decode side applies every stop rule and advances its own grammar past it.
@@ -65,10 +65,11 @@ class PrefillServicer(WorkerServicer):
                     request.priority,
                     export_kv_from=skip,
                     block_hashes=hashes,
+                    lora=request.lora_name,
                 ):
                     final = out
                 _trace_prefill(span, len(prompt), hits, final)
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, LookupError, RuntimeError) as exc:
             await abort(context, exc)
         assert final is not None and final.prompt_kv is not None
         logprobs = [logprob_to_pb(lp) for lp in final.new_logprobs or []]
@@ -94,13 +95,15 @@ class PrefillServicer(WorkerServicer):
         _trace_kv_sent(trace.get_current_span(), blocks)
         self.tiers.write_back(blocks, hits)
 
-    def _prompt_keys(self, prompt: list[int], given: list[BlockHash]) -> list[BlockHash]:
+    def _prompt_keys(self, prompt: list[int], given: list[BlockHash], lora: str) -> list[BlockHash]:
         """The decode worker's keys for this prompt after a cheap check, else our own."""
+        salt = self.llm.salt_for(lora)  # UnknownAdapterError: NOT_FOUND
         if not given:
-            return block_hash_keys(prompt, self.block_size, self.llm.cache_salt)
-        if not verify_first_key(given, prompt, self.block_size, self.llm.cache_salt):
+            return block_hash_keys(prompt, self.block_size, salt)
+        if not verify_first_key(given, prompt, self.block_size, salt):
             raise ValueError(
-                "block_hashes do not match this worker's (another model, KV dtype or block size?)"
+                "block_hashes do not match this worker's (another model, KV dtype, block size "
+                "or LoRA adapter?)"
             )
         return given
 

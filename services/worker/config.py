@@ -13,6 +13,7 @@ from services.common.flags import (
     DEFAULT_MODEL_HELP,
     add_common_flags,
     add_drain_flag,
+    add_lora_flags,
     env,
     int_or_none,
 )
@@ -132,6 +133,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "it; a request may ask for its own)",
     )
 
+    add_lora_flags(p)
+
 
 def build_llm(args: argparse.Namespace) -> AsyncLLM:
     return AsyncLLM(engine_config(args), record_kv_events=True)
@@ -186,4 +189,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model if args.speculative == "draft" else None,
         draft_num_layers=args.draft_layers if args.speculative == "draft" else None,
+        loras=tuple(args.loras),
+        max_loras=args.max_loras,
     )

@@ -120,6 +120,8 @@ def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_p
         ],
         kv_block_bytes=llm.kv_block_bytes,
         remote_tier=remote_tier,
+        loras=s.loras.known if s.loras else (),
+        resident_loras=s.loras.resident if s.loras else (),
     )
 
 

@@ -3,9 +3,12 @@ refusals as gRPC statuses."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from engine.async_llm import AsyncLLM, EngineStoppedError
+from engine.lora.peft_config import UnknownAdapterError
 from engine.scheduler import QueueFullError
 from services.common import grpc_util
 from services.common.naming import NameClient
@@ -13,6 +16,8 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.drain import Drain
 from services.worker.kv_events import KVEventFeed
 from services.worker.tiers import Tiers
+
+log = logging.getLogger(__name__)
 
 
 class PeerUnavailableError(RuntimeError):
@@ -75,7 +80,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_dtype=self.llm.kv_layout.dtype,
             cpu_isa=self.llm.cpu_isa,
             linear_kernels=self.llm.linear_kernels,
+            loras=stats.loras.known if stats.loras else (),
+            resident_loras=stats.loras.resident if stats.loras else (),
         )
+
+    async def LoadLoraAdapter(
+        self, request: worker_pb2.LoadLoraRequest, context
+    ) -> worker_pb2.LoraReply:
+        try:
+            stats = await self.llm.add_lora(request.lora_name, request.lora_path)
+        except (ValueError, LookupError) as exc:
+            await context.abort(*abort_status(exc))
+        log.info("LoRA adapter %s loaded from %s", request.lora_name, request.lora_path)
+        return worker_pb2.LoraReply(loras=stats.known)
+
+    async def UnloadLoraAdapter(
+        self, request: worker_pb2.UnloadLoraRequest, context
+    ) -> worker_pb2.LoraReply:
+        try:
+            stats = await self.llm.remove_lora(request.lora_name)
+        except ValueError as exc:  # still in use
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except LookupError as exc:
+            await context.abort(*abort_status(exc))
+        log.info("LoRA adapter %s unloaded", request.lora_name)
+        return worker_pb2.LoraReply(loras=stats.known)
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -92,6 +121,8 @@ def abort_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished"
     if isinstance(exc, PeerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)  # the caller may route elsewhere
+    if isinstance(exc, UnknownAdapterError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)  # full: another worker may not be
     if isinstance(exc, ValueError):

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FrontendGenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "params", "stop", "session_id", "priority", "structured")
+    __slots__ = ("text", "token_ids", "params", "stop", "session_id", "priority", "structured", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class FrontendGenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     params: _common_pb2.SamplingParams
@@ -24,7 +25,8 @@ class FrontendGenerateRequest(_message.Message):
     session_id: str
     priority: int
     structured: _worker_pb2.StructuredOutput
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[_worker_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[_worker_pb2.StructuredOutput, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

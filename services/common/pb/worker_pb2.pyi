@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_address", "block_hashes", "structured")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_address", "block_hashes", "structured", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class GenerateRequest(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class GenerateRequest(_message.Message):
     prefill_address: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     structured: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "resume_tokens")
@@ -66,7 +68,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., stop_reason: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "skip_blocks", "block_hashes", "structured")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "skip_blocks", "block_hashes", "structured", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class PrefillRequest(_message.Message):
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -81,7 +84,8 @@ class PrefillRequest(_message.Message):
     skip_blocks: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     structured: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "block")
@@ -96,7 +100,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size", "queued_tokens", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "dtype", "weight_dtype", "kv_dtype", "cpu_isa", "linear_kernels")
+    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size", "queued_tokens", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "dtype", "weight_dtype", "kv_dtype", "cpu_isa", "linear_kernels", "loras", "resident_loras")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,8 @@ class WorkerStats(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_ISA_FIELD_NUMBER: _ClassVar[int]
     LINEAR_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_blocks: int
@@ -133,7 +139,9 @@ class WorkerStats(_message.Message):
     kv_dtype: str
     cpu_isa: str
     linear_kernels: str
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., linear_kernels: _Optional[str] = ...) -> None: ...
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    resident_loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., linear_kernels: _Optional[str] = ..., loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVSnapshotRequest(_message.Message):
     __slots__ = ()
@@ -152,3 +160,23 @@ class KVSnapshot(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraReply(_message.Message):
+    __slots__ = ("loras",)
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loras: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -54,6 +54,16 @@ class WorkerStub:
                 request_serializer=worker__pb2.KVSnapshotRequest.SerializeToString,
                 response_deserializer=worker__pb2.KVSnapshot.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/rtp.v1.Worker/LoadLoraAdapter',
+                request_serializer=worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=worker__pb2.LoraReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/rtp.v1.Worker/UnloadLoraAdapter',
+                request_serializer=worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=worker__pb2.LoraReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -84,6 +94,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """NOT_FOUND: no such adapter (unload); INVALID_ARGUMENT: not a servable adapter;
+        FAILED_PRECONDITION: requests still use it (unload, or a reload under the same name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +130,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=worker__pb2.KVSnapshotRequest.FromString,
                     response_serializer=worker__pb2.KVSnapshot.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=worker__pb2.LoraReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=worker__pb2.LoraReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +250,60 @@ class Worker:
             '/rtp.v1.Worker/Snapshot',
             worker__pb2.KVSnapshotRequest.SerializeToString,
             worker__pb2.KVSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Worker/LoadLoraAdapter',
+            worker__pb2.LoadLoraRequest.SerializeToString,
+            worker__pb2.LoraReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Worker/UnloadLoraAdapter',
+            worker__pb2.UnloadLoraRequest.SerializeToString,
+            worker__pb2.LoraReply.FromString,
             options,
             channel_credentials,
             insecure,

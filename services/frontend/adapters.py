@@ -1,0 +1,150 @@
+"""The LoRA adapters this frontend serves as models: `model: NAME` selects one.
+
+The frontend reads each adapter's directory once (torch-free: engine/lora/peft_config.py)
+for the content fingerprint that salts its block hashes exactly as the workers' engines
+do, so cache-aware routing matches each adapter's own KV namespace. Adapters come from
+--lora flags (given to the workers alike) and from the admin endpoints, which fan the change
+out to every worker (Worker.LoadLoraAdapter / UnloadLoraAdapter) before it takes effect here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from engine.block_hash import salt_of
+from engine.lora.peft_config import AdapterError, LoraConfig, check_name
+from services.common.pb import nameservice_pb2 as ns_pb2
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.frontend.errors import ErrorKind, FrontendError, invalid
+
+log = logging.getLogger(__name__)
+
+WORKER_ROLES = (ns_pb2.ROLE_PREFILL, ns_pb2.ROLE_DECODE, ns_pb2.ROLE_FUSED)
+ADMIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    name: str
+    path: str
+    salt: bytes  # block-hash salt of its requests (engine.block_hash.salt_of)
+    created: int  # unix seconds, for /v1/models
+
+
+class Adapters:
+    def __init__(self, model_id: str, kv_numerics: str) -> None:
+        self._model_id = model_id  # engine.block_hash.model_fingerprint(base).hex()
+        self._numerics = kv_numerics
+        self._by_name: dict[str, Adapter] = {}
+
+    def __iter__(self):
+        return iter(sorted(self._by_name.values(), key=lambda a: a.name))
+
+    def get(self, name: str) -> Adapter | None:
+        return self._by_name.get(name)
+
+    def add(self, name: str, path: str) -> Adapter:
+        """Read and register (AdapterError: not a servable PEFT adapter)."""
+        cfg = LoraConfig.load(name, path)
+        adapter = Adapter(
+            name,
+            cfg.path,
+            salt_of(self._model_id, self._numerics, cfg.fingerprint),
+            int(time.time()),
+        )
+        self._by_name[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        self._by_name.pop(name, None)
+
+    def load_flags(self, loras: Iterable[tuple[str, str]]) -> None:
+        for name, path in loras:
+            self.add(name, path)
+            log.info("serving LoRA adapter %s from %s", name, path)
+
+
+async def fan_out(
+    channels, members: list[ns_pb2.Member], call: str, request
+) -> list[tuple[ns_pb2.Member, grpc.aio.AioRpcError | None]]:
+    """Call `call` (LoadLoraAdapter / UnloadLoraAdapter) on every worker, concurrently."""
+
+    async def one(member: ns_pb2.Member):
+        stub = worker_pb2_grpc.WorkerStub(channels(member.address))
+        try:
+            await getattr(stub, call)(request, timeout=ADMIN_TIMEOUT_S)
+            return member, None
+        except grpc.aio.AioRpcError as exc:
+            return member, exc
+
+    return list(await asyncio.gather(*(one(m) for m in members)))
+
+
+async def load_adapter(adapters: Adapters, router, name: str, path: str) -> Adapter:
+    """Check the adapter here, load it on every worker, then serve it; raises FrontendError
+    (400 a bad adapter, 503 no workers, or what the first failing worker said)."""
+    try:
+        check_name(name)
+        LoraConfig.load(name, path)  # fails here, before any worker loads a bad one
+    except AdapterError as exc:
+        raise invalid(str(exc), "lora_path") from None
+    members = _workers(router)
+    request = worker_pb2.LoadLoraRequest(lora_name=name, lora_path=path)
+    _raise_first(await fan_out(router.channel, members, "LoadLoraAdapter", request), name)
+    adapter = adapters.add(name, path)
+    log.info("LoRA adapter %s loaded from %s on %d workers", name, path, len(members))
+    return adapter
+
+
+async def unload_adapter(adapters: Adapters, router, name: str) -> None:
+    if adapters.get(name) is None:
+        raise not_found(name, "lora_name")
+    members = _workers(router)
+    request = worker_pb2.UnloadLoraRequest(lora_name=name)
+    results = await fan_out(router.channel, members, "UnloadLoraAdapter", request)
+    # A worker that never had it (started later, without the flag) is already done.
+    _raise_first(
+        [(m, e) for m, e in results if e is None or e.code() != grpc.StatusCode.NOT_FOUND], name
+    )
+    adapters.remove(name)
+    log.info("LoRA adapter %s unloaded from %d workers", name, len(members))
+
+
+def not_found(name: str, param: str = "model") -> FrontendError:
+    return FrontendError(
+        ErrorKind.NOT_FOUND, f"The model `{name}` does not exist.", param, "model_not_found"
+    )
+
+
+def _workers(router) -> list[ns_pb2.Member]:
+    members = [m for role in WORKER_ROLES for m in router.membership.with_role(role)]
+    if not members:
+        raise FrontendError(
+            ErrorKind.UNAVAILABLE, "no worker is registered to load the adapter on",
+            code="service_unavailable",
+        )  # fmt: skip
+    return members
+
+
+def _raise_first(results, name: str) -> None:
+    for member, exc in results:
+        if exc is None:
+            continue
+        who = member.id or member.address
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise invalid(f"worker {who}: {exc.details()}", "lora_path")
+        if code == grpc.StatusCode.NOT_FOUND:
+            raise not_found(name, "lora_name")
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise FrontendError(ErrorKind.CONFLICT, f"worker {who}: {exc.details()}", "lora_name")
+        raise FrontendError(
+            ErrorKind.UNAVAILABLE, f"worker {who}: {code.name} {exc.details()}",
+            code="service_unavailable",
+        )  # fmt: skip
