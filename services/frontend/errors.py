@@ -13,6 +13,8 @@ class ErrorKind(enum.Enum):
     INVALID = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     NOT_FOUND = (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)
     TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    # The client sent its request too slowly (a body past --body-timeout): 408 blames it.
+    SLOW_CLIENT = (408, "invalid_request_error", grpc.StatusCode.DEADLINE_EXCEEDED)
     # A request id (X-Request-Id) that a request still in flight carries.
     CONFLICT = (409, "invalid_request_error", grpc.StatusCode.ALREADY_EXISTS)
     OVERLOADED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)

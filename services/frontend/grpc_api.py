@@ -14,6 +14,7 @@ from engine.validation import InvalidRequestError
 from services.common import tracing
 from services.common.convert import params_fields_from_pb, structured_from_pb
 from services.common.pb import frontend_pb2, frontend_pb2_grpc
+from services.frontend.client_streams import grpc_peer_host
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.generation import Generator
 from services.frontend.inputs import Options, prepare
@@ -63,7 +64,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         request_id = "fe-" + secrets.token_hex(12)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request_id)
         try:
-            with gen.admission.admit():
+            client = grpc_peer_host(context.peer())
+            with gen.admission.admit(), gen.client_streams.admit(client):
                 kind = request.WhichOneof("prompt")
                 if kind == "text":
                     ids = gen.tokenizer.encode(request.text)
@@ -72,7 +74,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 else:
                     raise invalid("prompt is required (text or token_ids)", "prompt")
                 opts = options_from_pb(request, _deadline(context))
-                (inp,) = prepare(gen.model, gen.max_n, request_id, ids, opts, DEFAULT_MAX_TOKENS)
+                (inp,) = prepare(gen.model, gen.limits, request_id, ids, opts, DEFAULT_MAX_TOKENS)
                 stream = await gen.start(inp)
                 async with contextlib.aclosing(stream):
                     async for delta in stream:

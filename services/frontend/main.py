@@ -22,7 +22,8 @@ from services.common.pb import frontend_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.grpc_api import FrontendServicer
-from services.frontend.http_api import build_app
+from services.frontend.http_api import build_app, server_options
+from services.frontend.limits import Limits, add_limit_flags
 from services.frontend.model_info import ModelInfo
 from services.frontend.router_client import Router
 
@@ -70,7 +71,6 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         default=int(env("max_concurrent", "256")),
         help="requests in flight; more are refused with 429",
     )
-    p.add_argument("--max-n", type=int, default=int(env("max_n", "8")), help="largest n")
     p.add_argument(
         "--max-migrations",
         type=int,
@@ -82,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         default=env("master"),
         help="host:port of the master (default: the one the nameservice knows)",
     )
+    add_limit_flags(p)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -92,12 +93,20 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer, args.model)
     names = NameClient(args.nameservice) if args.nameservice else None
     router = Router(args.master, names.watch if names is not None else None)
+    limits = Limits.from_args(args)
     generator = Generator(
-        model, tokenizer, router, args.max_concurrent, args.max_n, args.max_migrations
+        model,
+        tokenizer,
+        router,
+        max_concurrent=args.max_concurrent,
+        limits=limits,
+        max_migrations=args.max_migrations,
     )
     runner = web.AppRunner(
         build_app(generator),
-        handler_cancellation=True,  # a client that goes away cancels its worker calls
+        # handler_cancellation: a client that goes away cancels its worker calls; and the
+        # header timeout (http_api.server_options)
+        **server_options(limits),
         access_log=None,
         shutdown_timeout=args.drain_timeout,  # on SIGTERM: stop listening, finish streams
     )

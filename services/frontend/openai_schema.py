@@ -32,7 +32,6 @@ from services.frontend.tool_calls import ToolCallParser
 from services.frontend.tool_calls import grammar as tool_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 16
 
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 Timeout = Annotated[
@@ -256,9 +255,7 @@ class _GenerationRequest(_Strict):
             return value
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("stop must be a string or a list of strings")
-        if len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        return value
+        return value  # how many, and how long: limits.py (a frontend flag)
 
     @property
     def include_usage(self) -> bool:
