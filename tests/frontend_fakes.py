@@ -196,7 +196,8 @@ async def frontend(
             limits=limits,
             max_migrations=max_migrations,
         )
-        server = TestServer(build_app(gen), **server_options(gen.limits))
+        server = TestServer(build_app(gen))
+        await server.start_server(**server_options(gen.limits))  # (not taken by __init__)
         async with TestClient(server) as client:
             yield Harness(client, gen, members, servers)
         await router.close()

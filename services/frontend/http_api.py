@@ -70,11 +70,17 @@ def build_app(generator: Generator) -> web.Application:
     return app
 
 
+LINGER_S = 1.0
+
+
 def server_options(limits: Limits) -> dict[str, Any]:
     """What the aiohttp server (AppRunner, TestServer) runs the app with. aiohttp closes a
     connection that has sent no complete request headers `keepalive_timeout` after it opened
-    or was last answered: that is the header timeout, against slow-loris clients."""
-    return {"handler_cancellation": True, "keepalive_timeout": limits.header_timeout_s}
+    or was last answered: that is the header timeout, against slow-loris clients. After an
+    answer to a request whose body was not read (a 408, a 413), aiohttp reads and drops the
+    rest for `lingering_time` (so the client sees the answer, not a reset) before closing:
+    LINGER_S, not its default 10 s."""
+    return {"keepalive_timeout": limits.header_timeout_s, "lingering_time": LINGER_S}
 
 
 def client_identity(request: web.Request) -> str:

@@ -104,9 +104,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     runner = web.AppRunner(
         build_app(generator),
-        # handler_cancellation: a client that goes away cancels its worker calls; and the
-        # header timeout (http_api.server_options)
-        **server_options(limits),
+        handler_cancellation=True,  # a client that goes away cancels its worker calls
+        **server_options(limits),  # the header timeout
         access_log=None,
         shutdown_timeout=args.drain_timeout,  # on SIGTERM: stop listening, finish streams
     )
