@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import tracing
+from services.common.grpc_malformed import MalformedRequests
 
 MAX_MESSAGE_BYTES = 256 << 20
 # Trailing metadata of a worker call that failed because a peer it called failed (a decode
@@ -37,7 +38,8 @@ def create_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later aio server bound to `bind` (port 0: any free port), with the standard
     health service registered. Returns (server, port, health servicer)."""
-    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=tracing.server_interceptors())
+    interceptors = [*tracing.server_interceptors(), MalformedRequests()]
+    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {bind}")
