@@ -68,6 +68,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             with gen.admission.admit(), gen.client_streams.admit(client):
                 kind = request.WhichOneof("prompt")
                 if kind == "text":
+                    limit, chars = gen.model.context_len, gen.max_token_chars
+                    gen.limits.check_prompt_chars(request.text, limit, chars, "text")
                     ids = gen.tokenizer.encode(request.text)
                 elif kind == "token_ids":
                     ids = list(request.token_ids.ids)
