@@ -18,7 +18,8 @@ from services.common import grpc_util
 from services.common.pb import common_pb2, master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
-from services.frontend.http_api import build_app
+from services.frontend.http_api import build_app, server_options
+from services.frontend.limits import Limits
 from services.frontend.model_info import ModelInfo
 from services.frontend.router_client import Router
 
@@ -166,6 +167,7 @@ async def frontend(
     master_address: str | None = None,
     max_concurrent: int = 256,
     max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+    limits: Limits | None = None,
 ) -> AsyncIterator[Harness]:
     """The HTTP app over fake workers (known from a fake nameservice watch) and master."""
     servers, members = [], {}
@@ -196,9 +198,12 @@ async def frontend(
             Tokenizer(model_dir),
             router,
             max_concurrent=max_concurrent,
+            limits=limits,
             max_migrations=max_migrations,
         )
-        async with TestClient(TestServer(build_app(gen))) as client:
+        server = TestServer(build_app(gen))
+        await server.start_server(**server_options(gen.limits))  # (not taken by __init__)
+        async with TestClient(server) as client:
             yield Harness(client, gen, members, servers)
         await router.close()
     finally:

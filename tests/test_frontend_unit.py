@@ -139,7 +139,7 @@ def test_invalid_completion_parameters(tiny, body: dict, param: str) -> None:
             "messages[0].content",
         ),
         (chat(top_logprobs=3), "top_logprobs"),
-        (chat(logprobs=True, top_logprobs=50), "logprobs"),
+        (chat(logprobs=True, top_logprobs=50), "top_logprobs"),  # the chat field that asks for them
         (chat(max_completion_tokens=0), "max_tokens"),
         (chat(logprobs="yes"), "logprobs"),
         (chat(tools=[{"type": "function"}]), "tools[0].function"),

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import tls as tls_config
 from services.common import tracing
+from services.common.grpc_malformed import MalformedRequests
 from services.common.tls import TlsConfig
 
 MAX_MESSAGE_BYTES = 256 << 20
@@ -59,7 +60,8 @@ def create_server(
     """A started-later aio server bound to `bind` (port 0: any free port), with the standard
     health service registered; mutual TLS with `tls`, else the process's. Returns (server,
     port, health servicer)."""
-    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=tracing.server_interceptors())
+    interceptors = [*tracing.server_interceptors(), MalformedRequests()]
+    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
     tls = tls or process_tls()
     if tls is None:
         port = server.add_insecure_port(bind)

@@ -17,6 +17,8 @@ class ErrorKind(enum.Enum):
     # request still in flight carries.
     CONFLICT = (409, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION)
     TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    # The client sent its request too slowly (a body past --body-timeout): 408 blames it.
+    SLOW_CLIENT = (408, "invalid_request_error", grpc.StatusCode.DEADLINE_EXCEEDED)
     OVERLOADED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     INTERNAL = (500, "server_error", grpc.StatusCode.INTERNAL)
     UNAVAILABLE = (503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)

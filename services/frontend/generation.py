@@ -39,6 +39,7 @@ from services.common import grpc_util, tracing
 from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend import metrics
 from services.frontend.adapters import Adapters, not_found
+from services.frontend.client_streams import ClientStreams
 from services.frontend.detokenizer import TextStream, TokenText
 from services.frontend.errors import (
     RETRYABLE,
@@ -48,6 +49,7 @@ from services.frontend.errors import (
     timed_out,
 )
 from services.frontend.inputs import GenerateInput
+from services.frontend.limits import Limits, max_token_chars
 from services.frontend.model_info import Admission, ModelInfo
 from services.frontend.router_client import Route, Router
 
@@ -97,7 +99,7 @@ class Generator:
         tokenizer: Tokenizer,
         router: Router,
         max_concurrent: int = 256,
-        max_n: int = 8,
+        limits: Limits | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         adapters: Adapters | None = None,
     ) -> None:
@@ -109,7 +111,10 @@ class Generator:
         self.tokenizer = tokenizer
         self.router = router
         self.admission = Admission(max_concurrent)
-        self.max_n = max_n
+        self.limits = limits = limits or Limits()
+        self.client_streams = ClientStreams(limits.max_streams_per_client)
+        # Bounds a prompt text's tokens from its length, before tokenizing it (limits.py).
+        self.max_token_chars = max_token_chars(tokenizer.id_to_token, model.vocab_size)
         self.token_text = TokenText(tokenizer, model.byte_level)
         self.metrics = metrics.frontend(model.served_name)
 

@@ -17,6 +17,7 @@ from services.common.convert import params_fields_from_pb, structured_from_pb
 from services.common.pb import frontend_pb2, frontend_pb2_grpc
 from services.frontend import auth
 from services.frontend.auth import ApiKeys
+from services.frontend.client_streams import grpc_peer_host
 from services.frontend.errors import FrontendError, invalid
 from services.frontend.generation import Generator
 from services.frontend.inputs import Options, prepare
@@ -70,9 +71,12 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         request_id = "fe-" + secrets.token_hex(12)
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request_id)
         try:
-            with gen.admission.admit():
+            client = grpc_peer_host(context.peer())
+            with gen.admission.admit(), gen.client_streams.admit(client):
                 kind = request.WhichOneof("prompt")
                 if kind == "text":
+                    limit, chars = gen.model.context_len, gen.max_token_chars
+                    gen.limits.check_prompt_chars(request.text, limit, chars, "text")
                     ids = gen.tokenizer.encode(request.text)
                 elif kind == "token_ids":
                     ids = list(request.token_ids.ids)
@@ -81,7 +85,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 opts = options_from_pb(request, _deadline(context))
                 if request.model:
                     opts = replace(opts, lora=gen.resolve_model(request.model))
-                (inp,) = prepare(gen.model, gen.max_n, request_id, ids, opts, DEFAULT_MAX_TOKENS)
+                (inp,) = prepare(gen.model, gen.limits, request_id, ids, opts, DEFAULT_MAX_TOKENS)
                 stream = await gen.start(inp)
                 async with contextlib.aclosing(stream):
                     async for delta in stream:

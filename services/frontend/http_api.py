@@ -8,6 +8,7 @@ its handler, and the cancellation reaches the worker calls through generation.py
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,6 +31,7 @@ from services.frontend.errors import ErrorKind, FrontendError, invalid
 from services.frontend.fanout import merge, start_all
 from services.frontend.generation import Delta, DeltaStream, Generator
 from services.frontend.inputs import GenerateInput, prepare
+from services.frontend.limits import Limits, too_large
 from services.frontend.openai_responses import Choice, ResponseBuilder, best
 from services.frontend.openai_schema import (
     ChatCompletionRequest,
@@ -47,7 +49,6 @@ from services.frontend.tool_prompt import inline_tools
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
 # A client may name its request (the response's id and this header carry the name back). A
 # name in flight is not admitted twice, so a client retrying a request whose answer it lost
 # never has it generated twice at once.
@@ -61,7 +62,8 @@ def build_app(generator: Generator, keys: ApiKeys | None = None) -> web.Applicat
     """The app; with `keys`, requests without a valid API key get a 401 (see auth.py)."""
     middlewares = [frontend_metrics.http_middleware(), auth.middleware(keys or ApiKeys())]
     middlewares += [_traced, _errors]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    max_body = generator.limits.max_body_bytes
+    app = web.Application(middlewares=middlewares, client_max_size=max_body)
     app[GENERATOR] = generator
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
@@ -77,12 +79,48 @@ def build_app(generator: Generator, keys: ApiKeys | None = None) -> web.Applicat
     return app
 
 
+LINGER_S = 1.0
+
+
+def server_options(limits: Limits) -> dict[str, Any]:
+    """What the aiohttp server (AppRunner, TestServer) runs the app with. aiohttp closes a
+    connection that has sent no complete request headers `keepalive_timeout` after it opened
+    or was last answered: that is the header timeout, against slow-loris clients. After an
+    answer to a request whose body was not read (a 408, a 413), aiohttp reads and drops the
+    rest for `lingering_time` (so the client sees the answer, not a reset) before closing:
+    LINGER_S, not its default 10 s."""
+    return {"keepalive_timeout": limits.header_timeout_s, "lingering_time": LINGER_S}
+
+
+def client_identity(request: web.Request) -> str:
+    """Who a request is from, for the per-client bounds: its remote address. (With API
+    keys, the key's identity instead.)"""
+    return request.remote or "unknown"
+
+
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: queues here drain in about that
 
 
 def error_response(exc: FrontendError) -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.kind == ErrorKind.OVERLOADED else None
-    return web.json_response(exc.body(), status=exc.kind.http_status, headers=headers)
+    resp = web.json_response(exc.body(), status=exc.kind.http_status, headers=headers)
+    if exc.kind in (ErrorKind.SLOW_CLIENT, ErrorKind.TOO_LARGE):
+        resp.force_close()  # the rest of the body is not worth reading
+    return resp
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, within --body-timeout of the headers (408 after: a slow client)."""
+    limits = request.app[GENERATOR].limits
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise FrontendError(
+            ErrorKind.SLOW_CLIENT,
+            f"the request body did not arrive within {limits.body_timeout_s:g} s",
+            code="request_timeout",
+        ) from None
 
 
 @web.middleware
@@ -91,8 +129,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except FrontendError as exc:
         return error_response(exc)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(FrontendError(ErrorKind.TOO_LARGE, exc.text or "body too large"))
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(too_large(request.app[GENERATOR].limits.max_body_bytes))
     except web.HTTPException as exc:  # unknown path, wrong method, ...
         body = {"error": {"message": exc.reason, "type": "invalid_request_error"}}
         body["error"] |= {"param": None, "code": None}
@@ -167,10 +205,10 @@ async def _generate(
 ) -> web.StreamResponse:
     """Both generation endpoints: validate, tokenize, fan out `n`, route, respond."""
     gen = request.app[GENERATOR]
-    req = parse(kind, parse_json(await request.read()))
+    req = parse(kind, parse_json(await read_body(request)))
     lora = gen.resolve_model(req.model)
     client_id = _client_request_id(request)
-    with gen.admission.admit(client_id):
+    with gen.admission.admit(client_id), gen.client_streams.admit(client_identity(request)):
         with tracing.tracer.start_as_current_span("tokenize"):
             ids = _prompt_ids(gen, req)
         opts = replace(req.options, lora=lora)
@@ -181,8 +219,16 @@ async def _generate(
             req.chat, req.model, gen.token_text, opts.logprobs is not None, client_id
         )
         prompt_param = "messages" if req.chat else "prompt"
+        logprobs_param = "top_logprobs" if req.chat else "logprobs"
         inputs = prepare(
-            gen.model, gen.max_n, builder.id, ids, opts, req.default_max_tokens(), prompt_param
+            gen.model,
+            gen.limits,
+            builder.id,
+            ids,
+            opts,
+            req.default_max_tokens(),
+            prompt_param,
+            logprobs_param,
         )
         if isinstance(req, ChatCompletionRequest):
             choices = [Choice(parser=req.tool_parser()) for _ in inputs]
@@ -210,8 +256,17 @@ def _client_request_id(request: web.Request) -> str | None:
 def _prompt_ids(gen: Generator, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
     if isinstance(req, CompletionRequest):
         prompt = req.prompt
-        return gen.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    return gen.tokenizer.encode(_chat_text(gen, req), add_special_tokens=False)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return _encode(gen, prompt, "prompt")
+    return _encode(gen, _chat_text(gen, req), "messages", add_special_tokens=False)
+
+
+def _encode(gen: Generator, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize, refusing first a text too long to fit at all (tokenizing megabytes would
+    hold the event loop)."""
+    gen.limits.check_prompt_chars(text, gen.model.context_len, gen.max_token_chars, param)
+    return gen.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _prompt_text(gen: Generator, req: CompletionRequest, ids: list[int]) -> str:
@@ -236,16 +291,16 @@ def _chat_text(
 async def _tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
     gen = request.app[GENERATOR]
-    body = parse_json(await request.read())
+    body = parse_json(await read_body(request))
     kind = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
     req = parse(kind, body)
     if req.model is not None:
         _check_model(gen, req.model)
     if isinstance(req, TokenizeChatRequest):
-        text = _chat_text(gen, req, req.add_generation_prompt)
+        text, param = _chat_text(gen, req, req.add_generation_prompt), "messages"
     else:
-        text = req.prompt
-    tokens = gen.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        text, param = req.prompt, "prompt"
+    tokens = _encode(gen, text, param, req.add_special_tokens)
     strs = [gen.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
     return web.json_response(
         {
@@ -259,7 +314,7 @@ async def _tokenize(request: web.Request) -> web.Response:
 
 async def _detokenize(request: web.Request) -> web.Response:
     gen = request.app[GENERATOR]
-    req = parse(DetokenizeRequest, parse_json(await request.read()))
+    req = parse(DetokenizeRequest, parse_json(await read_body(request)))
     if req.model is not None:
         _check_model(gen, req.model)
     bad = [t for t in req.tokens if t >= gen.model.vocab_size]

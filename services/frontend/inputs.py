@@ -18,9 +18,9 @@ from engine.validation import (
 from services.common.convert import params_to_pb, structured_to_pb
 from services.common.pb import common_pb2, worker_pb2
 from services.frontend.errors import invalid
+from services.frontend.limits import Limits
 from services.frontend.model_info import ModelInfo
 
-MAX_LOGPROBS = 20
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -79,12 +79,13 @@ _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 def prepare(
     model: ModelInfo,
-    max_n: int,
+    limits: Limits,
     request_id: str,
     prompt_ids: Sequence[int],
     opts: Options,
     default_max_tokens: int | None,
     prompt_param: str = "prompt",
+    logprobs_param: str = "logprobs",
 ) -> list[GenerateInput]:
     """One GenerateInput per choice (per candidate with `best_of`); raises
     FrontendError(INVALID) naming the parameter.
@@ -94,24 +95,37 @@ def prepare(
         check_prompt(prompt_ids, vocab, limit, prompt_param)
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
+    most = limits.prompt_limit(limit)
+    if n_prompt > most:
+        raise invalid(
+            f"the prompt has {n_prompt} tokens; this server's limit is {most}", prompt_param
+        )
     room = limit - n_prompt
+    if limits.max_tokens is not None:
+        room = min(room, limits.max_tokens)
     max_tokens = opts.max_tokens
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
+        raise invalid(
+            f"max_tokens is {max_tokens}; this server's limit is {limits.max_tokens}", "max_tokens"
+        )
     elif max_tokens > room:
         raise invalid(
             f"This model's maximum context length is {limit} tokens, but {n_prompt + max_tokens}"
             f" were requested ({n_prompt} in the prompt, {max_tokens} for the completion)",
             "max_tokens",
         )
-    if not 1 <= opts.n <= max_n:
-        raise invalid(f"n must be between 1 and {max_n}, got {opts.n}", "n")
+    if not 1 <= opts.n <= limits.max_n:
+        raise invalid(f"n must be between 1 and {limits.max_n}, got {opts.n}", "n")
     candidates = opts.n if opts.best_of is None else opts.best_of
-    if not opts.n <= candidates <= max_n:
-        raise invalid(f"best_of must be between n ({opts.n}) and {max_n}, got {candidates}",
-                      "best_of")  # fmt: skip
-    if opts.logprobs is not None and not 0 <= opts.logprobs <= MAX_LOGPROBS:
-        raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {opts.logprobs}", "logprobs")
+    if not opts.n <= candidates <= limits.max_n:
+        raise invalid(
+            f"best_of must be between n ({opts.n}) and {limits.max_n}, got {candidates}",
+            "best_of",
+        )
+    limits.check_logprobs(opts.logprobs, logprobs_param)
+    limits.check_stop(opts.stop)
     if opts.seed is not None and not _INT64[0] <= opts.seed <= _INT64[1] - candidates:
         raise invalid(f"seed must be a 64-bit integer, got {opts.seed}", "seed")
     try:

@@ -31,7 +31,8 @@ from services.frontend import auth
 from services.frontend.adapters import Adapters
 from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from services.frontend.grpc_api import FrontendServicer
-from services.frontend.http_api import build_app
+from services.frontend.http_api import build_app, server_options
+from services.frontend.limits import Limits, add_limit_flags
 from services.frontend.model_info import ModelInfo
 from services.frontend.router_client import Router
 
@@ -76,7 +77,6 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         default=int(env("max_concurrent", "256")),
         help="requests in flight; more are refused with 429",
     )
-    p.add_argument("--max-n", type=int, default=int(env("max_n", "8")), help="largest n")
     p.add_argument(
         "--max-migrations",
         type=int,
@@ -89,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="host:port of the master (default: the one the nameservice knows)",
     )
     add_lora_flags(p, max_loras=False)  # the workers' --lora: served as models, hashed alike
+    add_limit_flags(p)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -101,12 +102,13 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(args.master, names.watch if names is not None else None)
     adapters = Adapters(model.model_id, model.kv_numerics)
     adapters.load_flags(args.loras)
+    limits = Limits.from_args(args)
     generator = Generator(
         model,
         tokenizer,
         router,
-        args.max_concurrent,
-        args.max_n,
+        max_concurrent=args.max_concurrent,
+        limits=limits,
         max_migrations=args.max_migrations,
         adapters=adapters,
     )
@@ -114,6 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(
         build_app(generator, keys),
         handler_cancellation=True,  # a client that goes away cancels its worker calls
+        **server_options(limits),  # the header timeout
         access_log=None,
         shutdown_timeout=args.drain_timeout,  # on SIGTERM: stop listening, finish streams
     )

@@ -11,6 +11,7 @@ is a known OpenAI field it does not implement, unless it is given its no-op valu
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -33,13 +34,17 @@ from services.frontend.tool_calls import ToolCallParser
 from services.frontend.tool_calls import grammar as tool_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 16
 
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+# What the wire (int32 protobuf fields) can carry: larger is a 400 naming the field.
+Int32 = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+# Longer is not a deadline any more (and past ~5e9 s gRPC reads it as already passed).
+MAX_TIMEOUT_S = 1e6
 Timeout = Annotated[
     float,
     Field(
         gt=0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="Seconds this request may take, from its arrival (an extension). Still "
         "queued when it passes (no output yet): a 504 error naming `timeout`. Passing while "
@@ -194,11 +199,11 @@ class _GenerationRequest(_Strict):
     stop: str | list[str] | None = None
     user: str | None = None
     # Extensions shared with vLLM.
-    top_k: int = -1
+    top_k: Int32 = -1
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0  # lower runs first
+    priority: Int32 = 0  # lower runs first
     session_id: str | None = None  # affinity key for routing (default: `user`)
     timeout: Timeout | None = None
     # Speculative decoding, where the workers run it (--speculative): this request's drafts
@@ -257,9 +262,7 @@ class _GenerationRequest(_Strict):
             return value
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("stop must be a string or a list of strings")
-        if len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        return value
+        return value  # how many, and how long: limits.py (a frontend flag)
 
     @property
     def include_usage(self) -> bool:
@@ -592,12 +595,49 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise invalid(f"the request body is not valid UTF-8: {exc}") from None
     try:
-        body = json.loads(text)
+        # NaN and Infinity are not JSON (Python's parser takes them), nor is 1e999.
+        body = json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
     except ValueError as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    if "\\u" in text:  # only an escape can make a lone surrogate: look only then
+        _check_unicode(body)
     return body
+
+
+def _not_a_number(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _check_unicode(body: Any) -> None:
+    """Refuse a string holding a lone surrogate (JSON lets "\\ud800" through; no
+    tokenizer or encoder takes it). Iterative: the body may be nested deeply."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid(
+                    "the request body has a string with a lone UTF-16 surrogate "
+                    f"(an unpaired \\u escape): {value[:40]!r}"
+                ) from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def parse(cls: type[R], body: dict[str, Any]) -> R:
