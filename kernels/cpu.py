@@ -9,9 +9,12 @@ the torch reference ops.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -41,16 +44,34 @@ def load() -> ModuleType | None:
 @functools.cache
 def _build(hardware: str) -> ModuleType | None:
     where = hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:8]
+    name = f"rtp_cpu_kernels_{hardware}_{where}"
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
-        return build(
-            name=f"rtp_cpu_kernels_{hardware}_{where}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _exclusive(Path(_get_build_directory(name, verbose=False))):
+            return build(
+                name=name,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, missing headers: the reference still works
         log.warning("CPU kernels unavailable, using the torch reference ops: %s", exc)
         return None
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """Build (or load) under an flock of our own. torch's builder marks a build in progress
+    with a `lock` file that it waits on forever; a builder killed mid-build leaves it behind
+    and every later worker would hang. The kernel drops an flock with its holder, so once we
+    hold ours, a `lock` file there can only be such a leftover: it is removed."""
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
