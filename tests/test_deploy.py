@@ -483,8 +483,9 @@ def test_k8s_configmap_keys_are_all_read(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def _frontend_get_paths() -> set[str]:
     from services.frontend.http_api import build_app
+    from services.frontend.limits import Limits
 
-    app = build_app(SimpleNamespace())  # routes only; no request is served
+    app = build_app(SimpleNamespace(limits=Limits()))  # routes only; no request is served
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
 
 
