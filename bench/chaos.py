@@ -40,6 +40,7 @@ _ROOT = Path(__file__).resolve().parent.parent  # run as a script: the repositor
 sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
 import aiohttp  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kernels.isa import cpu_isa  # noqa: E402
 from services.common import grpc_util  # noqa: E402
@@ -205,11 +206,7 @@ class View:
                 text = await r.text()
         except Exception:
             return None
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("rtp:heartbeats_missed_total{")
-        )
+        return metric_sum(text, "rtp:heartbeats_missed_total")
 
     async def members(self) -> list[ns.Member] | None:
         """Everyone registered, or None while the nameservice does not answer."""
@@ -233,11 +230,7 @@ class View:
         """The frontend's count of routes the master chose (rtp:routes_total)."""
         async with http.get(self.url + "/metrics") as r:
             text = await r.text()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("rtp:routes_total{") and 'source="master"' in line
-        )
+        return metric_sum(text, "rtp:routes_total", source="master")
 
     async def probe(self, http: aiohttp.ClientSession, model_id: str) -> bool:
         """One request served, on a route the master chose."""
@@ -292,6 +285,16 @@ class View:
                     return 0
             await asyncio.sleep(0.2)
         return held
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples in a Prometheus exposition whose labels include `labels`."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def listening_ports(pid: int) -> set[int]:

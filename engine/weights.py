@@ -133,7 +133,7 @@ class _Staging:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def take(self, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes > self.buffer.numel():
             size = max(nbytes, STAGING_BYTES)
             self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
