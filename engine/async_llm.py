@@ -18,7 +18,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ from engine.cost_model import CostModel, StepCost
 from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
 from engine.lora.peft_config import LoraConfig
 from engine.lora.registry import LoraStats
-from engine.outputs import PromptKV, RequestOutput, SampledToken
+from engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
@@ -58,6 +58,13 @@ class _Stream:
 class _Add:
     request: Request
     stream: _Stream
+    held: bool = False
+
+
+@dataclass(slots=True)
+class _Release:
+    request_id: str
+    staged: StagedKV | None
 
 
 @dataclass(slots=True)
@@ -91,7 +98,7 @@ class AsyncLLM:
         self.cpu_isa: str = self.engine.runner.cpu_isa
         self.linear_kernels: str = self.engine.runner.linear_kernels
         self.tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _DeliverKV | _Abort | _Call | None] = (
+        self._inbox: queue.SimpleQueue[_Add | _Release | _DeliverKV | _Abort | _Call | None] = (
             queue.SimpleQueue()
         )
         self._streams: dict[str, _Stream] = {}
@@ -109,17 +116,22 @@ class AsyncLLM:
         priority: int = 0,
         *,
         export_kv_from: int | None = None,
+        export_computed_only: bool = False,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
+        prefetch: Callable[[], Awaitable[StagedKV | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas until the request finishes. Closing the iterator aborts it.
 
-        `export_kv_from` (PD prefill side): the final output carries the prompt's KV.
+        `export_kv_from` (PD prefill side): the final output carries the prompt's KV (with
+        `export_computed_only`, only past the prefix the cache served).
         `remote_prefill` (PD decode side): once blocks are reserved, an output with
         `waiting_for_kv` (and the prompt tokens cached here) comes first; the request then
         waits for `deliver_kv`. `block_hashes`: the prompt's keys, when the caller has them.
-        `lora`: the adapter to run under ("" the base model).
+        `lora`: the adapter to run under ("" the base model). `prefetch`: fetches the
+        prompt's prefix from a lower tier; it runs while the request is queued (which keeps
+        its place, but is admitted only once the fetch is over; a failed fetch is a miss).
         Raises ValueError for bad input, UnknownAdapterError for an adapter not served,
         QueueFullError when max_num_waiting requests wait.
         """
@@ -130,14 +142,31 @@ class AsyncLLM:
             params,
             priority,
             export_kv_from=export_kv_from,
+            export_computed_only=export_computed_only,
             remote_prefill=remote_prefill,
             block_hashes=block_hashes,
             lora=lora,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(_Add(request, stream))
-        async for out in self._consume(request_id, stream):
-            yield out
+        self._inbox.put(_Add(request, stream, held=prefetch is not None))
+        # Created after the _Add is queued, so the engine sees the release after the add.
+        fetch = asyncio.create_task(self._prefetch(request_id, prefetch)) if prefetch else None
+        try:
+            async for out in self._consume(request_id, stream):
+                yield out
+        finally:
+            if fetch is not None:
+                fetch.cancel()
+
+    async def _prefetch(
+        self, request_id: str, prefetch: Callable[[], Awaitable[StagedKV | None]]
+    ) -> None:
+        try:
+            staged = await prefetch()
+        except Exception:  # a lower tier is an optimisation: failing, it is a miss
+            log.warning("prefix fetch for %s failed; computing it", request_id, exc_info=True)
+            staged = None
+        self._inbox.put(_Release(request_id, staged))
 
     def deliver_kv(self, request_id: str, kv: Sequence[PromptKV], first: SampledToken) -> None:
         """Hand a `remote_prefill` request its prompt KV and first token; its stream goes on
@@ -267,14 +296,16 @@ class AsyncLLM:
                         del self._streams[out.request_id]
             self._stats = engine.stats()
 
-    def _handle(self, cmd: _Add | _DeliverKV | _Abort | _Call) -> None:
+    def _handle(self, cmd: _Add | _Release | _DeliverKV | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):
             try:
-                self.engine.add_request(cmd.request)
+                self.engine.add_request(cmd.request, cmd.held)
             except (ValueError, QueueFullError) as exc:
                 cmd.stream.put(exc)
                 return
             self._streams[cmd.request.request_id] = cmd.stream
+        elif isinstance(cmd, _Release):
+            self.engine.release_request(cmd.request_id, cmd.staged)
         elif isinstance(cmd, _DeliverKV):
             stream = self._streams.get(cmd.request_id)
             if stream is None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 # The tiers a worker fetches KV from (also the `tier` label of its prefix-cache metrics).
 TIER_HOST, TIER_REMOTE = "host", "remote"
+# KV a PD decode worker receives from the prefill worker (timed like a fetch, per byte).
+TIER_TRANSFER = "transfer"
 HALF_LIFE = 64.0  # samples: one this many samples old weighs half as much as the newest
 _RIDGE = 1e-9  # on the unit-diagonal system: only degenerate directions feel it
 

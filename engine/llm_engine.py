@@ -21,7 +21,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.lora.peft_config import LoraConfig
 from engine.lora.registry import LoraStats
 from engine.model_runner import ModelRunner, resolve_limits
-from engine.outputs import PromptKV, RequestOutput, SampledToken
+from engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -96,6 +96,7 @@ class LLMEngine:
             ),
             self.kv,
             self.model_config.eos_token_ids,
+            prepare=self._prepare_admission,
         )
         # engine.block_hash.cache_salt, its parts kept: each adapter salts its own namespace.
         self._model_id = model_fingerprint(config.model).hex()
@@ -169,6 +170,7 @@ class LLMEngine:
         priority: int = 0,
         *,
         export_kv_from: int | None = None,
+        export_computed_only: bool = False,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
@@ -177,7 +179,8 @@ class LLMEngine:
         UnknownAdapterError for a `lora` adapter this engine does not serve).
 
         `export_kv_from`: PD prefill side, the last output carries the prompt's KV from this
-        position on. `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
+        position on; with `export_computed_only`, from past the prefix the cache served
+        too (the blocks this engine computed). `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
         (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
         """
         salt = self.salt_for(lora)  # raises UnknownAdapterError first
@@ -210,19 +213,40 @@ class LLMEngine:
             priority=priority,
             block_hashes=block_hashes or [],
             export_kv_from=export_kv_from,
+            export_computed_only=export_computed_only,
             remote_prefill=remote_prefill,
             guide=guide,
             sample_seed=self._seeds.getrandbits(63),  # ignored when params.seed is set
         )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, held: bool = False) -> None:
+        """Queue a request; `held`: its prefix is being fetched from a lower tier, and it
+        is not admitted before `release_request`."""
         self._copy_up_prefix(request)
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, held)
+
+    def release_request(self, request_id: str, staged: StagedKV | None) -> int:
+        """A held request's tier fetch is over: import what it found (None: nothing) and let
+        the request be admitted. Returns how many blocks were imported (0 also for a request
+        that is gone or not held)."""
+        request = self.scheduler.release(request_id)
+        if request is None or staged is None:
+            return 0
+        request.staged_kv = staged
+        return self.import_blocks(staged.block_hashes, staged.kv)
 
     def _copy_up_prefix(self, request: Request) -> None:
         # The last prompt token is always computed (its logits give the next token).
         usable = (request.num_prompt_tokens - 1) // self.config.block_size
         self._copy_up(request.block_hashes[:usable])
+
+    def _prepare_admission(self, request: Request) -> None:
+        """Right before the scheduler admits `request`: what the host tier or a fetch gave
+        it at arrival may have been evicted while it waited; put it back."""
+        if request.staged_kv is not None:
+            self.import_blocks(request.staged_kv.block_hashes, request.staged_kv.kv)
+        if self.host is not None:
+            self._copy_up_prefix(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -240,14 +264,11 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        # What was copied up from the host tier at arrival may have been evicted again
-        # while the request waited: copy it up once more just before it is admitted.
-        head = self.scheduler.next_waiting()
-        if self.host is not None and head is not None and head.num_computed_tokens == 0:
-            self._copy_up_prefix(head)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.costs.step())
         sched = self.scheduler.schedule()
+        for r in [s.request for s in sched.scheduled] + sched.waiting_for_kv:
+            r.staged_kv = None  # admitted: its blocks are its own now
         outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
             return outputs
@@ -284,6 +305,8 @@ class LLMEngine:
         # The blocks were released by this very step, but nothing can reuse them before the
         # next schedule(), so their contents are still this request's KV.
         start = request.export_kv_from or 0
+        if request.export_computed_only:
+            start = max(start, request.num_cached_tokens)
         return self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
 
     # -- tiers below the device pool ---------------------------------------------------------
@@ -303,11 +326,13 @@ class LLMEngine:
 
         kv covers len(block_hashes) whole blocks (its `start` is ignored). A request submitted
         next hits them like any prefix-cache block (they join the back of the eviction
-        queue). Blocks already cached are skipped; returns how many were imported.
+        queue). Blocks already cached are skipped (and kept: making room for the others
+        never evicts them); returns how many were imported.
         """
         bs = self.config.block_size
         parts = [_block_of(kv, i, bs) for i in range(len(block_hashes))]
-        return self._adopt(list(block_hashes), parts, protect=[])
+        cached = [b for h in block_hashes if (b := self.pool.get_cached(h)) is not None]
+        return self._adopt(list(block_hashes), parts, protect=cached)
 
     def _copy_up(self, block_hashes: list[bytes]) -> None:
         """Copy the blocks after the device pool's prefix of these keys up from the host

@@ -55,6 +55,14 @@ class PromptKV:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedKV:
+    """Whole prompt blocks a lower KV tier gave a queued request: their keys and KV."""
+
+    block_hashes: list[bytes]
+    kv: PromptKV  # covers len(block_hashes) whole blocks (its start is ignored)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What changed for one request in one step."""
 

@@ -21,6 +21,7 @@ import random
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, block_hash_keys
+from engine.outputs import StagedKV
 from engine.sampling_params import SamplingParams
 from engine.spec.adaptive import SpecState
 from engine.structured import Guide
@@ -78,8 +79,15 @@ class Request:
     # PD prefill side: when the request finishes, hand back the KV of prompt positions from
     # here on (None: don't). Blocks the decode side already caches are skipped.
     export_kv_from: int | None = None
+    # Fused side: export from the end of the prefix the cache served instead (what this
+    # worker computed), at least from export_kv_from.
+    export_computed_only: bool = False
     # PD decode side: the prompt is computed by another worker (see RequestStatus).
     remote_prefill: bool = False
+    # Prefix KV a lower tier (the cache service) gave this request while it was queued:
+    # put into the pool again right before it is admitted if evicted meanwhile, and
+    # dropped then.
+    staged_kv: StagedKV | None = None
     # Structured output: the request's matcher (params.structured compiled); advanced with
     # every token appended, it masks the logits and ends the request when its grammar does.
     guide: Guide | None = None

@@ -16,6 +16,12 @@ A PD decode request (`remote_prefill`) queues like any other; admitted, it takes
 its whole prompt and waits in WAITING_FOR_REMOTE_KV (counted as running, never computed or
 preempted) until `kv_arrived` hands it the prefill worker's first token.
 
+A request whose prefix is being fetched from a lower KV tier is added `held`: it keeps its
+place in the arrival order but is not admitted until `release` (the fetch landed, or
+failed), so fetching overlaps with queueing and the requests behind it go on meanwhile.
+Right before a request is admitted, the `prepare` hook (the engine's) puts what the tiers
+gave it back into the pool, in case it was evicted while the request waited.
+
 A request with a grammar (`Request.guide`) advances it with every token appended here,
 the first token from a prefill worker included, and stops when the grammar is complete.
 """
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -74,14 +80,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...]
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        eos_token_ids: tuple[int, ...],
+        prepare: Callable[[Request], None] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.prepare = prepare
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # RUNNING and WAITING_FOR_REMOTE_KV
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
+        self._held: dict[str, Request] = {}  # WAITING, until their tier fetch is released
         # The last schedule() did nothing: until a request arrives, leaves or gets its
         # remote KV, another one would do nothing either.
         self._stalled = False
@@ -89,11 +101,12 @@ class Scheduler:
     # -- queues ----------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Waiting requests, held ones included."""
+        return len(self._waiting) + len(self._held)
 
-    def next_waiting(self) -> Request | None:
-        """The request `schedule` admits next, room permitting."""
-        return self._waiting[0][1] if self._waiting else None
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     @property
     def num_running(self) -> int:
@@ -109,23 +122,37 @@ class Scheduler:
             return True
         return bool(self._waiting) and not self._stalled
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, held: bool = False) -> None:
+        """Queue a request; `held`, it is not admitted before `release(request_id)`."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         # New arrivals only: a preempted request re-enters the queue past the bound.
-        if len(self._waiting) >= self.config.max_num_waiting:
+        if self.num_waiting >= self.config.max_num_waiting:
             raise QueueFullError(
-                f"{len(self._waiting)} requests are already waiting (max_num_waiting)"
+                f"{self.num_waiting} requests are already waiting (max_num_waiting)"
             )
         self.requests[request.request_id] = request
+        if held:
+            self._held[request.request_id] = request
+            return
         heapq.heappush(self._waiting, (request.sort_key, request))
         self._stalled = False
+
+    def release(self, request_id: str) -> Request | None:
+        """Let a held request be admitted, in its arrival order (None: it is not held)."""
+        request = self._held.pop(request_id, None)
+        if request is not None:
+            heapq.heappush(self._waiting, (request.sort_key, request))
+            self._stalled = False
+        return request
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.WAITING:
+        if request_id in self._held:
+            del self._held[request_id]
+        elif request.status == RequestStatus.WAITING:
             self._waiting = [(k, r) for k, r in self._waiting if r is not request]
             heapq.heapify(self._waiting)
         else:
@@ -194,6 +221,8 @@ class Scheduler:
             loras = self._running_loras()
             if request.lora and request.lora not in loras and len(loras) >= self.config.max_loras:
                 break  # its adapter waits for one of the running ones to drain
+            if self.prepare is not None and request.num_computed_tokens == 0:
+                self.prepare(request)
             hits, num_hit_tokens = (
                 self.kv.get_computed_blocks(request)
                 if request.num_computed_tokens == 0
@@ -314,12 +343,14 @@ class Scheduler:
         self.kv.check_integrity()
         running = set(map(id, self.running))
         waiting = {id(r) for _, r in self._waiting}
+        held = set(map(id, self._held.values()))
         assert not running & waiting, "a request is both running and waiting"
-        assert len(running) + len(waiting) == len(self.requests)
+        assert not held & (running | waiting), "a held request is also queued or running"
+        assert len(running) + len(waiting) + len(held) == len(self.requests)
         assert self.kv.num_requests <= len(self.requests)
         assert len(self.running) <= self.config.max_num_seqs
         for r in self.running:
             assert r.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV)
             assert 0 <= r.num_computed_tokens <= len(r.token_ids)
-        for _, r in self._waiting:
+        for r in [r for _, r in self._waiting] + list(self._held.values()):
             assert r.status == RequestStatus.WAITING

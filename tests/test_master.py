@@ -183,13 +183,53 @@ def test_burst_is_charged_until_the_next_load_report():
     assert view.pending("p1").requests == 0 and route(policy, view).prefill.id == "p2"
 
 
-def test_decode_most_free_blocks_then_fewest_running():
+def test_decode_fewest_running_then_most_free_blocks():
+    """No decode worker fitted yet: the cost is in decode rows."""
     loads = [load("d1", free=10), load("d2", free=50)]
     assert route(CacheAware(), cluster(*PD3, loads=loads)).decode.id == "d2"
-    loads = [load("d1", free=50, running=2), load("d2", free=50, running=1)]
+    loads = [load("d1", free=50, running=2), load("d2", free=60, running=1)]
     plan = route(CacheAware(), cluster(*PD3, loads=loads))
-    assert plan.decode.id == "d2" and plan.reason.endswith("; decode d2 (free 50 blocks)")
+    assert plan.decode.id == "d2"
+    assert plan.reason.endswith("; decode d2 (free 60 blocks, cost 2 rows)")
     assert route(CacheAware(), cluster(*PD3, loads=[load("d2", free=0)])).decode.id == "d2"
+
+
+def _transfer(ms_per_block: float) -> dict:
+    cost = events_pb2.TierFetchCost(tier="transfer", fixed_s=0.0, byte_s=ms_per_block / 1e3)
+    return dict(fetch_costs=[cost], kv_block_bytes=1)
+
+
+def test_decode_prefers_the_worker_that_holds_the_prefix_once_transfers_are_timed():
+    """100 tokens are 7 blocks; d1 holds the first 6, so only 1 moves there (1 ms) against
+    7 to d2 (7 ms). Untimed, the transfer costs nothing and the freer d2 wins."""
+    cached = {"d1": H[:6]}
+    timed = [fitted("d1", free=20, **_transfer(1.0)), fitted("d2", free=90, **_transfer(1.0))]
+    plan = route(CacheAware(), cluster(*PD3, cached=cached, loads=timed))
+    assert plan.decode.id == "d1"
+    assert plan.reason.endswith(
+        "decode d1 (free 20 blocks, cost 1.0 ms (transfer 1.0 of 1 blocks + step 0.0))"
+    )
+    untimed = [fitted("d1", free=20), fitted("d2", free=90)]
+    assert route(CacheAware(), cluster(*PD3, cached=cached, loads=untimed)).decode.id == "d2"
+    # least_load ignores every cache, the decode side's too.
+    assert route(LeastLoad(), cluster(*PD3, cached=cached, loads=timed)).decode.id == "d2"
+
+
+def test_a_busy_decode_worker_loses_its_prefix_advantage():
+    """d1 saves 6 ms of transfer but its batch of 20 rows costs 20 ms a step more."""
+    cached = {"d1": H[:6]}
+    loads = [
+        fitted("d1", row_ms=1.0, running=20, **_transfer(1.0)),
+        fitted("d2", row_ms=1.0, **_transfer(1.0)),
+    ]
+    assert route(CacheAware(), cluster(*PD3, cached=cached, loads=loads)).decode.id == "d2"
+
+
+def test_a_decode_worker_without_room_for_the_blocks_it_lacks_loses():
+    """d1 is cheaper (it holds the prefix) but has 0 free blocks for the 1 it lacks."""
+    cached = {"d1": H[:6]}
+    loads = [fitted("d1", free=0, **_transfer(1.0)), fitted("d2", free=90, **_transfer(1.0))]
+    assert route(CacheAware(), cluster(*PD3, cached=cached, loads=loads)).decode.id == "d2"
 
 
 def test_conditional_disaggregation_keeps_short_prompts_on_the_decode_worker():

@@ -270,3 +270,56 @@ def test_waiting_queue_is_bounded_for_new_arrivals_only():
     for rid in ("a", "b", "c"):
         s.abort(rid)
     assert_drained(s)
+
+
+def test_a_held_request_keeps_its_place_while_others_run():
+    """A request held for its tier fetch is skipped, not waited for; released, it goes
+    before everything that arrived after it."""
+    s = make(max_num_seqs=1)
+    a, b, c = (req(r, 4, first=10 * i + 1, max_tokens=1) for i, r in enumerate("abc"))
+    s.add_request(a, held=True)
+    s.add_request(b)
+    s.add_request(c)
+    assert (s.num_waiting, s.num_held) == (3, 1)
+    s.check_integrity()
+    assert step(s).scheduled == [("b", 4)]  # a is held: b goes first, alone (max_num_seqs)
+    assert s.release("a") is a
+    assert s.release("a") is None  # released once
+    assert step(s).scheduled == [("a", 4)]  # before c, which arrived after it
+    assert step(s).scheduled == [("c", 4)]
+    assert_drained(s)
+
+
+def test_only_held_requests_leave_nothing_to_schedule():
+    s = make()
+    s.add_request(req("a", 4), held=True)
+    assert not s.has_schedulable()
+    assert step(s).scheduled == []
+    aborted = s.abort("a")
+    assert aborted is not None and aborted.status == RequestStatus.FINISHED_ABORTED
+    assert s.release("a") is None  # gone: its late fetch is ignored
+    assert_drained(s)
+
+
+def test_held_requests_count_against_the_queue_bound():
+    kv = KVCacheManager(BlockPool(16), BS, enable_caching=True)
+    s = Scheduler(SchedulerConfig(1, 64, 64, max_num_waiting=2), kv, (EOS,))
+    s.add_request(req("a", 4), held=True)
+    s.add_request(req("b", 4))
+    with pytest.raises(QueueFullError, match="max_num_waiting"):
+        s.add_request(req("c", 4))
+
+
+def test_prepare_runs_right_before_each_admission():
+    """The engine's hook (which puts evicted tier blocks back) sees every request the
+    scheduler is about to admit, in order, and no running one."""
+    seen: list[str] = []
+    kv = KVCacheManager(BlockPool(16), BS, enable_caching=True)
+    s = Scheduler(
+        SchedulerConfig(4, 64, 64), kv, (EOS,), prepare=lambda r: seen.append(r.request_id)
+    )
+    s.add_request(req("a", 4, max_tokens=2))
+    s.add_request(req("b", 4, first=20, max_tokens=2))
+    step(s)
+    step(s)
+    assert seen == ["a", "b"]

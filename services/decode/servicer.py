@@ -11,12 +11,14 @@ Whatever ends the call (finish, error, the caller going away) releases the reque
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 from opentelemetry import trace
 
 from engine.async_llm import AsyncLLM
 from engine.block_hash import BlockHash, block_hash_keys
+from engine.cost_model import TIER_TRANSFER
 from engine.outputs import RequestOutput, SampledToken
 from services.cache.client import CacheClient
 from services.common import grpc_util, tracing
@@ -107,21 +109,24 @@ class DecodeServicer(WorkerServicer):
             )
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
-        hits = await self.tiers.resolve(prompt, hashes)
-        # With a remote tier, the prompt's KV past the hits comes back with the last output,
-        # to be written back (the blocks are intact until the engine's next step).
-        export = hits.blocks * self.block_size if self.tiers.remote else None
+        fetch = self.tiers.prefetch(prompt, hashes)
+        # With a remote tier, the KV of the prompt blocks computed here (past the cache's
+        # hits) comes back with the last output, to be written back (the blocks are intact
+        # until the engine's next step).
+        remote = self.tiers.remote
         async for out in self.llm.generate(
             prompt,
             params,
             request.request_id,
             request.priority,
             block_hashes=hashes,
-            export_kv_from=export,
+            export_kv_from=0 if remote else None,
+            export_computed_only=remote,
             lora=request.lora_name,
+            prefetch=fetch,
         ):
             if out.prompt_kv is not None:
-                self.tiers.write_back_kv(out.prompt_kv, hashes, hits)
+                self.tiers.write_back_kv(out.prompt_kv, hashes, fetch.hits)
             yield _response(out)
 
     async def _pd(self, request, prompt, params, hashes: list[BlockHash], context):
@@ -163,6 +168,7 @@ class DecodeServicer(WorkerServicer):
                 if msg.HasField("first"):
                     first = msg.first
                     spans.append(tracing.tracer.start_span("kv_transfer"))  # blocks follow
+                    transfer_started = time.perf_counter()
                     # The caller sees the first token before any KV has moved.
                     yield worker_pb2.GenerateResponse(
                         token_ids=first.token_ids,
@@ -180,6 +186,9 @@ class DecodeServicer(WorkerServicer):
             layout = self.llm.kv_layout
             kv = join_blocks(blocks, cached, len(prompt), self.block_size, hashes, layout)
             _end_kv_transfer(spans[0], blocks)
+            # The master weighs decode candidates by this (services/master/cost.py).
+            seconds = time.perf_counter() - transfer_started
+            self.llm.costs.observe_fetch(TIER_TRANSFER, seconds, kv.nbytes)
             lp = logprob_from_pb(first.logprobs[0]) if first.logprobs else None
             self.llm.deliver_kv(rid, [kv], SampledToken(first.token_ids[0], lp))
             spans.append(decode := tracing.tracer.start_span("decode"))

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.cost_model import TIER_HOST, TIER_REMOTE, FetchCost, StepCost
+from engine.cost_model import TIER_HOST, TIER_REMOTE, TIER_TRANSFER, FetchCost, StepCost
 from services.common.pb import events_pb2
 
 # Costs when no candidate has a fitted model: one unit per token computed.
@@ -144,3 +144,48 @@ def predict(
         fetched_blocks=fetched,
         in_tokens=step is TOKEN_UNITS,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """A PD decode candidate's cost of taking a request, until its second token: the KV
+    transfer of the prompt blocks it lacks (at its fitted receive rate) and one decode step
+    of its batch with this request in it."""
+
+    seconds: float  # or decode rows, when `in_rows` (no candidate fitted yet)
+    transfer: float
+    step: float
+    transferred_blocks: int
+    in_rows: bool = False
+
+    def describe(self) -> str:
+        if self.in_rows:
+            return f"{self.seconds:g} rows"
+        return (
+            f"{self.seconds * 1e3:.1f} ms (transfer {self.transfer * 1e3:.1f} of "
+            f"{self.transferred_blocks} blocks + step {self.step * 1e3:.1f})"
+        )
+
+
+def decode_cost(
+    report: events_pb2.LoadReport | None,
+    step: StepCost,
+    rows: int,
+    num_prompt_tokens: int,
+    block_size: int,
+    local_blocks: int,
+) -> DecodeCost:
+    """`rows`: requests decoding there with this one; `local_blocks`: the prompt's leading
+    blocks its pool holds (the prefill worker sends only what follows them). An untimed
+    transfer costs nothing: no candidate wins on a rate nobody measured."""
+    blocks = max(0, -(-num_prompt_tokens // block_size) - local_blocks)
+    transfer = fetch_cost(report, TIER_TRANSFER)
+    transfer_s = (
+        transfer.fetch_s(blocks * (report.kv_block_bytes or 1))
+        if transfer.fitted and report is not None
+        else 0.0
+    )
+    if step is TOKEN_UNITS:
+        return DecodeCost(float(rows), 0.0, 0.0, blocks, in_rows=True)
+    step_s = step.step_s(0, rows)
+    return DecodeCost(transfer_s + step_s, transfer_s, step_s, blocks)

@@ -21,8 +21,12 @@ while another has a fresh one: unknown load is not an idle worker.
 Ties: session affinity (a stable hash of session_id over the tied workers), else fewest
 running, else a stable hash of the request id: every master replica, given the same view,
 makes the same choice (no per-process rotation or affinity state). The decode side (PD)
-goes to the worker with the most free KV blocks (less those routed to it since its report),
-then fewest running, then the request-id hash, skipping full queues the same way. Every
+goes, among the workers with room for the prompt blocks they lack, to the one with the
+lowest cost until the second token: the KV transfer of the blocks it lacks (the prefill
+worker sends only what follows its cached prefix) at its fitted receive rate, plus one
+decode step of its batch with this request in it (cost.decode_cost); then the most free KV
+blocks (less those routed to it since its report), then the request-id hash, skipping full
+queues the same way. Every
 choice is charged to the view (`charge`) until the worker's next LoadReport, so a burst of
 requests spreads out instead of piling up.
 """
@@ -333,20 +337,41 @@ class CacheAware(Policy):
         self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
     ) -> Choice:
         decode = with_room(view, decode)
+        tokens = request.num_prompt_tokens
+        reports = {m.id: view.load(m.id) for m in decode}
+        borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
+        local = (
+            view.index.match_all(request.block_hashes, [m.id for m in decode])
+            if self.uses_cache
+            else dict.fromkeys(reports, 0)
+        )
+        costs = {}
+        for m in decode:
+            own = cost.step_cost(reports[m.id])
+            rows = _running(view, m.id) + 1
+            bs = _block_size(view, m.id)
+            costs[m.id] = cost.decode_cost(
+                reports[m.id], own if own.fitted else borrowed, rows, tokens, bs, local[m.id]
+            )
 
-        # Workers that have not reported yet rank after those that have; then one with the
-        # request's LoRA adapter resident before one that would load it.
-        def key(m: Member) -> tuple[bool, bool, int, int]:
-            load, pending = view.load(m.id), view.pending(m.id).blocks
+        # Workers that have not reported yet rank after those that have; then those with
+        # room for the prompt's blocks (as far as they lack them) before those without; one
+        # with the request's LoRA adapter resident before one that would load it; then the
+        # lowest cost (transfer + a decode step of its batch), the most free blocks.
+        def key(m: Member) -> tuple[bool, bool, bool, float, int]:
+            load, pending = reports[m.id], view.pending(m.id).blocks
             free = load.free_blocks - pending if load is not None else -pending
+            short = free < costs[m.id].transferred_blocks
             cold = not resident(view, m, request.lora_name)
-            return (load is None, cold, -free, _running(view, m.id))
+            return (load is None, short, cold, costs[m.id].seconds, -free)
 
         best = min(key(m) for m in decode)
         tied = [m for m in decode if key(m) == best]
         chosen = tied[session_slot(request.request_id, len(tied))]  # the same on every replica
-        unknown, free = best[0], -best[2]
-        return Choice(chosen, reason=" (no load report)" if unknown else f" (free {free} blocks)")
+        if best[0]:
+            return Choice(chosen, reason=" (no load report)")
+        c = costs[chosen.id]
+        return Choice(chosen, reason=f" (free {-best[4]} blocks, cost {c.describe()})")
 
 
 class LeastLoad(CacheAware):

@@ -55,7 +55,7 @@ class PrefillServicer(WorkerServicer):
             skip = request.skip_blocks * self.block_size
             if skip >= len(prompt):
                 raise ValueError(f"skip_blocks {request.skip_blocks} covers the whole prompt")
-            hits = await self.tiers.resolve(prompt, hashes)
+            fetch = self.tiers.prefetch(prompt, hashes)
             final = None
             with tracing.tracer.start_as_current_span("prefill") as span:
                 async for out in self.llm.generate(
@@ -66,8 +66,10 @@ class PrefillServicer(WorkerServicer):
                     export_kv_from=skip,
                     block_hashes=hashes,
                     lora=request.lora_name,
+                    prefetch=fetch,
                 ):
                     final = out
+                hits = fetch.hits
                 _trace_prefill(span, len(prompt), hits, final)
         except (ValueError, LookupError, RuntimeError) as exc:
             await abort(context, exc)

@@ -22,7 +22,7 @@ import time
 from engine.async_llm import AsyncLLM
 from engine.block_hash import BlockHash
 from engine.cost_model import TIER_REMOTE
-from engine.outputs import PromptKV
+from engine.outputs import PromptKV, StagedKV
 from services.cache.client import CacheClient
 from services.cache.integrity import KVIntegrity
 from services.common.flags import env
@@ -67,6 +67,24 @@ class TierHits:
         return self.device + self.remote
 
 
+class Prefetch:
+    """One prompt's lookup through the tiers (Algorithm 1): called by the engine while the
+    request is queued, it returns the remote blocks to import; `hits` says what was found."""
+
+    def __init__(self, tiers: Tiers, prompt: list[int], hashes: list[BlockHash]) -> None:
+        self.tiers = tiers
+        # At least one prompt token is always computed: its logits give the next token.
+        self.usable = hashes[: (len(prompt) - 1) // tiers.block_size]
+        self.hits = TierHits(0, 0)  # until the lookup is done (or if it failed)
+
+    async def __call__(self) -> StagedKV | None:
+        tiers = self.tiers
+        self.hits, staged = await tiers._fetch(self.usable)
+        queried = len(self.usable) - self.hits.device if tiers.cache is not None else 0
+        tiers.metrics.prefix_cache(len(self.usable), self.hits.device, queried, self.hits.remote)
+        return staged
+
+
 class Tiers:
     def __init__(self, llm: AsyncLLM, cache: CacheClient | None, metrics: WorkerMetrics) -> None:
         self.llm = llm
@@ -86,19 +104,15 @@ class Tiers:
                 caches = members.with_role(nameservice_pb2.ROLE_CACHE)
                 self.cache.set_addresses([m.address for m in caches])
 
-    async def resolve(self, prompt: list[int], hashes: list[BlockHash]) -> TierHits:
-        """Make the pool hold as much of the prompt's prefix as the tiers have; count it."""
-        # At least one prompt token is always computed: its logits give the next token.
-        usable = hashes[: (len(prompt) - 1) // self.block_size]
-        hits = await self._fetch(usable, hashes)
-        remote_queried = len(usable) - hits.device if self.cache is not None else 0
-        self.metrics.prefix_cache(len(usable), hits.device, remote_queried, hits.remote)
-        return hits
+    def prefetch(self, prompt: list[int], hashes: list[BlockHash]) -> Prefetch:
+        """The lookup of this prompt's prefix through the tiers, to hand the engine as the
+        request's `prefetch` (it runs while the request is queued)."""
+        return Prefetch(self, prompt, hashes)
 
-    async def _fetch(self, usable: list[BlockHash], hashes: list[BlockHash]) -> TierHits:
+    async def _fetch(self, usable: list[BlockHash]) -> tuple[TierHits, StagedKV | None]:
         device = await self.llm.num_cached_prefix(usable)
         if self.cache is None or device == len(usable):
-            return TierHits(device, 0)
+            return TierHits(device, 0), None
         started = time.perf_counter()
         asked = usable[device:]
         found = await self.cache.get_prefix(asked)
@@ -110,18 +124,17 @@ class Tiers:
                 log.warning("dropped %d remote KV blocks failing their integrity check", rejected)
                 self.metrics.kv_integrity_failures(rejected)
         if not found:
-            return TierHits(device, 0)
+            return TierHits(device, 0), None
         bs = self.block_size
         end = device + len(found)
         try:
-            kv = join_blocks(found, device * bs, end * bs, bs, hashes, self.llm.kv_layout)
+            kv = join_blocks(found, device * bs, end * bs, bs, usable, self.llm.kv_layout)
         except ValueError as exc:  # a bad remote block is a miss, not a failed request
             log.warning("ignoring remote KV blocks: %s", exc)
-            return TierHits(device, 0)
-        await self.llm.import_blocks(usable[device:end], kv)
+            return TierHits(device, 0), None
         # What the master's cost model predicts a remote hit with (engine/cost_model.py).
         self.llm.costs.observe_fetch(TIER_REMOTE, time.perf_counter() - started, kv.nbytes)
-        return TierHits(device, len(found))
+        return TierHits(device, len(found)), StagedKV(usable[device:end], kv)
 
     def write_back(self, blocks: list[common_pb2.KVBlock], hits: TierHits) -> None:
         """Put the full blocks computed here (past the hits) into the remote tier, in the

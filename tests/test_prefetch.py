@@ -1,0 +1,118 @@
+"""Prefix fetches from a lower tier overlap with queueing (engine/scheduler.py, `held`).
+
+A request whose prefix is being fetched keeps its place in the queue while the requests
+behind it go on; what the fetch gives it is imported when it lands and again right before
+the request is admitted if it was evicted meanwhile; a failed fetch is a miss. The staged
+KV comes from a second engine on the same model (what the cache service would hold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine import SamplingParams
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import PromptKV, StagedKV
+from tests.helpers import assert_pool_idle, drive, make_llm
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+BS = 16
+
+
+def _staged(engine: LLMEngine, prompt: list[int], blocks: int) -> StagedKV:
+    """The KV of the prompt's first `blocks` blocks, as another worker computed them."""
+    request = engine.make_request("export", prompt, GREEDY, export_kv_from=0)
+    engine.add_request(request)
+    kv = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            kv = out.prompt_kv or kv
+    assert kv is not None
+    n = blocks * BS
+    return StagedKV(request.block_hashes[:blocks], PromptKV(0, kv.k[:, :n], kv.v[:, :n]))
+
+
+def test_staged_blocks_evicted_while_queued_are_imported_again_at_admission(model_dir, corpus_ids):
+    """The fetch lands while the target waits behind a long prompt that pushes its blocks
+    out of the 8-block pool; they are imported once more when it is admitted, so it hits
+    all four, and its text is the one computed from scratch."""
+    path = model_dir("tiny-llama")
+    source = make_llm(path).engine
+    target = corpus_ids[:70]  # 4 full blocks before the last token
+    staged = _staged(source, target, 4)
+    want, _ = drive(source, {0: [source.make_request("want", target, GREEDY)]})
+
+    engine = make_llm(path, num_kv_blocks=8, max_num_seqs=1).engine
+    held = engine.make_request("target", target, GREEDY)
+    engine.add_request(held, held=True)
+    assert engine.release_request("target", staged) == 4
+    long = engine.make_request("long", corpus_ids[100:200], GREEDY, priority=-1)  # 7 blocks
+    got, _ = drive(engine, {0: [long]})
+    assert got["target"].num_cached_tokens == 64
+    assert got["target"].token_ids == want["want"].token_ids
+    assert_pool_idle(engine)
+
+
+def test_a_fetch_overlaps_with_the_requests_behind_it(model_dir, corpus_ids):
+    """While one request's fetch is in flight, a request that arrived after it is served;
+    when the fetch lands, the first is served from what it brought."""
+    path = model_dir("tiny-llama")
+    target = corpus_ids[:70]
+    staged = _staged(make_llm(path).engine, target, 4)
+    llm = AsyncLLM(EngineConfig(model=str(path), block_size=BS, num_kv_blocks=64))
+
+    async def run() -> None:
+        landed = asyncio.Event()
+
+        async def fetch() -> StagedKV:
+            await landed.wait()
+            return staged
+
+        async def first() -> tuple[list[int], int]:
+            tokens, cached = [], 0
+            async for out in llm.generate(target, GREEDY, "held", prefetch=fetch):
+                tokens += out.new_token_ids
+                cached = out.num_cached_tokens
+            return tokens, cached
+
+        held = asyncio.create_task(first())
+        async for _ in llm.generate(corpus_ids[100:130], GREEDY, "behind"):
+            pass
+        assert not held.done()  # "behind" finished while "held" still waited
+        landed.set()
+        tokens, cached = await held
+        assert cached == 64
+        async for out in llm.generate(target, GREEDY, "plain"):
+            assert out.num_cached_tokens == 64  # the imported blocks are in the prefix cache
+        check = await llm.check()
+        assert not check.integrity_error
+        assert check.num_held_blocks == 0
+        assert len(tokens) == GREEDY.max_tokens
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()
+
+
+def test_a_failed_fetch_is_a_miss(model_dir, corpus_ids):
+    path = model_dir("tiny-llama")
+    llm = AsyncLLM(EngineConfig(model=str(path), block_size=BS, num_kv_blocks=64))
+
+    async def broken() -> StagedKV:
+        raise ConnectionError("the cache service is gone")
+
+    async def run() -> tuple[list[int], int]:
+        tokens, cached = [], -1
+        async for out in llm.generate(corpus_ids[:70], GREEDY, "r", prefetch=broken):
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+        return tokens, cached
+
+    try:
+        tokens, cached = asyncio.run(run())
+    finally:
+        llm.shutdown()
+    assert (len(tokens), cached) == (GREEDY.max_tokens, 0)
