@@ -16,7 +16,8 @@ which must not declare everyone dead when it runs again). Reported per fault:
 - recovery: seconds from the fault until routing is healthy again (the process is back, every
   role has as many members as before, and a probe request is served on the master's route);
 - blocks still held by the workers once traffic stopped (0: nothing leaked);
-- whether the master's prefix index equals what the workers hold (the index resynced);
+- whether the master's prefix index equals what the workers and the cache instances' memory
+  hold (the index resynced);
 - members the nameservice dropped for missed heartbeats meanwhile (a stopped nameservice
   must drop none once it runs again).
 """
@@ -45,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kernels.isa import cpu_isa  # noqa: E402
 from services.common import grpc_util  # noqa: E402
 from services.common.pb import (  # noqa: E402
+    cache_pb2_grpc,
     master_pb2,
     master_pb2_grpc,
     worker_pb2,
@@ -263,11 +265,15 @@ class View:
             reply = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest(), timeout=2)
         index = {w.worker_id: set(w.block_hashes) for w in reply.workers if w.block_hashes}
         truth = {}
-        for m in (m for m in members if m.role in WORKER_ROLES):
+        # The workers' pools, and the cache instances' memory (T2), each as it serves it.
+        for m in (m for m in members if m.role in (*WORKER_ROLES, ns.ROLE_CACHE)):
             async with grpc_util.channel(m.address) as ch:
-                snap = await worker_pb2_grpc.WorkerStub(ch).Snapshot(
-                    worker_pb2.KVSnapshotRequest(), timeout=2
+                stub = (
+                    cache_pb2_grpc.CacheStub(ch)
+                    if m.role == ns.ROLE_CACHE
+                    else worker_pb2_grpc.WorkerStub(ch)
                 )
+                snap = await stub.Snapshot(worker_pb2.KVSnapshotRequest(), timeout=2)
             if snap.block_hashes:
                 truth[m.id] = set(snap.block_hashes)
         return index == truth

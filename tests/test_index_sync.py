@@ -290,7 +290,8 @@ def test_stale_load_report_counts_as_unknown_not_idle():
     assert route(policy, view).prefill.id == "p2"  # the longest prefix, all idle
     now[0] = 0.9
     for w in ("p1", "p3", "d2"):
-        view.apply_load(load(w, free=10))  # p2 and d1 fall silent
+        # p2 and d1 fall silent; d2 runs as many as d1 was given (a tie on rows)
+        view.apply_load(load(w, free=10, running=1 if w == "d2" else 0))
     now[0] = 1.0  # exactly LOAD_TTL_S: still counts
     assert view.load("p2") is not None
     plan = route(policy, view)
@@ -299,7 +300,7 @@ def test_stale_load_report_counts_as_unknown_not_idle():
     assert view.load("p2") is None and view.load("p1") is not None
     plan = route(policy, view)
     assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)
-    assert plan.decode.id == "d2" and plan.reason.endswith("(free 10 blocks)")
+    assert plan.decode.id == "d2" and plan.reason.endswith("(free 10 blocks, cost 2 rows)")
     now[0] = 5.0  # nobody reports (NATS down): costs from what is known, the prefix again
     plan = route(policy, view)
     assert plan.prefill.id == "p2" and plan.reason.endswith("(no load report)")

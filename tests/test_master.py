@@ -283,6 +283,22 @@ def test_prediction_counts_chunks_and_the_running_batch():
     )  # 4 + 2 * 4 + 100 | 168 - 100 - 12 + 12
 
 
+def test_blocks_only_the_cache_instances_hold_are_fetched_not_computed():
+    """The remote tier is the union of the cache instances' memory (keys are sharded
+    between them): c1 and c2 hold the prompt's 6 blocks between them, no worker does."""
+    fetch = [events_pb2.TierFetchCost(tier="remote", fixed_s=1e-3, byte_s=1e-3 / 2**20)]
+    tiers = dict(remote_tier=True, fetch_costs=fetch, kv_block_bytes=2**20)
+    caches = (member("c1", ns.ROLE_CACHE), member("c2", ns.ROLE_CACHE))
+    held = {"c1": H[0:6:2], "c2": H[1:6:2]}
+    loads = [fitted("p1", **tiers), fitted("p2", **tiers), fitted("p3", **tiers)]
+    plan = route(CacheAware(), cluster(*PD3, *caches, cached=held, loads=loads))
+    assert plan.prefill.id in ("p1", "p2", "p3")  # never a cache instance
+    assert "fetch 7.0 of 6 blocks" in plan.reason
+    # With c2 gone, only block 0 is reachable: 1 block fetched, the rest computed.
+    plan = route(CacheAware(), cluster(*PD3, caches[0], cached={"c1": H[0:6:2]}, loads=loads))
+    assert "fetch 2.0 of 1 blocks" in plan.reason
+
+
 def test_cached_but_busy_loses_to_idle_but_cold_that_fetches():
     # All on one machine's rates: 1 ms a token; remote fetches 1 ms + 1 ms per MiB.
     fetch = [events_pb2.TierFetchCost(tier="remote", fixed_s=1e-3, byte_s=1e-3 / 2**20)]

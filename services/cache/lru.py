@@ -30,13 +30,27 @@ class ByteLRU:
     kilobytes to megabytes). Not thread-safe: the service uses it from one event loop.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, record_events: bool = False) -> None:
+        """`record_events`: remember every key stored or removed, for `take_events` (what
+        the instance publishes to the master's index, services/cache/kv_feed.py)."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.bytes_used = 0
         self.stats = LRUStats()
         self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._events: list[tuple[bytes, bool]] | None = [] if record_events else None
+
+    def take_events(self) -> list[tuple[bytes, bool]]:
+        """(key, stored) for every change since the last call, in order (False: removed)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _record(self, key: bytes, stored: bool) -> None:
+        if self._events is not None:
+            self._events.append((key, stored))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -75,14 +89,18 @@ class ByteLRU:
             self.bytes_used -= len(old)
         if len(value) > self.capacity_bytes:
             self.stats.rejected += 1
+            if old is not None:
+                self._record(key, False)
             return []
         self._items[key] = value
         self.bytes_used += len(value)
+        self._record(key, True)
         evicted: list[bytes] = []
         while self.bytes_used > self.capacity_bytes:
             victim, dropped = self._items.popitem(last=False)
             self.bytes_used -= len(dropped)
             evicted.append(victim)
+            self._record(victim, False)
         self.stats.evictions += len(evicted)
         return evicted
 
@@ -91,6 +109,7 @@ class ByteLRU:
         if value is None:
             return False
         self.bytes_used -= len(value)
+        self._record(key, False)
         return True
 
     def check_integrity(self) -> None:

@@ -6,13 +6,16 @@ Must stay importable without torch: it runs on CPU-only nodes next to Redis.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from services.cache import metrics as cache_metrics
+from services.cache.kv_feed import CacheEventFeed
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
 from services.cache.servicer import CacheServicer
 from services.common import grpc_util, metrics
+from services.common.bus import Bus
 from services.common.flags import add_common_flags, advertised, env, redact
 from services.common.pb import cache_pb2, cache_pb2_grpc
 
@@ -57,14 +60,16 @@ async def serve(args: argparse.Namespace) -> None:
         if args.redis_url
         else None
     )
-    servicer = CacheServicer(ByteLRU(args.capacity_mib << 20), redis)
+    # A member with NATS: the in-memory tier's changes feed the master's index (kv_feed.py).
+    indexed = bool(args.nats_url and args.nameservice)
+    servicer = CacheServicer(ByteLRU(args.capacity_mib << 20, record_events=indexed), redis)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
     address = advertised(args, port)
     lru = servicer.lru
     cache_metrics.cache_service().watch_memory(lambda: lru.bytes_used, lambda: len(lru))
     metrics_address = advertised(args, metrics.start_metrics_server(args.metrics_port, args.host))
-    names = None
+    names = bus = feeding = None
     try:
         await server.start()
         await grpc_util.set_serving(health, SERVICE_NAME, True)
@@ -80,14 +85,23 @@ async def serve(args: argparse.Namespace) -> None:
             from services.common.pb import nameservice_pb2
 
             names = NameClient(args.nameservice)
-            await names.register(
-                make_member(nameservice_pb2.ROLE_CACHE, address, metrics_address=metrics_address)
+            member = make_member(
+                nameservice_pb2.ROLE_CACHE, address, metrics_address=metrics_address
             )
+            if indexed:
+                bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
+                servicer.feed = CacheEventFeed(lru, bus, member.id, args.namespace)
+                feeding = asyncio.create_task(servicer.feed.run(), name="kv-feed")
+            await names.register(member)
         await server.wait_for_termination()
     finally:
         await grpc_util.set_serving(health, SERVICE_NAME, False)
+        if feeding is not None:
+            feeding.cancel()
         if names is not None:
             await names.close()
+        if bus is not None:
+            await bus.close()
         await server.stop(grace=0.5)
         await servicer.close()
         if redis is not None:

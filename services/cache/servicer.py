@@ -18,11 +18,12 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from services.cache import MAX_KEYS, metrics
+from services.cache.kv_feed import CacheEventFeed
 from services.cache.lru import ByteLRU
 from services.cache.redis_tier import RedisTier
 from services.common.grpc_util import MAX_MESSAGE_BYTES
 from services.common.metrics import TIER_MEMORY, TIER_REDIS
-from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
+from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self.max_pending_writes = max_pending_writes
         self._write_slots = asyncio.Semaphore(write_concurrency)
         self._writes: set[asyncio.Task[None]] = set()
+        self.feed: CacheEventFeed | None = None  # set when it publishes to the index
         self.promoted = 0  # blocks served from Redis and copied into the LRU
         self.dropped_writes = 0  # write-through batches skipped: Redis down or backlogged
 
@@ -83,6 +85,16 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> cache_pb2.ExistsReply:
         hashes = await self._check_hashes(request.block_hashes, context)
         return cache_pb2.ExistsReply(num_prefix=await self.exists_prefix(hashes))
+
+    async def Snapshot(
+        self, request: worker_pb2.KVSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVSnapshot:
+        if self.feed is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this cache instance publishes no KV events (started without --nats-url)",
+            )
+        return await self.feed.snapshot()
 
     async def get_prefix(self, hashes: list[bytes]) -> list[common_pb2.KVBlock]:
         """The blocks of the longest prefix of `hashes` held in the LRU or Redis, in order."""

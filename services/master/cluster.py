@@ -33,7 +33,13 @@ import grpc
 
 from services.common import grpc_util, subjects
 from services.common.bus import Bus
-from services.common.pb import events_pb2, nameservice_pb2, worker_pb2, worker_pb2_grpc
+from services.common.pb import (
+    cache_pb2_grpc,
+    events_pb2,
+    nameservice_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.master import metrics
 from services.master.index_sync import Due, IndexSync, ResyncReason
 from services.master.prefix_index import PrefixIndex
@@ -52,6 +58,8 @@ LOAD_TTL_S = 1.0
 WORKER_ROLES = frozenset(
     (nameservice_pb2.ROLE_PREFILL, nameservice_pb2.ROLE_DECODE, nameservice_pb2.ROLE_FUSED)
 )
+# Members whose KV the prefix index follows: the workers, and the cache instances' T2.
+INDEXED_ROLES = WORKER_ROLES | {nameservice_pb2.ROLE_CACHE}
 SNAPSHOT_TIMEOUT_S = 5.0
 AUDIT_INTERVAL_S = 5.0  # the idle-time integrity check
 MAX_CONCURRENT_SNAPSHOTS = 4
@@ -171,7 +179,7 @@ class ClusterView:
         if member.id not in self._members:
             log.info("member %s joined (%s at %s)", member.id, _role(member.role), member.address)
         self._members[member.id] = member
-        if member.role in WORKER_ROLES:
+        if member.role in INDEXED_ROLES:
             # In the first snapshot the master itself is new: it knows nothing of anyone.
             started = self._started or self._unconfirmed is None
             self.sync.track(member.id, ResyncReason.JOINED if started else ResyncReason.STARTUP)
@@ -330,14 +338,20 @@ class ClusterView:
 
 
 class SnapshotClient:
-    """Worker.Snapshot over gRPC: the default `FetchSnapshot`."""
+    """Worker.Snapshot (or Cache.Snapshot, for a cache instance) over gRPC: the default
+    `FetchSnapshot`."""
 
     def __init__(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._channels = grpc_util.ChannelCache()
 
     async def __call__(self, member: Member) -> worker_pb2.KVSnapshot:
-        stub = worker_pb2_grpc.WorkerStub(self._channels.get(member.address))
+        channel = self._channels.get(member.address)
+        stub = (
+            cache_pb2_grpc.CacheStub(channel)
+            if member.role == nameservice_pb2.ROLE_CACHE
+            else worker_pb2_grpc.WorkerStub(channel)
+        )
         return await stub.Snapshot(worker_pb2.KVSnapshotRequest(), timeout=self.timeout_s)
 
     async def close(self) -> None:

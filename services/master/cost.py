@@ -14,12 +14,13 @@ prompt block comes from, for candidate w:
     cost           0               w's "host" fit      w's "remote" fit         w's step fit
 
 `local` is w's match in the prefix index, `host` the match of w's host tier after it (the
-index holds both tiers of every worker); `reachable` is the longest match of any worker's
-pool and host tier together, when w reads the remote tier: every prefill and fused worker
-writes the blocks it computes back to the cache service, so a block some worker holds is one
-the remote tier was given. The cache service publishes no index of its own yet, so blocks
-only it still holds count as computed (an overestimate, never an underestimate, of the cold
-worker's cost).
+index holds both tiers of every worker); `reachable`, when w reads the remote tier, is the
+longer of what the cache instances' memory (T2) holds between them (each publishes its part
+of the index, services/cache/kv_feed.py) and the longest match of any worker's pool and host
+tier together: every prefill and fused worker writes the blocks it computes back to the
+cache service, which writes them through to Redis (T3). Redis publishes nothing, so blocks
+only it still holds, and no worker, count as computed (an overestimate, never an
+underestimate, of the cold worker's cost).
 
 A worker whose step model is not fitted yet borrows the mean coefficients of those that are;
 when none is, costs are in tokens (token_s = 1) and say so. An unfitted fetch costs what

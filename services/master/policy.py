@@ -276,13 +276,19 @@ class CacheAware(Policy):
         token."""
         ids = [m.id for m in first]
         hashes = request.block_hashes
-        everyone = view.index.workers()
+        caches = [m.id for m in view.members(nameservice_pb2.ROLE_CACHE)]
+        everyone = [w for w in view.index.workers() if w not in caches]
         device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
         matched = {w: device[w] for w in ids}
         if self.uses_cache:
             host = view.index.host
             below = {w: host.match(w, hashes[n:]) for w, n in device.items()}
-            reachable = max((device[w] + below[w] for w in everyone), default=0)
+            # What the remote tier can give: what its instances' memory (T2) holds, and what
+            # any worker holds (each wrote it back; T2 wrote it through to Redis, T3).
+            reachable = max(
+                max((device[w] + below[w] for w in everyone), default=0),
+                view.index.match_any(hashes, caches),
+            )
             local = matched
         else:  # what it would cost with nothing cached anywhere
             below, reachable, local = dict.fromkeys(ids, 0), 0, dict.fromkeys(ids, 0)

@@ -87,6 +87,17 @@ class PrefixIndex:
             result[worker_id] = len(hashes)
         return result
 
+    def match_any(self, hashes: Sequence[bytes], holder_ids: Iterable[str]) -> int:
+        """Number of leading `hashes` each held by at least one of `holder_ids` (the cache
+        instances, which shard keys between them: the remote tier is their union)."""
+        ids = set(holder_ids)
+        n = 0
+        for h in hashes:
+            if not ids & self._holders.get(h, set()):
+                break
+            n += 1
+        return n
+
     # -- mutations -------------------------------------------------------------------------
     def apply(self, events: events_pb2.KVEvents) -> None:
         """Apply one worker's event batch (its order is index_sync's business)."""

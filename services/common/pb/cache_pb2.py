@@ -23,27 +23,28 @@ _sym_db = _symbol_database.Default()
 
 
 from services.common.pb import common_pb2 as common__pb2
+from services.common.pb import worker_pb2 as worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63\x61\x63he.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\"-\n\nPutRequest\x12\x1f\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x0f.rtp.v1.KVBlock\"\x1a\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\"\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"+\n\x08GetReply\x12\x1f\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x0f.rtp.v1.KVBlock\"%\n\rExistsRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"!\n\x0b\x45xistsReply\x12\x12\n\nnum_prefix\x18\x01 \x01(\r2\x97\x01\n\x05\x43\x61\x63he\x12+\n\x03Put\x12\x12.rtp.v1.PutRequest\x1a\x10.rtp.v1.PutReply\x12+\n\x03Get\x12\x12.rtp.v1.GetRequest\x1a\x10.rtp.v1.GetReply\x12\x34\n\x06\x45xists\x12\x15.rtp.v1.ExistsRequest\x1a\x13.rtp.v1.ExistsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63\x61\x63he.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\x1a\x0cworker.proto\"-\n\nPutRequest\x12\x1f\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x0f.rtp.v1.KVBlock\"\x1a\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\"\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"+\n\x08GetReply\x12\x1f\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x0f.rtp.v1.KVBlock\"%\n\rExistsRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"!\n\x0b\x45xistsReply\x12\x12\n\nnum_prefix\x18\x01 \x01(\r2\xd2\x01\n\x05\x43\x61\x63he\x12+\n\x03Put\x12\x12.rtp.v1.PutRequest\x1a\x10.rtp.v1.PutReply\x12+\n\x03Get\x12\x12.rtp.v1.GetRequest\x1a\x10.rtp.v1.GetReply\x12\x34\n\x06\x45xists\x12\x15.rtp.v1.ExistsRequest\x1a\x13.rtp.v1.ExistsReply\x12\x39\n\x08Snapshot\x12\x19.rtp.v1.KVSnapshotRequest\x1a\x12.rtp.v1.KVSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUTREQUEST']._serialized_start=37
-  _globals['_PUTREQUEST']._serialized_end=82
-  _globals['_PUTREPLY']._serialized_start=84
-  _globals['_PUTREPLY']._serialized_end=110
-  _globals['_GETREQUEST']._serialized_start=112
-  _globals['_GETREQUEST']._serialized_end=146
-  _globals['_GETREPLY']._serialized_start=148
-  _globals['_GETREPLY']._serialized_end=191
-  _globals['_EXISTSREQUEST']._serialized_start=193
-  _globals['_EXISTSREQUEST']._serialized_end=230
-  _globals['_EXISTSREPLY']._serialized_start=232
-  _globals['_EXISTSREPLY']._serialized_end=265
-  _globals['_CACHE']._serialized_start=268
-  _globals['_CACHE']._serialized_end=419
+  _globals['_PUTREQUEST']._serialized_start=51
+  _globals['_PUTREQUEST']._serialized_end=96
+  _globals['_PUTREPLY']._serialized_start=98
+  _globals['_PUTREPLY']._serialized_end=124
+  _globals['_GETREQUEST']._serialized_start=126
+  _globals['_GETREQUEST']._serialized_end=160
+  _globals['_GETREPLY']._serialized_start=162
+  _globals['_GETREPLY']._serialized_end=205
+  _globals['_EXISTSREQUEST']._serialized_start=207
+  _globals['_EXISTSREQUEST']._serialized_end=244
+  _globals['_EXISTSREPLY']._serialized_start=246
+  _globals['_EXISTSREPLY']._serialized_end=279
+  _globals['_CACHE']._serialized_start=282
+  _globals['_CACHE']._serialized_end=492
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.common.pb import cache_pb2 as cache__pb2
+from services.common.pb import worker_pb2 as worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,11 @@ class CacheStub:
                 request_serializer=cache__pb2.ExistsRequest.SerializeToString,
                 response_deserializer=cache__pb2.ExistsReply.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/rtp.v1.Cache/Snapshot',
+                request_serializer=worker__pb2.KVSnapshotRequest.SerializeToString,
+                response_deserializer=worker__pb2.KVSnapshot.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -72,6 +78,14 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Every key the in-memory tier (T2) holds, consistent with the instance's KVEvents
+        stream (the master's index resyncs from it). FAILED_PRECONDITION: it publishes none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +103,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Exists,
                     request_deserializer=cache__pb2.ExistsRequest.FromString,
                     response_serializer=cache__pb2.ExistsReply.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=worker__pb2.KVSnapshotRequest.FromString,
+                    response_serializer=worker__pb2.KVSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +191,33 @@ class Cache:
             '/rtp.v1.Cache/Exists',
             cache__pb2.ExistsRequest.SerializeToString,
             cache__pb2.ExistsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Cache/Snapshot',
+            worker__pb2.KVSnapshotRequest.SerializeToString,
+            worker__pb2.KVSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

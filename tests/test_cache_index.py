@@ -1,0 +1,152 @@
+"""The remote tier in the master's prefix index: a cache instance's in-memory tier (T2)
+publishes its changes as sequenced KVEvents on NATS and serves Cache.Snapshot, and the
+master's index follows it exactly, through a dropped batch and a master restart. Real NATS,
+real gRPC; the master side is services.master.cluster.ClusterView as the master runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+
+from services.cache.kv_feed import CacheEventFeed
+from services.cache.lru import ByteLRU
+from services.cache.servicer import CacheServicer
+from services.common import grpc_util
+from services.common.bus import Bus
+from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
+from services.common.pb import nameservice_pb2 as ns
+from services.master.cluster import ClusterView, SnapshotClient
+from tests.servers import eventually
+
+Ev = ns.MembershipEvent
+VALUE_BYTES = 1000
+CAPACITY = 8 * VALUE_BYTES + 500  # 8 blocks of the ones below: the 9th evicts the oldest
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(4, "big"), digest_size=16).digest()
+
+
+def block(i: int) -> common_pb2.KVBlock:
+    return common_pb2.KVBlock(block_hash=key(i), index=i, num_tokens=1, k=b"k" * 500, v=b"v" * 490)
+
+
+@dataclass
+class Cache:
+    servicer: CacheServicer
+    bus: Bus
+    server: object
+    address: str
+    feeding: asyncio.Task[None]
+
+    @classmethod
+    async def start(cls, nats_url: str) -> Cache:
+        servicer = CacheServicer(ByteLRU(CAPACITY, record_events=True))
+        server, port, _ = grpc_util.create_server("127.0.0.1:0")
+        cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
+        bus = await Bus.connect(nats_url, "cache-1")
+        servicer.feed = CacheEventFeed(servicer.lru, bus, "cache-1")
+        await server.start()
+        return cls(
+            servicer, bus, server, f"127.0.0.1:{port}", asyncio.create_task(servicer.feed.run())
+        )
+
+    @property
+    def member(self) -> ns.Member:
+        return ns.Member(id="cache-1", role=ns.ROLE_CACHE, address=self.address)
+
+    async def put(self, *indices: int) -> None:
+        async with grpc_util.channel(self.address) as ch:
+            await cache_pb2_grpc.CacheStub(ch).Put(
+                cache_pb2.PutRequest(blocks=[block(i) for i in indices]), timeout=5
+            )
+
+    async def stop(self) -> None:
+        self.feeding.cancel()
+        await asyncio.gather(self.feeding, return_exceptions=True)
+        await self.server.stop(0)
+        await self.bus.close()
+
+
+async def master(
+    nats_url: str, cache: Cache
+) -> tuple[ClusterView, Bus, asyncio.Task, SnapshotClient]:
+    view = ClusterView()
+    view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=cache.member))
+    view.end_snapshot()
+    bus = await Bus.connect(nats_url, "master")
+    await view.subscribe(bus)
+    fetch = SnapshotClient(timeout_s=2.0)
+    return view, bus, asyncio.create_task(view.resync_forever(fetch)), fetch
+
+
+async def converged(view: ClusterView, cache: Cache) -> None:
+    def equal() -> bool:
+        return view.index.hashes("cache-1") == set(cache.servicer.lru.keys())
+
+    await eventually(equal, 10.0, "index == the cache's memory")
+    view.check_integrity()
+
+
+def test_the_index_follows_a_cache_instance_through_a_lost_batch_and_a_master_restart(
+    nats_server,
+):
+    async def main() -> None:
+        cache = await Cache.start(nats_server)
+        view, bus, resync, fetch = await master(nats_server, cache)
+        try:
+            await cache.put(*range(6))
+            await converged(view, cache)
+            await cache.put(6, 7, 8, 9)  # 10 blocks in 8 slots: 0 and 1 evicted
+            await converged(view, cache)
+            assert not view.index.holds("cache-1", key(0))
+            # A batch NATS loses: its changes are taken and never published, its number spent.
+            await cache.put(10)
+            cache.servicer.lru.take_events()
+            cache.servicer.feed.seq += 1
+            await cache.put(11)  # the next batch shows the gap: a resync from the snapshot
+            await converged(view, cache)
+            assert view.sync.stats.resyncs["gap"] == 1
+            # The remote tier is the union of the instances: a worker that reads it can
+            # fetch the prefix that only the cache holds (blocks 4..11 here).
+            assert view.index.match_any([key(i) for i in range(4, 12)], ["cache-1"]) == 8
+        finally:
+            resync.cancel()
+            await asyncio.gather(resync, return_exceptions=True)
+            await fetch.close()
+            await bus.close()
+        # A master that starts again starts empty, and resyncs from the snapshot.
+        view, bus, resync, fetch = await master(nats_server, cache)
+        try:
+            await converged(view, cache)
+            assert view.sync.stats.resyncs["startup"] == 1
+        finally:
+            resync.cancel()
+            await asyncio.gather(resync, return_exceptions=True)
+            await fetch.close()
+            await bus.close()
+            await cache.stop()
+
+    asyncio.run(main())
+
+
+def test_a_cache_without_a_feed_refuses_snapshots():
+    async def main() -> None:
+        servicer = CacheServicer(ByteLRU(CAPACITY))
+        server, port, _ = grpc_util.create_server("127.0.0.1:0")
+        cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
+        await server.start()
+        try:
+            async with grpc_util.channel(f"127.0.0.1:{port}") as ch:
+                try:
+                    await cache_pb2_grpc.CacheStub(ch).Snapshot(worker_pb2.KVSnapshotRequest())
+                except Exception as exc:
+                    assert "publishes no KV events" in str(exc)
+                else:
+                    raise AssertionError("a snapshot of nothing was served")
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
