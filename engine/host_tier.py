@@ -11,7 +11,9 @@ block. Least recently used blocks go first when the byte capacity is reached.
 
 On a CPU both tiers are host memory: T1 is worth having where it is larger than T0 would be
 (a worker that keeps its device pool small and fast to scan, or, later, an INT8-compressed
-T1 under a bf16 T0). On CUDA it would be pinned memory with asynchronous copies.
+T1 under a bf16 T0). On CUDA the slab is pinned memory and spills are asynchronous copies
+down: a lookup waits for the latest one (stream order covers every earlier one) before it
+reads a slot, and the copies up from pinned memory are asynchronous too.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class HostTier:
         self._hits = self._misses = self._stored = self._evicted = 0
         self._record_events = record_events
         self._events: list[KVEvent] = []
+        self._copied: torch.cuda.Event | None = None  # CUDA: after the latest spill's copy
+        self._pinned = False  # CUDA: the slab is pinned memory
 
     def hashes(self) -> list[BlockHash]:
         return list(self._slots)
@@ -79,8 +83,12 @@ class HostTier:
         if num == 0:
             return False
 
+        pin = self._pinned = kv.k.is_cuda  # host memory the GPU copies to and from async
+
         def slab(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.empty((num, *t.shape), dtype=t.dtype)
+            if t is None:
+                return None
+            return torch.empty((num, *t.shape), dtype=t.dtype, pin_memory=pin)
 
         self._slab = PromptKV(0, slab(kv.k), slab(kv.v), slab(kv.k_scale), slab(kv.v_scale))
         self._block_bytes = kv.nbytes
@@ -105,7 +113,10 @@ class HostTier:
         slot = self._free.pop()
         for dst, src in zip(_tensors(slab), _tensors(kv), strict=True):
             if dst is not None:
-                dst[slot].copy_(src)
+                dst[slot].copy_(src, non_blocking=src.is_cuda)
+        if kv.k.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self._slots[block_hash] = slot
         self._stored += 1
         self._event(KVEventKind.STORED, block_hash)
@@ -114,6 +125,9 @@ class HostTier:
         """Copies of the KV of the leading blocks of these keys held here, in order (each
         refreshed). Copies, because storing the caller's next blocks may reuse these slots
         before it has written these up."""
+        if self._copied is not None:  # the spills down must have landed before we read
+            self._copied.synchronize()
+            self._copied = None
         found = []
         for h in block_hashes:
             slot = self._slots.get(h)
@@ -121,7 +135,9 @@ class HostTier:
                 self._misses += 1
                 break
             self._slots.move_to_end(h)
-            found.append(PromptKV(0, *(_clone(t, slot) for t in _tensors(self._slab))))
+            found.append(
+                PromptKV(0, *(_clone(t, slot, self._pinned) for t in _tensors(self._slab)))
+            )
         self._hits += len(found)
         return found
 
@@ -152,5 +168,9 @@ def _tensors(kv: PromptKV) -> tuple[torch.Tensor | None, ...]:
     return kv.k, kv.v, kv.k_scale, kv.v_scale
 
 
-def _clone(t: torch.Tensor | None, slot: int) -> torch.Tensor | None:
-    return None if t is None else t[slot].clone()
+def _clone(t: torch.Tensor | None, slot: int, pinned: bool) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if pinned:  # pinned too, so that its copy up is asynchronous
+        return torch.empty_like(t[slot], pin_memory=True).copy_(t[slot])
+    return t[slot].clone()
