@@ -16,7 +16,9 @@ infinite cache shared by everyone would reuse, computed from the prompts: `ceili
 and the prompt blocks each tier served, scraped from the workers' and cache service's
 metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's memory,
 T3 Redis; and the mean of actual minus predicted time to first token (ms) over the
-requests the master predicted (rtp:ttft_prediction_error_seconds). "tiers off" is
+requests the master predicted (rtp:ttft_prediction_error_seconds), with a bound on the
+median absolute error (the smallest histogram bucket bound b with half of them within
++-b), since errors of both signs cancel in the mean. "tiers off" is
 `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
 """
 
@@ -113,17 +115,31 @@ def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
     return hits
 
 
-def prediction_error(frontend: str) -> float:
-    """Mean of actual minus predicted time to first token, seconds (nan: none predicted)."""
+def prediction_error(frontend: str) -> tuple[float, float]:
+    """(mean of actual minus predicted time to first token, the smallest histogram bound b
+    with at least half of the requests within +-b: a bound on the median absolute error),
+    seconds; nan for both when none was predicted. The mean alone lets errors of both signs
+    cancel."""
     text = httpx.get(f"{frontend}/metrics", timeout=10).text
     total = count = 0.0
+    below: dict[float, float] = {}  # bucket bound -> requests with an error <= it
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "rtp:ttft_prediction_error_seconds_sum":
                 total += s.value
             elif s.name == "rtp:ttft_prediction_error_seconds_count":
                 count += s.value
-    return total / count if count else math.nan
+            elif s.name == "rtp:ttft_prediction_error_seconds_bucket":
+                bound = float(s.labels["le"])
+                below[bound] = below.get(bound, 0.0) + s.value
+    if not count:
+        return math.nan, math.nan
+    within = math.inf
+    for b in sorted(b for b in below if 0 < b < math.inf and -b in below):
+        if below[b] - below[-b] >= count / 2:
+            within = b
+            break
+    return total / count, within
 
 
 def _metrics_addresses(nameservice: str) -> list[str]:
@@ -158,15 +174,20 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *run.flags(args)) as c:
         results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
         hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
-        error = prediction_error(c.url)
+        error, within = prediction_error(c.url)
     out = summarize(results, duration, (50, 95, 99))
-    return out | {"cached_tokens": cached, "hits": hits, "prediction_error_s": error}
+    return out | {
+        "cached_tokens": cached,
+        "hits": hits,
+        "prediction_error_s": error,
+        "prediction_abs_p50_s": within,
+    }
 
 
 def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
     head = (
         f"{'run':<36} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
-        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} {'pred err':>8} "
+        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} {'pred err':>8} {'|err|p50':>8} "
         + " ".join(f"{t:>6}" for t in TIERS)
     )
     lines = [head]
@@ -181,7 +202,8 @@ def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
         lines.append(
             f"{run.name:<36} {r['completed']:>5} {r['failed']:>4} {r['median_ttft_ms']:>9.1f} "
             f"{r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} {ratio:>8.2f} "
-            f"{reused:>7.1%} {share:>7.1%} {r['prediction_error_s'] * 1e3:>8.1f} {tiers}"
+            f"{reused:>7.1%} {share:>7.1%} {r['prediction_error_s'] * 1e3:>8.1f} "
+            f"{'<=' + format(r['prediction_abs_p50_s'] * 1e3, 'g'):>8} {tiers}"
         )
     return "\n".join(lines)
 
