@@ -130,6 +130,11 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
         self.fail = fail
         self.members: dict[str, ns_pb2.Member] = {}
         self.requests: list[master_pb2.RouteRequest] = []
+        self.released: list[tuple[str, str]] = []  # (request id, frontend id)
+
+    async def Release(self, request, context):
+        self.released.append((request.request_id, request.frontend_id))
+        return master_pb2.ReleaseReply(released=True)
 
     async def Route(self, request, context):
         self.requests.append(request)

@@ -57,6 +57,23 @@ def test_master_gets_the_workers_block_hashes(tiny, tok, script) -> None:
     assert list(req.exclude) == []
 
 
+def test_a_request_releases_its_id_at_the_master_when_it_ends(tiny, script) -> None:
+    """The master leases the id to the frontend that routed it (services/master/leases.py)."""
+    master = FakeMaster([("w1", None)])
+    status, body = complete(tiny, {"w1": (FUSED, FakeWorker(script))}, {"prompt": "x"}, master)
+    assert status == 200, body
+    (req,) = master.requests
+    assert req.frontend_id.startswith("frontend-")
+    assert master.released == [(req.request_id, req.frontend_id)]
+
+
+def test_an_id_in_flight_through_another_frontend_is_a_409(tiny, script) -> None:
+    master = FakeMaster(fail=grpc.StatusCode.ALREADY_EXISTS)
+    status, body = complete(tiny, {"w1": (FUSED, FakeWorker(script))}, {"prompt": "x"}, master)
+    assert status == 409, body
+    assert body["error"]["code"] == "duplicate_request_id"
+
+
 def test_pd_plan_sends_the_prefill_address(tiny, script) -> None:
     decode, prefill = FakeWorker(script), FakeWorker(script)
     master = FakeMaster([("d1", "p1")])

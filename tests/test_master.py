@@ -549,3 +549,62 @@ def test_lora_requests_go_to_workers_serving_the_adapter_resident_first():
     ]
     assert lora_route(cluster(*pd, loads=loads), "a1").decode.id == "d2"
     assert lora_route(cluster(*pd, loads=loads), "").decode.id == "d1"
+
+
+# -- request-id leases -----------------------------------------------------------------------
+def test_request_id_leases():
+    from services.master.leases import RequestLeases
+
+    now = [0.0]
+    leases = RequestLeases(clock=lambda: now[0], ttl_s=10.0, max_leases=2)
+    assert leases.acquire("r1", "f1") is None
+    assert leases.acquire("r1", "f1") is None  # a migration: the same frontend renews
+    assert leases.acquire("r1", "f2") == "f1"  # a retry through another frontend
+    assert leases.acquire("r1", "f2", gone=lambda f: f == "f1") is None  # f1 left: taken over
+    assert not leases.release("r1", "f1")  # f1 no longer holds it
+    assert leases.release("r1", "f2") and len(leases) == 0
+    assert leases.acquire("r2", "f1") is None
+    now[0] = 10.5  # expired (a lost release)
+    assert leases.acquire("r2", "f2") is None
+    assert leases.acquire("r3", "f1") is None and leases.acquire("r4", "f1") is None
+    assert len(leases) == 2 and leases.acquire("r2", "f1") is None  # r2 was the oldest: gone
+
+
+def test_the_master_refuses_an_id_in_flight_through_another_frontend():
+    from services.master.servicer import MasterServicer
+    from tests.frontend_fakes import serve_grpc
+
+    async def main() -> None:
+        view = cluster(member("w1", F))
+        servicer = MasterServicer(view, CacheAware())
+        server, address = await serve_grpc(master_pb2_grpc.add_MasterServicer_to_server, servicer)
+        try:
+            async with grpc_util.channel(address) as ch:
+                stub = master_pb2_grpc.MasterStub(ch)
+
+                def req(frontend: str) -> master_pb2.RouteRequest:
+                    return master_pb2.RouteRequest(
+                        request_id="r", num_prompt_tokens=4, frontend_id=frontend
+                    )
+
+                assert (await stub.Route(req("f1"))).decode.id == "w1"
+                assert (await stub.Route(req("f1"))).decode.id == "w1"  # its migration
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Route(req("f2"))
+                assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                assert "in flight through another frontend" in refused.value.details()
+                reply = await stub.Release(
+                    master_pb2.ReleaseRequest(request_id="r", frontend_id="f1")
+                )
+                assert reply.released
+                assert (await stub.Route(req("f2"))).decode.id == "w1"
+                # A frontend that left the cluster holds nothing any more.
+                view.apply_membership(
+                    Ev(kind=Ev.KIND_JOINED, member=member("f2", ns.ROLE_FRONTEND))
+                )
+                view.apply_membership(Ev(kind=Ev.KIND_LEFT, member=member("f2", ns.ROLE_FRONTEND)))
+                assert (await stub.Route(req("f3"))).decode.id == "w1"
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())

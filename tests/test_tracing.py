@@ -43,6 +43,8 @@ EXPECTED = {
     ("frontend", "tokenize", "internal"),
     ("frontend", "rtp.v1.Master/Route", "client"),
     ("master", "rtp.v1.Master/Route", "server"),
+    ("frontend", "rtp.v1.Master/Release", "client"),  # the request id's lease, at the end
+    ("master", "rtp.v1.Master/Release", "server"),
     ("frontend", "rtp.v1.Worker/Generate", "client"),
     ("decode", "rtp.v1.Worker/Generate", "server"),
     ("decode", "rtp.v1.Worker/Prefill", "client"),
@@ -146,7 +148,7 @@ def test_one_request_is_one_trace(cluster, receiver):
     assert root.attributes[tracing.CACHED_TOKENS] == usage["prompt_tokens_details"]["cached_tokens"]
     assert root.attributes[tracing.FINISH_REASONS] == [body["choices"][0]["finish_reason"]]
     assert 0 < root.attributes[tracing.TIME_TO_FIRST_TOKEN] <= root.duration_ms / 1e3
-    (route,) = [s for s in spans if s.service == "master"]
+    (route,) = [s for s in spans if (s.service, s.name) == ("master", "rtp.v1.Master/Route")]
     assert route.attributes["rtp.route.policy"] and route.attributes["rtp.route.decode"]
     (prefill,) = [s for s in spans if s.name == "prefill"]
     computed = prefill.attributes["rtp.prefill.tokens_computed"]

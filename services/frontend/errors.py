@@ -95,6 +95,8 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, who: str) -> FrontendError:
         return FrontendError(ErrorKind.INVALID, message)
     if code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter the worker does not serve
         return FrontendError(ErrorKind.NOT_FOUND, message, "model", "model_not_found")
+    if code == grpc.StatusCode.ALREADY_EXISTS:  # the id is in flight through another frontend
+        return FrontendError(ErrorKind.CONFLICT, message, code="duplicate_request_id")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return FrontendError(ErrorKind.OVERLOADED, message, code="rate_limit_exceeded")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

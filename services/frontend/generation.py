@@ -153,6 +153,16 @@ class Generator:
     async def _worker_messages(
         self, inp: GenerateInput, timer: metrics.SequenceTimer
     ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+        try:
+            async for msg in self._attempts(inp, timer):
+                yield msg
+        finally:  # the master leased the request id to this frontend while it ran
+            self.router.release(inp.request_id)
+
+    async def _attempts(
+        self, inp: GenerateInput, timer: metrics.SequenceTimer
+    ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+        """The worker's messages, migrating to another worker on failures."""
         produced: list[int] = []  # output tokens so far, over every attempt
         exclude: list[str] = []
         last_error: FrontendError | None = None

@@ -136,6 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
             grpc_address,
             model=model.served_name,
             metrics_address=advertised(args, http_port),  # GET /metrics on the HTTP port
+            member_id=router.frontend_id,  # the id the master leases request ids to
         )
         if names is not None:
             await names.register(member)

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -78,9 +79,14 @@ class Router:
         master: str | None = None,
         watch: Watch | None = None,
         route_timeout: float = ROUTE_TIMEOUT_S,
+        frontend_id: str | None = None,
     ) -> None:
         self.master = master  # fixed address; None: the master the nameservice reports
+        # This frontend's member id: the master leases the ids of the requests it routes
+        # for us to it (services/master/leases.py).
+        self.frontend_id = frontend_id or f"frontend-{uuid.uuid4().hex[:8]}"
         self.membership = Membership()
+        self._releases: set[asyncio.Task[None]] = set()
         self._watch = watch
         self._route_timeout = route_timeout
         self._channels = grpc_util.ChannelCache()
@@ -94,6 +100,8 @@ class Router:
             log.warning("no master and no nameservice: no request can be routed")
 
     async def close(self) -> None:
+        if self._releases:  # the last requests' releases: briefly, they are best effort
+            await asyncio.wait(set(self._releases), timeout=self._route_timeout)
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -118,8 +126,11 @@ class Router:
         return False
 
     async def route(self, request: master_pb2.RouteRequest, timeout: float | None = None) -> Route:
-        """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it).
-        `timeout`: what is left of the request's deadline (the master gets no longer)."""
+        """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it;
+        CONFLICT: its id is in flight through another frontend). `timeout`: what is left of
+        the request's deadline (the master gets no longer). A route from the master leases
+        the request id to this frontend until `release`."""
+        request.frontend_id = self.frontend_id
         address = self.master_address()
         if address is not None and time.monotonic() >= self._master_down_until:
             route = await self._ask_master(address, request, timeout)
@@ -137,6 +148,23 @@ class Router:
             extra={"request_id": request.request_id},
         )
         return route
+
+    def release(self, request_id: str) -> None:
+        """The request ended: end its lease at the master, in the background (a lost release
+        only keeps a client's retry through another frontend waiting until it expires)."""
+        address = self.master_address()
+        if address is None:
+            return
+        stub = master_pb2_grpc.MasterStub(self.channel(address))
+        msg = master_pb2.ReleaseRequest(request_id=request_id, frontend_id=self.frontend_id)
+
+        async def send() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Release(msg, timeout=self._route_timeout)
+
+        task = asyncio.create_task(send())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _ask_master(
         self, address: str, request: master_pb2.RouteRequest, timeout: float | None

@@ -111,6 +111,10 @@ class ClusterView:
     def member(self, worker_id: str) -> Member | None:
         return self._members.get(worker_id)
 
+    def departed(self, member_id: str) -> bool:
+        """Whether `member_id` was a member and left (as far as the view remembers)."""
+        return member_id in self._departed
+
     def load(self, worker_id: str) -> events_pb2.LoadReport | None:
         """The worker's latest load report; None if none came within the load TTL."""
         entry = self._loads.get(worker_id)

@@ -1,4 +1,5 @@
-"""rtp.v1.Master over gRPC: validate the request, ask the policy, map errors to status codes;
+"""rtp.v1.Master over gRPC: validate the request, lease its id to the frontend asking
+(services/master/leases.py), ask the policy, map errors to status codes; release a lease;
 and the prefix index as it stands (Index)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from services.common import tracing
 from services.common.pb import master_pb2, master_pb2_grpc
 from services.master import metrics
 from services.master.cluster import ClusterView
+from services.master.leases import RequestLeases
 from services.master.policy import NoWorkersError, Policy, RouteReason
 from services.master.prefix_index import BLOCK_HASH_BYTES
 
@@ -30,9 +32,12 @@ def validate(request: master_pb2.RouteRequest) -> None:
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
-    def __init__(self, view: ClusterView, policy: Policy) -> None:
+    def __init__(
+        self, view: ClusterView, policy: Policy, leases: RequestLeases | None = None
+    ) -> None:
         self.view = view
         self.policy = policy
+        self.leases = leases if leases is not None else RequestLeases()
 
     async def Route(
         self, request: master_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -44,9 +49,23 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             validate(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        leased = bool(request.request_id and request.frontend_id)
+        if leased:
+            holder = self.leases.acquire(
+                request.request_id, request.frontend_id, gone=self.view.departed
+            )
+            if holder is not None:
+                log.warning("route %s: in flight through %s", request.request_id, holder)
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"a request with id {request.request_id!r} is in flight through another "
+                    "frontend; wait for it to end (or send another id)",
+                )
         try:
             decision = self.policy.decide(self.view, request)
         except NoWorkersError as e:
+            if leased:
+                self.leases.release(request.request_id, request.frontend_id)
             metrics.master().route(self.policy.name, RouteReason.NO_WORKERS)
             log.warning("route %s: %s", request.request_id, e, extra=extra)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -65,6 +84,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 }
             )
         return plan
+
+    async def Release(
+        self, request: master_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.ReleaseReply:
+        released = self.leases.release(request.request_id, request.frontend_id)
+        return master_pb2.ReleaseReply(released=released)
 
     async def Index(
         self, request: master_pb2.IndexRequest, context: grpc.aio.ServicerContext

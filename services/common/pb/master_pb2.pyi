@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "session_id", "priority", "exclude", "lora_name")
+    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "session_id", "priority", "exclude", "lora_name", "frontend_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class RouteRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
@@ -23,7 +24,22 @@ class RouteRequest(_message.Message):
     priority: int
     exclude: _containers.RepeatedScalarFieldContainer[str]
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    frontend_id: str
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., frontend_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "frontend_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    frontend_id: str
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
     __slots__ = ("prefill", "decode", "matched_blocks", "policy", "reason", "predicted_ttft_s")

@@ -39,6 +39,11 @@ class MasterStub:
                 request_serializer=master__pb2.RouteRequest.SerializeToString,
                 response_deserializer=master__pb2.RoutePlan.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/rtp.v1.Master/Release',
+                request_serializer=master__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=master__pb2.ReleaseReply.FromString,
+                _registered_method=True)
         self.Index = channel.unary_unary(
                 '/rtp.v1.Master/Index',
                 request_serializer=master__pb2.IndexRequest.SerializeToString,
@@ -51,6 +56,13 @@ class MasterServicer:
 
     def Route(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """The request ended at the frontend: its id may be routed for anyone again.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -69,6 +81,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=master__pb2.RouteRequest.FromString,
                     response_serializer=master__pb2.RoutePlan.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=master__pb2.ReleaseRequest.FromString,
+                    response_serializer=master__pb2.ReleaseReply.SerializeToString,
             ),
             'Index': grpc.unary_unary_rpc_method_handler(
                     servicer.Index,
@@ -103,6 +120,33 @@ class Master:
             '/rtp.v1.Master/Route',
             master__pb2.RouteRequest.SerializeToString,
             master__pb2.RoutePlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Master/Release',
+            master__pb2.ReleaseRequest.SerializeToString,
+            master__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
