@@ -10,8 +10,12 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 
+import redis.asyncio as aioredis
+
 from services.cache.kv_feed import CacheEventFeed
 from services.cache.lru import ByteLRU
+from services.cache.redis_keys import RedisKeys
+from services.cache.redis_tier import RedisTier
 from services.cache.servicer import CacheServicer
 from services.common import grpc_util
 from services.common.bus import Bus
@@ -39,19 +43,23 @@ class Cache:
     bus: Bus
     server: object
     address: str
-    feeding: asyncio.Task[None]
+    feeding: asyncio.Future
 
     @classmethod
-    async def start(cls, nats_url: str) -> Cache:
-        servicer = CacheServicer(ByteLRU(CAPACITY, record_events=True))
+    async def start(cls, nats_url: str, redis: RedisTier | None = None) -> Cache:
+        servicer = CacheServicer(ByteLRU(CAPACITY, record_events=True), redis)
         server, port, _ = grpc_util.create_server("127.0.0.1:0")
         cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
         bus = await Bus.connect(nats_url, "cache-1")
-        servicer.feed = CacheEventFeed(servicer.lru, bus, "cache-1")
+        loops = []
+        if redis is not None:
+            servicer.redis_keys = RedisKeys(redis)
+            loops.append(servicer.redis_keys.run(interval_s=0.1))
+        servicer.feed = CacheEventFeed(servicer.lru, bus, "cache-1", redis_keys=servicer.redis_keys)
+        loops.append(servicer.feed.run())
         await server.start()
-        return cls(
-            servicer, bus, server, f"127.0.0.1:{port}", asyncio.create_task(servicer.feed.run())
-        )
+        feeding = asyncio.gather(*loops)
+        return cls(servicer, bus, server, f"127.0.0.1:{port}", feeding)
 
     @property
     def member(self) -> ns.Member:
@@ -128,6 +136,65 @@ def test_the_index_follows_a_cache_instance_through_a_lost_batch_and_a_master_re
             await fetch.close()
             await bus.close()
             await cache.stop()
+
+    asyncio.run(main())
+
+
+def test_the_index_follows_what_redis_still_holds_of_the_writes(nats_server, redis_server):
+    """T3 is the cache's lower tier in the index: the keys it wrote through to Redis, less
+    those Redis dropped (found missing within a reconcile interval) or let expire."""
+
+    async def main() -> None:
+        redis = RedisTier(redis_server, namespace="t3-index")
+        cache = await Cache.start(nats_server, redis)
+        view, bus, resync, fetch = await master(nats_server, cache)
+
+        def lower() -> set[bytes]:
+            return view.index.host.hashes("cache-1")
+
+        try:
+            await cache.put(*range(12))  # 12 written through; the memory keeps only 8
+            await cache.servicer.flush()
+            await eventually(lambda: lower() == {key(i) for i in range(12)}, 10.0, "T3 indexed")
+            await converged(view, cache)
+            # Redis drops two (maxmemory, say): the index follows within a reconcile.
+            other = aioredis.Redis.from_url(redis_server)  # as an operator (or maxmemory) would
+            await other.delete(redis.key(key(0)), redis.key(key(5)))
+            await other.aclose()
+            want = {key(i) for i in range(12)} - {key(0), key(5)}
+            await eventually(lambda: lower() == want, 10.0, "evictions reconciled")
+            # Blocks 0 and 1 left memory (evicted by 8..11) and block 0 left Redis: the
+            # remote tier gives the prefix up to block 0 only; from 1 on it gives 1..4.
+            assert view.index.match_any([key(i) for i in range(5)], ["cache-1"]) == 0
+            assert view.index.match_any([key(i) for i in range(1, 5)], ["cache-1"]) == 4
+            view.check_integrity()
+        finally:
+            resync.cancel()
+            await asyncio.gather(resync, return_exceptions=True)
+            await fetch.close()
+            await bus.close()
+            await cache.stop()
+            await redis.close()
+
+    asyncio.run(main())
+
+
+def test_redis_keys_expire_with_their_ttl(redis_server):
+    async def main() -> None:
+        now = [0.0]
+        redis = RedisTier(redis_server, namespace="t3-ttl", ttl_s=10)
+        keys = RedisKeys(redis, clock=lambda: now[0])
+        try:
+            assert await redis.put_many([(key(1), b"x"), (key(2), b"y")])
+            keys.written([key(1), key(2)])
+            now[0] = 5.0
+            keys.written([key(2)])  # written again: its TTL starts over
+            assert keys.take_events() == [(key(1), True), (key(2), True)]
+            now[0] = 10.0
+            assert await keys.reconcile()
+            assert keys.keys() == [key(2)] and keys.take_events() == [(key(1), False)]
+        finally:
+            await redis.close()
 
     asyncio.run(main())
 

@@ -6,8 +6,9 @@ member id: batches numbered 1, 2, 3, ... within one incarnation, a number spent 
 NATS drops the batch (the hole is how the master notices), and a snapshot that publishes
 the pending changes first, so that snapshot(seq=S) == apply(batch 1..S). Keys are spread
 over the instances by consistent hashing, so the master reads the remote tier as the union
-of every instance's part. Redis (T3) below it publishes nothing: what only Redis holds is
-not in the index.
+of every instance's part. The keys it wrote through to Redis (T3) that Redis still holds
+(services/cache/redis_keys.py) are its lower tier, in the fields a worker uses for its host
+tier (`host_stored`, `host_removed`, `host_block_hashes`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import time
 
 from services.cache.lru import ByteLRU
+from services.cache.redis_keys import RedisKeys
 from services.common import subjects
 from services.common.bus import Bus
 from services.common.pb import events_pb2, worker_pb2
@@ -31,8 +33,10 @@ class CacheEventFeed:
         cache_id: str,
         namespace: str = subjects.DEFAULT_NAMESPACE,
         incarnation: int | None = None,
+        redis_keys: RedisKeys | None = None,
     ) -> None:
         self.lru = lru
+        self.redis_keys = redis_keys
         self.bus = bus
         self.cache_id = cache_id
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
@@ -43,17 +47,23 @@ class CacheEventFeed:
     async def flush(self) -> None:
         """Publish the changes since the last batch as the next one (none: nothing)."""
         async with self._lock:
-            await self._publish(self.lru.take_events())
+            await self._publish(*self._take())
+
+    def _take(self) -> tuple[list[tuple[bytes, bool]], list[tuple[bytes, bool]]]:
+        lower = self.redis_keys.take_events() if self.redis_keys is not None else []
+        return self.lru.take_events(), lower
 
     async def snapshot(self) -> worker_pb2.KVSnapshot:
         """Every key the instance holds in memory now, and the batch it is consistent with."""
         async with self._lock:
-            # Taken together, with no await between: nothing changes the LRU in between.
-            events, keys = self.lru.take_events(), self.lru.keys()
-            await self._publish(events)
+            # Taken together, with no await between: nothing changes either set meanwhile.
+            events = self._take()
+            keys = self.lru.keys()
+            lower = self.redis_keys.keys() if self.redis_keys is not None else []
+            await self._publish(*events)
             return worker_pb2.KVSnapshot(
                 worker_id=self.cache_id, incarnation=self.incarnation, seq=self.seq,
-                block_hashes=keys,
+                block_hashes=keys, host_block_hashes=lower,
             )  # fmt: skip
 
     async def run(self, interval_s: float = EVENT_INTERVAL_S) -> None:
@@ -62,10 +72,13 @@ class CacheEventFeed:
             await asyncio.sleep(interval_s)
             await self.flush()  # NATS down: the batch is dropped, its number spent (a gap)
 
-    async def _publish(self, events: list[tuple[bytes, bool]]) -> None:
-        if not events:
+    async def _publish(
+        self, memory: list[tuple[bytes, bool]], redis: list[tuple[bytes, bool]]
+    ) -> None:
+        if not memory and not redis:
             return
-        last = dict(events)  # net the batch: only each key's last change counts
+        # Net the batch: only each key's last change in each tier counts.
+        last, lower = dict(memory), dict(redis)
         self.seq += 1
         msg = events_pb2.KVEvents(
             worker_id=self.cache_id,
@@ -73,5 +86,7 @@ class CacheEventFeed:
             incarnation=self.incarnation,
             stored=[k for k, stored in last.items() if stored],
             removed=[k for k, stored in last.items() if not stored],
+            host_stored=[k for k, stored in lower.items() if stored],
+            host_removed=[k for k, stored in lower.items() if not stored],
         )
         await self.bus.publish(self._subject, msg)

@@ -12,6 +12,7 @@ import logging
 from services.cache import metrics as cache_metrics
 from services.cache.kv_feed import CacheEventFeed
 from services.cache.lru import ByteLRU
+from services.cache.redis_keys import RedisKeys
 from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
 from services.cache.servicer import CacheServicer
 from services.common import grpc_util, metrics
@@ -69,7 +70,8 @@ async def serve(args: argparse.Namespace) -> None:
     lru = servicer.lru
     cache_metrics.cache_service().watch_memory(lambda: lru.bytes_used, lambda: len(lru))
     metrics_address = advertised(args, metrics.start_metrics_server(args.metrics_port, args.host))
-    names = bus = feeding = None
+    names = bus = None
+    tasks: list[asyncio.Task[None]] = []  # the index feed's loops
     try:
         await server.start()
         await grpc_util.set_serving(health, SERVICE_NAME, True)
@@ -90,14 +92,19 @@ async def serve(args: argparse.Namespace) -> None:
             )
             if indexed:
                 bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
-                servicer.feed = CacheEventFeed(lru, bus, member.id, args.namespace)
-                feeding = asyncio.create_task(servicer.feed.run(), name="kv-feed")
+                if redis is not None:
+                    servicer.redis_keys = RedisKeys(redis)
+                    tasks.append(asyncio.create_task(servicer.redis_keys.run(), name="t3"))
+                servicer.feed = CacheEventFeed(
+                    lru, bus, member.id, args.namespace, redis_keys=servicer.redis_keys
+                )
+                tasks.append(asyncio.create_task(servicer.feed.run(), name="kv-feed"))
             await names.register(member)
         await server.wait_for_termination()
     finally:
         await grpc_util.set_serving(health, SERVICE_NAME, False)
-        if feeding is not None:
-            feeding.cancel()
+        for task in tasks:
+            task.cancel()
         if names is not None:
             await names.close()
         if bus is not None:

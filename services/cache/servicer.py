@@ -20,6 +20,7 @@ from opentelemetry import trace
 from services.cache import MAX_KEYS, metrics
 from services.cache.kv_feed import CacheEventFeed
 from services.cache.lru import ByteLRU
+from services.cache.redis_keys import RedisKeys
 from services.cache.redis_tier import RedisTier
 from services.common.grpc_util import MAX_MESSAGE_BYTES
 from services.common.metrics import TIER_MEMORY, TIER_REDIS
@@ -50,6 +51,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._write_slots = asyncio.Semaphore(write_concurrency)
         self._writes: set[asyncio.Task[None]] = set()
         self.feed: CacheEventFeed | None = None  # set when it publishes to the index
+        self.redis_keys: RedisKeys | None = None  # likewise: what Redis holds of its writes
         self.promoted = 0  # blocks served from Redis and copied into the LRU
         self.dropped_writes = 0  # write-through batches skipped: Redis down or backlogged
 
@@ -188,7 +190,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def _write(self, items: list[tuple[bytes, bytes]]) -> None:
         assert self.redis is not None
         async with self._write_slots:
-            await self.redis.put_many(items)  # never raises; failures are logged there
+            # Never raises; failures are logged there.
+            if await self.redis.put_many(items) and self.redis_keys is not None:
+                self.redis_keys.written([key for key, _ in items])
 
     async def _check_count(self, n: int, what: str, context: grpc.aio.ServicerContext) -> None:
         if n > self.max_keys:

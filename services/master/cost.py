@@ -15,12 +15,12 @@ prompt block comes from, for candidate w:
 
 `local` is w's match in the prefix index, `host` the match of w's host tier after it (the
 index holds both tiers of every worker); `reachable`, when w reads the remote tier, is the
-longer of what the cache instances' memory (T2) holds between them (each publishes its part
-of the index, services/cache/kv_feed.py) and the longest match of any worker's pool and host
-tier together: every prefill and fused worker writes the blocks it computes back to the
-cache service, which writes them through to Redis (T3). Redis publishes nothing, so blocks
-only it still holds, and no worker, count as computed (an overestimate, never an
-underestimate, of the cold worker's cost).
+longer of what the cache instances hold between them, in memory (T2) or in Redis (T3) (each
+publishes its part of the index, services/cache/kv_feed.py), and the longest match of any
+worker's pool and host tier together: every prefill and fused worker writes the blocks it
+computes back to the cache service (a cache instance that publishes no index, without
+NATS, is then still counted; where a write-back was dropped, the fetch misses and the
+worker computes).
 
 A worker whose step model is not fitted yet borrows the mean coefficients of those that are;
 when none is, costs are in tokens (token_s = 1) and say so. An unfitted fetch costs what

@@ -283,8 +283,8 @@ class CacheAware(Policy):
         if self.uses_cache:
             host = view.index.host
             below = {w: host.match(w, hashes[n:]) for w, n in device.items()}
-            # What the remote tier can give: what its instances' memory (T2) holds, and what
-            # any worker holds (each wrote it back; T2 wrote it through to Redis, T3).
+            # What the remote tier can give: what its instances hold (T2 and T3), and what
+            # any worker holds (each wrote it back).
             reachable = max(
                 max((device[w] + below[w] for w in everyone), default=0),
                 view.index.match_any(hashes, caches),

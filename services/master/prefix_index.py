@@ -88,12 +88,14 @@ class PrefixIndex:
         return result
 
     def match_any(self, hashes: Sequence[bytes], holder_ids: Iterable[str]) -> int:
-        """Number of leading `hashes` each held by at least one of `holder_ids` (the cache
-        instances, which shard keys between them: the remote tier is their union)."""
+        """Number of leading `hashes` each held by at least one of `holder_ids` in either
+        tier (the cache instances: keys are sharded between them, so the remote tier is
+        their union, memory and Redis)."""
         ids = set(holder_ids)
+        lower = self.host._holders if self.host is not None else {}
         n = 0
         for h in hashes:
-            if not ids & self._holders.get(h, set()):
+            if not ids & (self._holders.get(h, set()) | lower.get(h, set())):
                 break
             n += 1
         return n
