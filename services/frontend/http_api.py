@@ -373,8 +373,8 @@ async def _stream_sse(
 ) -> web.StreamResponse:
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     resp = web.StreamResponse(headers=headers | {REQUEST_ID_HEADER: builder.id})
-    await resp.prepare(request)
     try:
+        await resp.prepare(request)  # the client may be gone already
         if builder.chat:  # OpenAI opens each chat choice with the assistant role
             for i in range(len(choices)):
                 tools = choices[i].parser is not None
