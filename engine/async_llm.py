@@ -221,10 +221,6 @@ class AsyncLLM:
         """How many leading blocks of these keys the device pool holds now."""
         return await self.call(lambda engine: engine.num_cached_prefix(block_hashes))
 
-    async def import_blocks(self, block_hashes: list[BlockHash], kv: PromptKV) -> int:
-        """Put KV fetched from a lower tier into the pool (see LLMEngine.import_blocks)."""
-        return await self.call(lambda engine: engine.import_blocks(block_hashes, kv))
-
     async def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
         return await self.call(lambda engine: engine.take_kv_events())

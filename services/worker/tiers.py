@@ -3,7 +3,8 @@
 Each prompt block is resolved through the tiers first (Algorithm 1 of the paper): found in
 the device pool (or copied up from the engine's host tier), it is reused; else found in the
 remote tier (the cache service instances, backed by Redis), it is fetched and imported into
-the pool; else it is computed. Full blocks computed here are written back to the remote tier
+the pool; else it is computed. The lookup (`Prefetch`) runs while the request is queued
+(the engine holds it until the lookup is over, engine/scheduler.py). Full blocks computed here are written back to the remote tier
 off the request path. Prefill workers and fused workers both do this. The remote tier is an
 optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
 uses its own pool alone. Blocks fetched from it are used only if their integrity tag matches
@@ -79,7 +80,7 @@ class Prefetch:
 
     async def __call__(self) -> StagedKV | None:
         tiers = self.tiers
-        self.hits, staged = await tiers._fetch(self.usable)
+        self.hits, staged = await tiers.lookup(self.usable)
         queried = len(self.usable) - self.hits.device if tiers.cache is not None else 0
         tiers.metrics.prefix_cache(len(self.usable), self.hits.device, queried, self.hits.remote)
         return staged
@@ -109,7 +110,9 @@ class Tiers:
         request's `prefetch` (it runs while the request is queued)."""
         return Prefetch(self, prompt, hashes)
 
-    async def _fetch(self, usable: list[BlockHash]) -> tuple[TierHits, StagedKV | None]:
+    async def lookup(self, usable: list[BlockHash]) -> tuple[TierHits, StagedKV | None]:
+        """What the device pool (after the host tier's copy-up) and then the remote tier hold
+        of these leading keys; the remote blocks come back to be imported."""
         device = await self.llm.num_cached_prefix(usable)
         if self.cache is None or device == len(usable):
             return TierHits(device, 0), None
