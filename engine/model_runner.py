@@ -14,19 +14,15 @@ from engine.dtypes import torch_dtype
 from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
-from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
+from engine.models.llama import LlamaModel, apply_rope, load_llama_weights, rms_norm
 from engine.outputs import PromptKV, SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.rejection import DraftRow, accept, rows_of
 from engine.weights import load_tensors
-from kernels.attention import (
-    AttentionMetadata,
-    LayerCache,
-    PrefillChunk,
-    get_attention_backend,
-)
+from kernels import backends
+from kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
 from kernels.linear import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -73,9 +69,17 @@ class ModelRunner:
         weights = load_llama_weights(
             tensors, model_config, self.dtype, self.kernels, config.weight_dtype
         )
-        attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
+        choice = backends.choose(self.device, self.dtype, self.kv_dtype, config.block_size)
+        self.attention_backend = choice.describe()
+        attention = backends.build(choice, model_config.head_dim**-0.5)
         norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
-        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm)
+        rope = apply_rope
+        if choice.name == "triton":  # its RMSNorm and rotary kernels come with it
+            from kernels.triton import rms_norm as triton_norm
+            from kernels.triton import rotary
+
+            norm, rope = triton_norm.rms_norm, rotary.apply_rope
+        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm, rope)
         slots = limits.num_kv_blocks * config.block_size
         shape = (
             model_config.num_layers,
@@ -108,7 +112,8 @@ class ModelRunner:
         )
         log.info(
             "model loaded: %s, %d layers, %s (weights %s, %.0f MiB read per step), "
-            "cpu: %s; linear kernels: %s; kv cache %s, %d blocks = %d tokens (%.1f MiB)",
+            "cpu: %s; linear kernels: %s; attention: %s; "
+            "kv cache %s, %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
             config.dtype,
@@ -116,6 +121,7 @@ class ModelRunner:
             weights.nbytes_per_token / 2**20,
             self.cpu_isa,
             self.linear_kernels,
+            self.attention_backend,
             config.resolved_kv_dtype,
             limits.num_kv_blocks,
             limits.num_kv_blocks * config.block_size,

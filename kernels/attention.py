@@ -15,7 +15,8 @@ it, reads widen from it. Every layer writes the new K/V into their slots first, 
 attends, so a block computed in this step can already be read by another sequence of the
 same step. Over a narrower cache a prompt attends to its own K/V as stored too: the values
 a later prefix hit reads. `CpuKernelAttention` (the compiled CPU kernels, reading the blocks
-in place) implements the same interface; a GPU backend would too (none exists yet).
+in place) implements the same interface, as do the GPU backends (kernels/triton/backend.py,
+kernels/flash_attn.py); kernels/backends.py chooses among them.
 """
 
 from __future__ import annotations
@@ -226,15 +227,3 @@ def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
-
-
-def get_attention_backend(device: torch.device, scale: float) -> AttentionBackend:
-    """The backend for a device: the compiled CPU kernel where it builds, else torch ops
-    (also on CUDA until the GPU kernels land)."""
-    if device.type == "cpu":
-        from kernels import cpu
-
-        ops = cpu.load()
-        if ops is not None:
-            return CpuKernelAttention(scale, ops)
-    return TorchAttention(scale)

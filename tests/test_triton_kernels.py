@@ -226,3 +226,45 @@ def test_rotary_matches_reference(dtype):
         assert torch.equal(got, expected)  # each product and sum rounded as torch rounds
     else:
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_triton_backend_mixed_step_matches_reference_backend(kv_dtype):
+    """A whole step through TritonAttention.forward (decodes, a chunk after cached context,
+    a fresh prompt): the same cache contents and outputs as the reference backend's."""
+    from kernels.attention import AttentionMetadata, PrefillChunk, TorchAttention, write_kv
+    from kernels.triton.backend import TritonAttention
+
+    torch.manual_seed(7)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    seqs = [(6, 1), (12, 1), (5, 7), (0, 9)]  # (cached, new) per sequence, decodes first
+    template = empty_cache(32, bs, hkv, d, kv_dtype)
+    template = LayerCache(template.k, template.v, *(
+        None if s is None else s.nan_to_num(0.0) for s in (template.k_scale, template.v_scale)))  # fmt: skip
+    free = torch.randperm(32).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // bs))] for c, n in seqs]
+    for (c, _), table in zip(seqs, tables, strict=True):
+        if c:
+            slots = slots_of(table, 0, c, bs)
+            write_kv(template, torch.randn(c, hkv, d), torch.randn(c, hkv, d), slots, bs)
+    total = sum(n for _, n in seqs)
+    q, k, v = (torch.randn(total, h, d, device=DEVICE) for h in (hq, hkv, hkv))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(
+            [slots_of(t, c, c + n, bs) for (c, n), t in zip(seqs, tables, strict=True)]
+        ).to(DEVICE),
+        block_size=bs,
+        num_decodes=2,
+        decode_block_tables=padded(tables[:2]).to(DEVICE),
+        decode_seq_lens=torch.tensor([7, 13], device=DEVICE),
+        prefills=[
+            PrefillChunk(2, 7, 5, torch.tensor(tables[2], device=DEVICE)),
+            PrefillChunk(9, 9, 0, torch.tensor(tables[3], device=DEVICE)),
+        ],
+    )
+    caches = [on_device(LayerCache(*(None if t is None else t.clone() for t in (
+        template.k, template.v, template.k_scale, template.v_scale)))) for _ in range(2)]  # fmt: skip
+    expected = TorchAttention(d**-0.5).forward(q, k, v, caches[0], meta)
+    got = TritonAttention(d**-0.5).forward(q, k, v, caches[1], meta)
+    assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
