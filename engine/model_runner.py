@@ -72,7 +72,7 @@ class ModelRunner:
         )
         choice = backends.choose(self.device, self.dtype, self.kv_dtype, config.block_size)
         self.attention_backend = choice.describe()
-        attention = backends.build(choice, model_config.head_dim**-0.5)
+        attention = backends.build(choice, model_config.head_dim**-0.5, self.device)
         norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
         rope = apply_rope
         if choice.name == "triton":  # its RMSNorm and rotary kernels come with it

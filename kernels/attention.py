@@ -227,3 +227,34 @@ def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSequences:
+    """A step as the library backends take it (flash-attn, FlashInfer): every decode row and
+    prefill chunk one sequence of `q_lens` new tokens over `k_lens` keys (those included)."""
+
+    q_lens: torch.Tensor  # [S] int32
+    q_indptr: torch.Tensor  # [S + 1] int32: where each sequence's rows start
+    k_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, device: torch.device) -> StepSequences:
+        b = meta.num_decodes
+        tables = [] if not b else list(meta.decode_block_tables)
+        tables += [c.block_table for c in meta.prefills]
+        padded = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32, device=device)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = t
+        q_lens = torch.tensor([1] * b + [c.q_len for c in meta.prefills], device=device)
+        k_lens = torch.tensor([c.ctx_len + c.q_len for c in meta.prefills], device=device)
+        if b:
+            k_lens = torch.cat([meta.decode_seq_lens.to(device), k_lens])
+        q_lens = q_lens.int()
+        return cls(q_lens, cumulative(q_lens), k_lens.int(), padded)
+
+
+def cumulative(lens: torch.Tensor) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] in int32: the offsets CSR-style kernels take."""
+    return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))

@@ -3,6 +3,8 @@
     device  order tried                           each needs
     cuda    flash-attn                             flash_attn importable; fp16/bf16 model and
                                                    cache; blocks a multiple of 256 tokens
+            flashinfer                             flashinfer importable; fp16/bf16 model
+                                                   and cache (any block size)
             triton                                 triton importable (kernels/triton)
             torch                                  nothing (the reference ops)
     cpu     cpu-kernels                            the compiled kernels build (kernels/cpu.py)
@@ -28,7 +30,7 @@ FLASH_ATTN_PAGE = 256  # flash-attn's paged KV takes pages of a multiple of this
 
 @dataclass(frozen=True, slots=True)
 class BackendChoice:
-    name: str  # flash-attn | triton | cpu-kernels | torch
+    name: str  # flash-attn | flashinfer | triton | cpu-kernels | torch
     passed_over: tuple[str, ...] = ()  # "name: why" for each tried before it
 
     def describe(self) -> str:
@@ -67,17 +69,27 @@ def choose(
         passed.append(f"flash-attn: block size {block_size} is not a multiple of 256")
     else:
         return BackendChoice("flash-attn", tuple(passed))
+    if not have("flashinfer"):
+        passed.append("flashinfer: not installed")
+    elif dtype not in half or kv_dtype != dtype:
+        passed.append(f"flashinfer: needs an fp16/bf16 model and cache, not {dtype}/{kv_dtype}")
+    else:
+        return BackendChoice("flashinfer", tuple(passed))
     if have("triton"):
         return BackendChoice("triton", tuple(passed))
     passed.append("triton: not installed")
     return BackendChoice("torch", tuple(passed))
 
 
-def build(choice: BackendChoice, scale: float) -> AttentionBackend:
+def build(choice: BackendChoice, scale: float, device: torch.device) -> AttentionBackend:
     if choice.name == "flash-attn":
         from kernels.flash_attn import FlashAttention
 
         return FlashAttention(scale)
+    if choice.name == "flashinfer":
+        from kernels.flashinfer import FlashInferAttention
+
+        return FlashInferAttention(scale, device)
     if choice.name == "triton":
         from kernels.triton.backend import TritonAttention
 
