@@ -268,3 +268,21 @@ def test_triton_backend_mixed_step_matches_reference_backend(kv_dtype):
     got = TritonAttention(d**-0.5).forward(q, k, v, caches[1], meta)
     assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_engine_on_the_triton_kernels_matches_hf(preset, model_dir, hf_greedy, prompts):
+    """The model on the kernels a CUDA worker chooses (Triton attention, RMSNorm, rotary),
+    swapped in on CPU: HF's greedy tokens, through chunked prefill and mixed steps."""
+    from engine import SamplingParams
+    from kernels.triton.backend import TritonAttention
+    from tests import helpers
+
+    llm = helpers.make_llm(model_dir(preset), "float32", max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    model.attention = TritonAttention(model.attention.scale)
+    model.norm, model.rope = tri_norm.rms_norm, rotary.apply_rope
+    chosen = [prompts[0], prompts[3], prompts[6]]  # 5, 24 and 58 tokens
+    outs = llm.generate(chosen, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(chosen, outs, strict=True):
+        assert out.token_ids == hf_greedy(preset, prompt)[0][:6], f"prompt of {len(prompt)}"
