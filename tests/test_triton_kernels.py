@@ -270,19 +270,20 @@ def test_triton_backend_mixed_step_matches_reference_backend(kv_dtype):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_engine_on_the_triton_kernels_matches_hf(preset, model_dir, hf_greedy, prompts):
+@pytest.mark.slow  # a few hundred interpreted launches: ~1 min on 2 cores
+def test_engine_on_the_triton_kernels_matches_hf(model_dir, hf_greedy, prompts):
     """The model on the kernels a CUDA worker chooses (Triton attention, RMSNorm, rotary),
-    swapped in on CPU: HF's greedy tokens, through chunked prefill and mixed steps."""
+    swapped in on CPU: HF's greedy tokens, through a chunked prefill beside decodes."""
+    preset = "tiny-qwen2"  # GQA and a qkv bias
     from engine import SamplingParams
     from kernels.triton.backend import TritonAttention
     from tests import helpers
 
-    llm = helpers.make_llm(model_dir(preset), "float32", max_num_batched_tokens=32)
+    llm = helpers.make_llm(model_dir(preset), "float32", max_num_batched_tokens=16)
     model = llm.engine.runner.model
     model.attention = TritonAttention(model.attention.scale)
     model.norm, model.rope = tri_norm.rms_norm, rotary.apply_rope
-    chosen = [prompts[0], prompts[3], prompts[6]]  # 5, 24 and 58 tokens
-    outs = llm.generate(chosen, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    chosen = [prompts[0], prompts[3]]  # 5 and 24 tokens: the second in two chunks
+    outs = llm.generate(chosen, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(chosen, outs, strict=True):
-        assert out.token_ids == hf_greedy(preset, prompt)[0][:6], f"prompt of {len(prompt)}"
+        assert out.token_ids == hf_greedy(preset, prompt)[0][:5], f"prompt of {len(prompt)}"
