@@ -103,7 +103,8 @@ class DecodeGraphs:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """Logits of every row of a decode-only step, or None if no graph fits it."""
+        """Logits of every row of a decode-only step, or None if no graph fits it. They live
+        in the graphs' memory: read them before the next step."""
         n = input_ids.shape[0]
         size = padded_size(n, self.sizes)
         if size is None or meta.prefills or meta.num_decodes != n:

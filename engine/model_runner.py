@@ -83,7 +83,9 @@ class ModelRunner:
         self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm, rope)
         # CUDA graphs pad decode batches with rows that write into a scratch block past the
         # pool's (engine/cuda_graphs.py): the block pool never hands it out.
-        graphs = self.device.type == "cuda" and choice.name == "triton" and config.cuda_graph_sizes
+        graphs = (
+            self.device.type == "cuda" and choice.name == "triton" and bool(config.cuda_graph_sizes)
+        )
         pool_blocks = limits.num_kv_blocks + (1 if graphs else 0)
         slots = pool_blocks * config.block_size
         shape = (

@@ -16,7 +16,7 @@ attends, so a block computed in this step can already be read by another sequenc
 same step. Over a narrower cache a prompt attends to its own K/V as stored too: the values
 a later prefix hit reads. `CpuKernelAttention` (the compiled CPU kernels, reading the blocks
 in place) implements the same interface, as do the GPU backends (kernels/triton/backend.py,
-kernels/flash_attn.py); kernels/backends.py chooses among them.
+kernels/flash_attn.py, kernels/flashinfer.py); kernels/backends.py chooses among them.
 """
 
 from __future__ import annotations
