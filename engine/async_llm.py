@@ -94,9 +94,11 @@ class AsyncLLM:
         self.max_num_waiting = config.max_num_waiting
         self.kv_layout: KVLayout = self.engine.kv_layout
         self.cache_salt: bytes = self.engine.cache_salt
-        # What the worker runs on, for Stats: the CPU's ISA level and the kernels it chose.
+        # What the worker runs on, for Stats: the CPU's ISA level and the kernels it chose
+        # (projections, attention: kernels/backends.py).
         self.cpu_isa: str = self.engine.runner.cpu_isa
         self.linear_kernels: str = self.engine.runner.linear_kernels
+        self.attention_backend: str = self.engine.runner.attention_backend
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue[_Add | _Release | _DeliverKV | _Abort | _Call | None] = (
             queue.SimpleQueue()

@@ -125,6 +125,9 @@ class EngineConfig:
     # "auto": the KV cache in `dtype`; or a narrower dtype than the model (bf16 KV, fp32 model).
     kv_dtype: str = "auto"
     device: str = "cpu"
+    # Decode batch sizes captured as CUDA graphs at start (engine/cuda_graphs.py), on CUDA
+    # with the Triton backend; () runs every step eagerly. Ignored on CPU.
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     block_size: int = 16
     # KV pool size: an explicit block count wins over the memory budget.
     num_kv_blocks: int | None = None
@@ -170,6 +173,8 @@ class EngineConfig:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if any(n <= 0 for n in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.speculative not in SPECULATIVE_METHODS:

@@ -10,23 +10,20 @@ import logging
 import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
+from engine.cuda_graphs import DecodeGraphs, cuda_capture
 from engine.dtypes import torch_dtype
 from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
-from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
+from engine.models.llama import LlamaModel, apply_rope, load_llama_weights, rms_norm
 from engine.outputs import PromptKV, SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.rejection import DraftRow, accept, rows_of
 from engine.weights import load_tensors
-from kernels.attention import (
-    AttentionMetadata,
-    LayerCache,
-    PrefillChunk,
-    get_attention_backend,
-)
+from kernels import backends
+from kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
 from kernels.linear import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -73,10 +70,24 @@ class ModelRunner:
         weights = load_llama_weights(
             tensors, model_config, self.dtype, self.kernels, config.weight_dtype
         )
-        attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
+        choice = backends.choose(self.device, self.dtype, self.kv_dtype, config.block_size)
+        self.attention_backend = choice.describe()
+        attention = backends.build(choice, model_config.head_dim**-0.5, self.device)
         norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
-        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm)
-        slots = limits.num_kv_blocks * config.block_size
+        rope = apply_rope
+        if choice.name == "triton":  # its RMSNorm and rotary kernels come with it
+            from kernels.triton import rms_norm as triton_norm
+            from kernels.triton import rotary
+
+            norm, rope = triton_norm.rms_norm, rotary.apply_rope
+        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm, rope)
+        # CUDA graphs pad decode batches with rows that write into a scratch block past the
+        # pool's (engine/cuda_graphs.py): the block pool never hands it out.
+        graphs = (
+            self.device.type == "cuda" and choice.name == "triton" and bool(config.cuda_graph_sizes)
+        )
+        pool_blocks = limits.num_kv_blocks + (1 if graphs else 0)
+        slots = pool_blocks * config.block_size
         shape = (
             model_config.num_layers,
             2,
@@ -90,7 +101,7 @@ class ModelRunner:
         # An int8 cache: a float32 scale per layer, K/V, block and kv head.
         self.kv_scales = None
         if self.kv_dtype == torch.int8:
-            scales = (model_config.num_layers, 2, limits.num_kv_blocks, model_config.num_kv_heads)
+            scales = (model_config.num_layers, 2, pool_blocks, model_config.num_kv_heads)
             self.kv_scales = torch.zeros(scales, dtype=torch.float32, device=self.device)
         self.kv_caches = [
             LayerCache(layer[0], layer[1])
@@ -98,6 +109,19 @@ class ModelRunner:
             else LayerCache(layer[0], layer[1], self.kv_scales[i, 0], self.kv_scales[i, 1])
             for i, layer in enumerate(self.kv_cache)
         ]
+        self.graphs: DecodeGraphs | None = None
+        self.graph_steps = 0  # decode steps replayed from a graph
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self._forward,
+                config.cuda_graph_sizes,
+                max_blocks=-(-limits.max_model_len // config.block_size),
+                scratch_block=limits.num_kv_blocks,
+                block_size=config.block_size,
+                device=self.device,
+                capture=cuda_capture(self.device),
+            )
+            log.info("captured CUDA graphs for decode batches of %s", self.graphs.sizes)
         self.sampler = Sampler(model_config.eos_token_ids)
         self.loras = LoraRegistry(model_config, config.max_loras, self.dtype, self.device)
         self._lora_mm = lora_matmul(self.kernels.ops, self.dtype)
@@ -108,7 +132,8 @@ class ModelRunner:
         )
         log.info(
             "model loaded: %s, %d layers, %s (weights %s, %.0f MiB read per step), "
-            "cpu: %s; linear kernels: %s; kv cache %s, %d blocks = %d tokens (%.1f MiB)",
+            "cpu: %s; linear kernels: %s; attention: %s; "
+            "kv cache %s, %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
             config.dtype,
@@ -116,6 +141,7 @@ class ModelRunner:
             weights.nbytes_per_token / 2**20,
             self.cpu_isa,
             self.linear_kernels,
+            self.attention_backend,
             config.resolved_kv_dtype,
             limits.num_kv_blocks,
             limits.num_kv_blocks * config.block_size,
@@ -195,7 +221,12 @@ class ModelRunner:
             no_rows = torch.tensor([0], device=self.device)
             self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows, lora)
             return {}
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows, lora)
+        logits = None
+        if self.graphs is not None and lora is None and len(sample_rows) == len(input_ids):
+            logits = self.graphs.run(input_ids, positions, meta)  # None: no graph fits
+            self.graph_steps += logits is not None
+        if logits is None:
+            logits = self._forward(input_ids, positions, meta, sample_rows, lora)
         rows: list[Request | DraftRow] = []
         for s in samplers:
             rows.extend(rows_of(s.request, s.spec_token_ids))
@@ -207,6 +238,9 @@ class ModelRunner:
             result[s.request.request_id] = accept(s.spec_token_ids, tokens[i : i + n])
             i += n
         return result
+
+    def _forward(self, input_ids, positions, meta, logits_rows, lora=None) -> torch.Tensor:
+        return self.model.forward(input_ids, positions, self.kv_caches, meta, logits_rows, lora)
 
     def _lora_batch(self, items: list[ScheduledRequest]) -> LoraBatch | None:
         names = {s.request.lora for s in items if s.request.lora}

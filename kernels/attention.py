@@ -15,7 +15,8 @@ it, reads widen from it. Every layer writes the new K/V into their slots first, 
 attends, so a block computed in this step can already be read by another sequence of the
 same step. Over a narrower cache a prompt attends to its own K/V as stored too: the values
 a later prefix hit reads. `CpuKernelAttention` (the compiled CPU kernels, reading the blocks
-in place) implements the same interface; a GPU backend would too (none exists yet).
+in place) implements the same interface, as do the GPU backends (kernels/triton/backend.py,
+kernels/flash_attn.py, kernels/flashinfer.py); kernels/backends.py chooses among them.
 """
 
 from __future__ import annotations
@@ -228,13 +229,32 @@ def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
     return out.squeeze(0).transpose(0, 1)
 
 
-def get_attention_backend(device: torch.device, scale: float) -> AttentionBackend:
-    """The backend for a device: the compiled CPU kernel where it builds, else torch ops
-    (also on CUDA until the GPU kernels land)."""
-    if device.type == "cpu":
-        from kernels import cpu
+@dataclass(frozen=True, slots=True)
+class StepSequences:
+    """A step as the library backends take it (flash-attn, FlashInfer): every decode row and
+    prefill chunk one sequence of `q_lens` new tokens over `k_lens` keys (those included)."""
 
-        ops = cpu.load()
-        if ops is not None:
-            return CpuKernelAttention(scale, ops)
-    return TorchAttention(scale)
+    q_lens: torch.Tensor  # [S] int32
+    q_indptr: torch.Tensor  # [S + 1] int32: where each sequence's rows start
+    k_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, device: torch.device) -> StepSequences:
+        b = meta.num_decodes
+        tables = [] if not b else list(meta.decode_block_tables)
+        tables += [c.block_table for c in meta.prefills]
+        padded = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32, device=device)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = t
+        q_lens = torch.tensor([1] * b + [c.q_len for c in meta.prefills], device=device)
+        k_lens = torch.tensor([c.ctx_len + c.q_len for c in meta.prefills], device=device)
+        if b:
+            k_lens = torch.cat([meta.decode_seq_lens.to(device), k_lens])
+        q_lens = q_lens.int()
+        return cls(q_lens, cumulative(q_lens), k_lens.int(), padded)
+
+
+def cumulative(lens: torch.Tensor) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] in int32: the offsets CSR-style kernels take."""
+    return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))

@@ -20,6 +20,10 @@ from tests.helpers import REF_TOKENS
 # without starving other jobs; it also fixes the reduction order for reproducibility.
 torch.set_num_threads(2)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. It is read
+# when a kernel is defined, so it must be set before any kernels.triton module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # Varied text (code, prose, numbers, markup) so prompts exercise many different token ids.

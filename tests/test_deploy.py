@@ -253,7 +253,9 @@ def test_compose_gpu_profile_reserves_gpus_for_workers() -> None:
         assert service["build"]["args"]["TORCH_VARIANT"].startswith("cu"), name
         assert service["image"] != services[_argv(service)[1]]["image"], "a CUDA image tag"
         twin = services[_argv(service)[1]]
-        assert _environment(service) == _environment(twin), f"{name} runs as its CPU twin"
+        on_gpu = {**_environment(twin), "RTP_DEVICE": "cuda"}
+        assert _environment(service) == on_gpu, f"{name} runs as its CPU twin, on the GPU"
+        assert "triton-cache:/home/rtp/.cache/triton" in service["volumes"], name
 
 
 def test_advertise_host_auto_is_this_machines_address(monkeypatch: pytest.MonkeyPatch) -> None:

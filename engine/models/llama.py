@@ -177,11 +177,13 @@ class LlamaModel:
         attention: AttentionBackend,
         max_len: int,
         norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
+        rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope,
     ) -> None:
         self.cfg = cfg
         self.w = weights
         self.attention = attention
         self.norm = norm  # the compiled kernel on CPUs (same rounding), else rms_norm
+        self.rope = rope  # the Triton kernel on CUDA (same rounding), else apply_rope
         self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
         self._q = cfg.num_heads * cfg.head_dim
         self._kv = cfg.num_kv_heads * cfg.head_dim
@@ -210,7 +212,7 @@ class LlamaModel:
             if lora is not None:
                 lora.add(i, QKV, h, qkv)
             # RoPE on q and k together: one set of elementwise ops instead of two.
-            qk = apply_rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
+            qk = self.rope(qkv[:, : self._q + self._kv].view(-1, self._heads, d), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self._q + self._kv :].view(-1, cfg.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, cache, meta).view(-1, self._q)

@@ -80,6 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_dtype=self.llm.kv_layout.dtype,
             cpu_isa=self.llm.cpu_isa,
             linear_kernels=self.llm.linear_kernels,
+            attention_backend=self.llm.attention_backend,
             loras=stats.loras.known if stats.loras else (),
             resident_loras=stats.loras.resident if stats.loras else (),
         )
