@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.dtypes import torch_dtype
+from engine.grammar_masks import MaskWorker
 from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
@@ -99,6 +100,7 @@ class ModelRunner:
             for i, layer in enumerate(self.kv_cache)
         ]
         self.sampler = Sampler(model_config.eos_token_ids)
+        self.masks = MaskWorker(model_config.vocab_size)
         self.loras = LoraRegistry(model_config, config.max_loras, self.dtype, self.device)
         self._lora_mm = lora_matmul(self.kernels.ops, self.dtype)
         isa = self.kernels.isa
@@ -195,11 +197,12 @@ class ModelRunner:
             no_rows = torch.tensor([0], device=self.device)
             self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows, lora)
             return {}
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows, lora)
         rows: list[Request | DraftRow] = []
         for s in samplers:
             rows.extend(rows_of(s.request, s.spec_token_ids))
-        tokens = self.sampler(logits, rows)
+        masks = self.masks.start(rows)  # grammar masks, beside the forward pass
+        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows, lora)
+        tokens = self.sampler(logits, rows, masks)
         result: dict[str, list[SampledToken]] = {}
         i = 0
         for s in samplers:
