@@ -216,6 +216,8 @@ class LLMEngine:
         )
 
     def add_request(self, request: Request) -> None:
+        if request.lora:
+            self.loras.count_request(request.lora)
         self._copy_up_prefix(request)
         self.scheduler.add_request(request)
 
