@@ -201,7 +201,14 @@ class ModelRunner:
         for s in samplers:
             rows.extend(rows_of(s.request, s.spec_token_ids))
         masks = self.masks.start(rows)  # grammar masks, beside the forward pass
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, sample_rows, lora)
+        try:
+            logits = self.model.forward(
+                input_ids, positions, self.kv_caches, meta, sample_rows, lora
+            )
+        except BaseException:
+            if masks is not None:
+                masks.biases()  # the worker is done with the matchers before anyone else
+            raise
         tokens = self.sampler(logits, rows, masks)
         result: dict[str, list[SampledToken]] = {}
         i = 0
