@@ -222,6 +222,8 @@ class LLMEngine:
     def add_request(self, request: Request, held: bool = False) -> None:
         """Queue a request; `held`: its prefix is being fetched from a lower tier, and it
         is not admitted before `release_request`."""
+        if request.lora:
+            self.loras.count_request(request.lora)
         self._copy_up_prefix(request)
         self.scheduler.add_request(request, held)
 

@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_capture
 from engine.dtypes import torch_dtype
+from engine.grammar_masks import MaskWorker
 from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
@@ -123,6 +124,7 @@ class ModelRunner:
             )
             log.info("captured CUDA graphs for decode batches of %s", self.graphs.sizes)
         self.sampler = Sampler(model_config.eos_token_ids)
+        self.masks = MaskWorker(model_config.vocab_size)
         self.loras = LoraRegistry(model_config, config.max_loras, self.dtype, self.device)
         self._lora_mm = lora_matmul(self.kernels.ops, self.dtype)
         isa = self.kernels.isa
@@ -221,16 +223,22 @@ class ModelRunner:
             no_rows = torch.tensor([0], device=self.device)
             self.model.forward(input_ids, positions, self.kv_caches, meta, no_rows, lora)
             return {}
-        logits = None
-        if self.graphs is not None and lora is None and len(sample_rows) == len(input_ids):
-            logits = self.graphs.run(input_ids, positions, meta)  # None: no graph fits
-            self.graph_steps += logits is not None
-        if logits is None:
-            logits = self._forward(input_ids, positions, meta, sample_rows, lora)
         rows: list[Request | DraftRow] = []
         for s in samplers:
             rows.extend(rows_of(s.request, s.spec_token_ids))
-        tokens = self.sampler(logits, rows)
+        masks = self.masks.start(rows)  # grammar masks, beside the forward pass
+        try:
+            logits = None
+            if self.graphs is not None and lora is None and len(sample_rows) == len(input_ids):
+                logits = self.graphs.run(input_ids, positions, meta)  # None: no graph fits
+                self.graph_steps += logits is not None
+            if logits is None:
+                logits = self._forward(input_ids, positions, meta, sample_rows, lora)
+        except BaseException:
+            if masks is not None:
+                masks.biases()  # the worker is done with the matchers before anyone else
+            raise
+        tokens = self.sampler(logits, rows, masks)
         result: dict[str, list[SampledToken]] = {}
         i = 0
         for s in samplers:

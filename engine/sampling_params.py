@@ -48,8 +48,8 @@ class SamplingParams:
             or self.max_tokens <= 0
         ):
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise bad("temperature", f"must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:

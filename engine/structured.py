@@ -247,12 +247,17 @@ def executor() -> llguidance.LLExecutor:
         return _executor
 
 
-def fill_bitmask(guides: list[Guide], bitmask_ptr: int, words_per_row: int) -> None:
-    """Write row i's allowed tokens (bit t of word t // 32) for guides[i] at `bitmask_ptr`,
-    an int32 [len(guides), words_per_row] C-contiguous buffer."""
-    executor().unsafe_compute_mask_ptr(
-        [(g.matcher, i) for i, g in enumerate(guides)],
-        bitmask_ptr,
-        words_per_row * 4,
-        len(guides),
-    )
+def fill_bitmasks(
+    rows: list[tuple[Guide, int, list[int]]], bitmask_ptr: int, words_per_row: int, n: int
+) -> None:
+    """For each (guide, k, drafts): write the allowed tokens (bit t of word t // 32) of
+    `guide` at row k, and of `guide` after drafts[:i] at row k + i, of an int32
+    [n, words_per_row] C-contiguous buffer at `bitmask_ptr`. Rows past the first draft the
+    grammar refuses are left as they are. The guides end where they started."""
+    plain = [(g.matcher, k) for g, k, drafts in rows if not drafts]
+    drafted = [(g.matcher, k, drafts) for g, k, drafts in rows if drafts]
+    size = words_per_row * 4
+    if plain:
+        executor().unsafe_compute_mask_ptr(plain, bitmask_ptr, size, n)
+    if drafted:  # llguidance refuses an empty draft list here
+        executor().unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask_ptr, size, n)

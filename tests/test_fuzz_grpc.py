@@ -72,6 +72,31 @@ def test_garbage_bytes_are_invalid_argument(channel, tiny, script) -> None:
     assert_serves(frontend_pb2_grpc.FrontendStub(channel), tiny, script)
 
 
+NON_FINITE = [
+    ("temperature", float("inf"), "temperature"),
+    ("temperature", float("nan"), "temperature"),
+    ("top_p", float("-inf"), "top_p"),
+    ("presence_penalty", float("nan"), "presence_penalty"),
+    ("repetition_penalty", float("inf"), "repetition_penalty"),
+    ("logit_bias", float("inf"), "logit_bias[7]"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), NON_FINITE)
+def test_non_finite_sampling_floats_are_invalid_argument(channel, field, value, named) -> None:
+    """Proto floats carry inf and NaN (JSON cannot): refused at the ingress, naming the
+    field, before any worker sees them."""
+    params = common_pb2.SamplingParams(max_tokens=4)
+    if field == "logit_bias":
+        params.logit_bias[7] = value
+    else:
+        setattr(params, field, value)
+    request = frontend_pb2.FrontendGenerateRequest(text="hi", params=params)
+    exc = call_stream(channel, GENERATE, request.SerializeToString())
+    assert exc is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+    assert named in exc.details() and "finite" in exc.details(), exc.details()
+
+
 def assert_serves(stub, tiny, script) -> None:
     request = frontend_pb2.FrontendGenerateRequest(
         text="hi", params=common_pb2.SamplingParams(max_tokens=4)

@@ -83,9 +83,9 @@ def peft_greedy(model_dir, adapter_dir):
     return get
 
 
-def make_llm(model_dir, adapter_dir, preset: str, names, **args) -> LLM:
+def make_llm(model_dir, adapter_dir, preset: str, names, dtype="float32", **args) -> LLM:
     loras = tuple((n, str(adapter_dir(preset, n))) for n in names)
-    return LLM(str(model_dir(preset)), dtype="float32", num_kv_blocks=64, loras=loras, **args)
+    return LLM(str(model_dir(preset)), dtype=dtype, num_kv_blocks=64, loras=loras, **args)
 
 
 def assert_matches(out, ref) -> None:
@@ -126,6 +126,34 @@ def test_mixed_batch_matches_peft(max_loras, model_dir, adapter_dir, peft_greedy
     assert_pool_idle(llm.engine)
 
 
+# bf16 against our float32 (which matches peft to 1e-4, above): the first token's top-20
+# logprobs of a batch mixing two adapters and the base. Measured on tiny-llama: at least 15
+# of the 20 tokens shared and those at most 0.24 apart (the base rows alike: bf16's own
+# rounding, not the low-rank update's), while an adapter leaves few of the base's top 20.
+BF16_LOGPROB_TOL = 0.35
+
+
+def test_bfloat16_adapters_match_float32(model_dir, adapter_dir, prompts):
+    names = ["a1", "", "a3", "a1", "a3", ""]
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = make_llm(model_dir, adapter_dir, "tiny-llama", ["a1", "a3"], dtype=dtype)
+        runs[dtype] = [o.logprobs[0] for o in llm.generate(prompts[:6], first, lora=names)]
+        if dtype == "float32":
+            runs["base"] = [o.logprobs[0] for o in llm.generate(prompts[:6], first)]
+    rows = zip(names, runs["float32"], runs["bfloat16"], runs["base"], strict=True)
+    for name, ref, bf16, base in rows:
+        common = set(ref.top) & set(bf16.top)
+        assert len(common) >= 15, name
+        error = max(abs(ref.top[t] - bf16.top[t]) for t in common)
+        assert error <= BF16_LOGPROB_TOL, (name, error)
+        # bf16's greedy token is float32's, or one tied with it within the tolerance.
+        assert bf16.top.get(ref.token_id, -1e9) >= bf16.logprob - BF16_LOGPROB_TOL, name
+        if name:  # the update is there in bf16: it changes the top 20 more than bf16 does
+            assert len(set(ref.top) & set(base.top)) < len(common) - 5, name
+
+
 def test_lru_swap_keeps_outputs(model_dir, adapter_dir, peft_greedy, prompts):
     """One resident slot, four adapters in turn and again: reloaded from disk each time."""
     preset = "tiny-llama"
@@ -137,6 +165,43 @@ def test_lru_swap_keeps_outputs(model_dir, adapter_dir, peft_greedy, prompts):
     stats = llm.engine.lora_stats()
     assert stats.resident == ("a1",)
     assert stats.evictions == 4
+
+
+def test_worker_metrics_count_adapter_loads_swaps_and_requests(model_dir, adapter_dir, prompts):
+    """One resident slot, two adapters: a1, a3, a1 swap twice; the worker's families export
+    the registry's counts (each call adds what is new) and drop an adapter no longer served."""
+    from prometheus_client import CollectorRegistry
+
+    from services.worker.metrics import WorkerFamilies, WorkerMetrics
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(WorkerFamilies(registry), "fused", "m")
+    llm = make_llm(model_dir, adapter_dir, "tiny-llama", ["a1", "a3"], max_loras=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([prompts[0]], params, lora="a1")
+    metrics.lora(llm.engine.lora_stats())
+    for name in ("a3", "a1"):
+        llm.generate([prompts[0]], params, lora=name)
+    llm.generate([prompts[1]], params)  # the base model counts under no adapter
+    metrics.lora(llm.engine.lora_stats())
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(
+            f"rtp:{name}", {"role": "fused", "model_name": "m"} | labels
+        )
+
+    assert value("lora_adapter_loads_total") == 4  # two registered, two swapped back in
+    assert value("lora_adapter_swaps_total") == 2
+    assert value("lora_adapter_evictions_total") == 2
+    assert value("lora_requests_total", adapter="a1") == 2
+    assert value("lora_requests_total", adapter="a3") == 1
+    assert [value("lora_adapters", kind=k) for k in ("served", "resident", "max")] == [2, 1, 1]
+    assert value("lora_adapter_resident", adapter="a1") == 1
+    assert value("lora_adapter_resident", adapter="a3") == 0
+    llm.engine.remove_lora("a3")
+    metrics.lora(llm.engine.lora_stats())
+    assert value("lora_adapter_resident", adapter="a3") is None
+    assert value("lora_adapters", kind="served") == 1
 
 
 def test_adapters_never_share_cached_blocks(model_dir, adapter_dir, prompts):

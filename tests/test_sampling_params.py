@@ -14,6 +14,8 @@ from engine.sampling_params import SamplingParams
         ({"max_tokens": -3}, "max_tokens"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": -0.5}, "top_p"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -387,14 +388,25 @@ def test_preemption_chunked_prefill_and_prefix_hits(model_dir, spec_prompts, ref
     assert_pool_idle(engine)
 
 
-def test_rows_with_a_grammar_do_not_speculate(model_dir, spec_prompts):
-    regex = StructuredOutputs.regex("(ab|cd){3,8}")
+@pytest.mark.parametrize("every", [0, 3], ids=["exact", "wrong-every-3"])
+def test_rows_with_a_grammar_speculate_within_it(model_dir, spec_prompts, every):
+    """Drafts (advice, some of it breaking the grammar) are cut at the first token the
+    grammar refuses, the rest verified under the grammar's masks after the drafts before
+    them: the same tokens as without speculation, beside an unconstrained row."""
+    regex = StructuredOutputs.regex("(ab|cd|[0-9]){3,12}")
     params = SamplingParams(max_tokens=30, temperature=0.0, structured=regex)
-    base = _run(_engine(model_dir, None), spec_prompts[:1], params)
+    prompts = spec_prompts[:2]
+    base = _run(_engine(model_dir, None), prompts, [params, GREEDY])
     engine = _engine(model_dir, 3)
-    outs = _run(engine, spec_prompts[:1], params)
-    assert outs[0].token_ids == base[0].token_ids
-    assert engine.stats().spec.num_drafts == 0
+    advised = _advised(params, base[0].token_ids, every)
+    made: list[Request] = []
+    outs = _run(engine, prompts, [advised, _advised(GREEDY, base[1].token_ids)], made=made)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    text = engine.tokenizer.decode(outs[0].token_ids)
+    assert re.fullmatch("(ab|cd|[0-9]){3,12}", text), text
+    state = made[0].spec  # the grammar row's drafts were verified (and right, when exact)
+    assert state is not None and state.tried > 0 and (every or state.accepted > 0)
+    assert_pool_idle(engine)
 
 
 def test_remote_prefill_then_speculative_decode(model_dir, spec_prompts, reference):

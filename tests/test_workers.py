@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 
 import grpc
@@ -146,6 +147,33 @@ def test_bad_input_is_invalid_argument_and_cancel_frees_blocks(workers, prompts)
     for address, prefill in ((workers["fused"], ""), (workers["decode"], workers["prefill"])):
         stats = asyncio.run(cancel_midway(address, prefill))
         assert stats.held_blocks == 0 and stats.integrity_ok
+
+
+def test_non_finite_sampling_floats_are_invalid_argument(workers, prompts):
+    """A raw Worker.Generate with inf/NaN proto floats (the frontend refuses them too, but a
+    worker is a gRPC service of its own): INVALID_ARGUMENT naming the field, fused and PD."""
+
+    async def call(address: str, field: str, value: float) -> grpc.aio.AioRpcError:
+        request = worker_pb2.GenerateRequest(
+            request_id=f"bad-{field}", prompt_token_ids=prompts[0], params=params_to_pb(GREEDY)
+        )
+        if field == "logit_bias":
+            request.params.logit_bias[3] = value
+        else:
+            setattr(request.params, field, value)
+        async with grpc_util.channel(address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=10):
+                    pass
+        return err.value
+
+    cases = [("temperature", float("inf")), ("top_p", float("nan")), ("logit_bias", -math.inf)]
+    for role in ("fused", "decode"):
+        for field, value in cases:
+            exc = asyncio.run(call(workers[role], field, value))
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (role, field, exc)
+            assert field in exc.details() and "finite" in exc.details(), exc.details()
+    assert asyncio.run(_stats(workers["decode"])).held_blocks == 0
 
 
 def test_seeded_sampling_is_the_same_fused_and_pd(workers, prompts):

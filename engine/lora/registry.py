@@ -30,6 +30,9 @@ class LoraStats:
     resident: tuple[str, ...]  # least recently used first
     loads: int  # from disk, registration included
     evictions: int
+    swaps: int  # loads a step needed (the adapter was evicted before), of `loads`
+    max_loras: int = 0
+    requests: tuple[tuple[str, int], ...] = ()  # per adapter: requests admitted (cumulative)
 
 
 class LoraRegistry:
@@ -46,6 +49,8 @@ class LoraRegistry:
         self._resident: OrderedDict[str, LoraWeights] = OrderedDict()
         self._loads = 0
         self._evictions = 0
+        self._swaps = 0
+        self._requests: dict[str, int] = {}
         self._stacked: Stacked | None = None  # of the resident set; rebuilt when it changes
 
     def add(self, config: LoraConfig) -> None:
@@ -85,6 +90,7 @@ class LoraRegistry:
                 self._evictions += 1
                 log.debug("LoRA adapter %s evicted", victim)
             self._resident[name] = self._load(self.get(name))
+            self._swaps += 1
             self._stacked = None
         return {name: self._resident[name] for name in wanted}
 
@@ -94,8 +100,20 @@ class LoraRegistry:
             self._stacked = Stacked.build([self._resident[n] for n in sorted(self._resident)])
         return self._stacked
 
+    def count_request(self, name: str) -> None:
+        """A request under adapter `name` was admitted (the per-adapter request counts)."""
+        self._requests[name] = self._requests.get(name, 0) + 1
+
     def stats(self) -> LoraStats:
-        return LoraStats(tuple(self.known), tuple(self._resident), self._loads, self._evictions)
+        return LoraStats(
+            tuple(self.known),
+            tuple(self._resident),
+            self._loads,
+            self._evictions,
+            self._swaps,
+            self.max_loras,
+            tuple(sorted(self._requests.items())),
+        )
 
     def _load(self, config: LoraConfig) -> LoraWeights:
         weights = load_lora_weights(config, self.model, self.dtype, self.device)

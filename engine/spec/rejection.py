@@ -52,8 +52,8 @@ class DraftRow:
 
     @property
     def guide(self) -> Guide | None:
-        # Requests with a grammar never speculate (engine/spec/speculator.py).
-        return None
+        # Its mask is the grammar's after the drafts before it (engine/grammar_masks.py).
+        return self.request.guide
 
     @property
     def sample_seed(self) -> int | None:

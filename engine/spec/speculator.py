@@ -2,14 +2,15 @@
 came of it.
 
 Before each schedule, every running request that is decoding (exactly one token without
-KV), has no grammar and has speculation on gets drafts from the proposer, as many as pay
+KV) and has speculation on gets drafts from the proposer, as many as pay
 at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
 never past its max_tokens or the context limit. After the step, the accepted counts feed
 that estimate and the counters.
 
-Rows with a grammar do not speculate: a draft token would need its grammar validity
-checked (and the matcher rolled back on rejection) before it could be verified; the
-simplest correct choice is to leave those rows to one token a step.
+A request with a grammar keeps its drafts up to the first one the grammar refuses (the
+matcher checks them without advancing); each draft row is then sampled under the grammar's
+mask after the drafts before it (engine/grammar_masks.py), so whatever is accepted is what
+the grammar allows.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Speculator:
         for r, budget, drafts in zip(
             chosen, budgets, self.proposer.propose(chosen, budgets), strict=True
         ):
-            r.spec_token_ids = list(drafts[:budget])
+            r.spec_token_ids = _within_grammar(r, list(drafts[:budget]))
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         """A verified draft of `proposed` tokens kept `accepted` of them."""
@@ -88,7 +89,13 @@ class Speculator:
         return self._stats.snapshot()
 
     def _k_max(self, request: Request) -> int:
-        if request.guide is not None:
-            return 0
         k = request.params.num_speculative_tokens
         return self.num_tokens if k is None else k
+
+
+def _within_grammar(request: Request, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the request's grammar refuses: a refused draft and
+    all after it would be verified only to be rejected."""
+    if request.guide is None or not drafts:
+        return drafts
+    return drafts[: request.guide.matcher.validate_tokens(drafts)]

@@ -3,11 +3,13 @@ logprobs: the one mapping of each (torch-free)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured import GuideKind, StructuredOutputs
+from engine.validation import InvalidRequestError
 from services.common.pb import common_pb2, worker_pb2
 
 
@@ -35,10 +37,24 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
     """SamplingParams' fields from the message; proto3 zeros mean "unset" where zero is not
     a valid value (top_k 0: disabled, top_p 0: 1, repetition_penalty 0: 1; max_tokens 0 is
-    left for the caller)."""
+    left for the caller). A proto float may be inf or NaN, which JSON cannot carry: every
+    one is checked here, at the gRPC boundary (InvalidRequestError naming the field)."""
+    for name in _FLOAT_FIELDS:
+        _check_finite(name, getattr(msg, name))
+    for token, value in msg.logit_bias.items():
+        _check_finite(f"logit_bias[{token}]", value, "logit_bias")
     return {
         "max_tokens": msg.max_tokens,
         "temperature": msg.temperature,
@@ -58,6 +74,11 @@ def params_fields_from_pb(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         ),
         "speculative_advice": tuple(msg.speculative_advice),
     }
+
+
+def _check_finite(name: str, value: float, param: str | None = None) -> None:
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value}", param or name)
 
 
 def params_from_pb(

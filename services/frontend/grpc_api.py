@@ -30,7 +30,10 @@ def options_from_pb(
 ) -> Options:
     """Proto3 zeros mean "unset": max_tokens 0 -> default, top_k 0 -> off, top_p 0 -> 1.
     `timeout`: what is left of the caller's gRPC deadline (the workers give up with it)."""
-    sampling = params_fields_from_pb(request.params)
+    try:
+        sampling = params_fields_from_pb(request.params)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), exc.param) from None
     sampling["max_tokens"] = sampling["max_tokens"] or None
     structured = structured_from_pb(request.structured)
     if structured is not None:

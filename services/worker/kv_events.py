@@ -152,5 +152,6 @@ async def publish_events(
                 stats = llm.stats()
                 load_metrics.host_tier(stats.host_tier)
                 load_metrics.spec_decode(stats.spec)
+                load_metrics.lora(stats.loras)
             # Published after the batch it names, on the same connection: NATS keeps the order.
             await bus.publish(load_subject, report)

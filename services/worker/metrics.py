@@ -1,11 +1,12 @@
 """A worker's metric families: load gauges, prefix-cache lookups by tier, KV transfer,
-speculative decoding."""
+speculative decoding, LoRA adapters."""
 
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from engine.host_tier import HostTierStats
+from engine.lora.registry import LoraStats
 from engine.spec.stats import SpecCounts
 from services.common.metrics import (
     PREFIX,
@@ -134,6 +135,44 @@ class WorkerFamilies:
             w,
             registry=registry,
         )
+        # LoRA adapters (engine/lora/registry.py).
+        self.lora_adapters = Gauge(
+            PREFIX + "lora_adapters",
+            "LoRA adapters the worker serves (kind=served), holds prepared in memory "
+            "(resident) and may hold at once (max).",
+            [*w, "kind"],
+            registry=registry,
+        )
+        self.lora_adapter_resident = Gauge(
+            PREFIX + "lora_adapter_resident",
+            "1 while a served adapter is resident, 0 while it waits on disk.",
+            [*w, "adapter"],
+            registry=registry,
+        )
+        self.lora_loads = Counter(
+            PREFIX + "lora_adapter_loads",
+            "Adapters read from disk and prepared (registration included).",
+            w,
+            registry=registry,
+        )
+        self.lora_evictions = Counter(
+            PREFIX + "lora_adapter_evictions",
+            "Resident adapters evicted to make room for one a step needed.",
+            w,
+            registry=registry,
+        )
+        self.lora_swaps = Counter(
+            PREFIX + "lora_adapter_swaps",
+            "Loads a step waited for: its adapter had been evicted (of lora_adapter_loads).",
+            w,
+            registry=registry,
+        )
+        self.lora_requests = Counter(
+            PREFIX + "lora_requests",
+            "Requests admitted under each adapter.",
+            [*w, "adapter"],
+            registry=registry,
+        )
 
 
 class WorkerMetrics:
@@ -151,6 +190,7 @@ class WorkerMetrics:
         "prefill_rate",
         "_host_seen",
         "_spec_seen",
+        "_lora_seen",
     )
 
     def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
@@ -165,6 +205,7 @@ class WorkerMetrics:
         self.prefill_rate = families.prefill_throughput.labels(role, model_name)
         self._host_seen = (0, 0)  # the host tier's cumulative (hits, misses) already counted
         self._spec_seen: SpecCounts | None = None  # the counts already exported
+        self._lora_seen = LoraStats((), (), 0, 0, 0)
 
     def kv_capacity(self, num_blocks: int, block_size: int) -> None:
         self.capacity.set(num_blocks * block_size)
@@ -222,6 +263,27 @@ class WorkerMetrics:
             f.spec_accepted_per_pos.labels(*labels, str(i)).inc(accepted - before)
             f.spec_acceptance_rate_per_pos.labels(*labels, str(i)).set(rates[i])
         f.spec_mean_accepted_length.labels(*labels).set(counts.mean_accepted_length)
+
+    def lora(self, stats: LoraStats | None) -> None:
+        """The engine's adapters now, and its cumulative counts: what is new since the last
+        call. An adapter no longer served drops out of the per-adapter gauge."""
+        if stats is None:
+            return
+        f, labels = self.families, (self.role, self.model_name)
+        seen, self._lora_seen = self._lora_seen, stats
+        f.lora_adapters.labels(*labels, "served").set(len(stats.known))
+        f.lora_adapters.labels(*labels, "resident").set(len(stats.resident))
+        f.lora_adapters.labels(*labels, "max").set(stats.max_loras)
+        for name in set(seen.known) - set(stats.known):
+            f.lora_adapter_resident.remove(*labels, name)
+        for name in stats.known:
+            f.lora_adapter_resident.labels(*labels, name).set(int(name in stats.resident))
+        f.lora_loads.labels(*labels).inc(stats.loads - seen.loads)
+        f.lora_evictions.labels(*labels).inc(stats.evictions - seen.evictions)
+        f.lora_swaps.labels(*labels).inc(stats.swaps - seen.swaps)
+        before = dict(seen.requests)
+        for name, n in stats.requests:
+            f.lora_requests.labels(*labels, name).inc(n - before.get(name, 0))
 
     def kv_integrity_failures(self, blocks: int) -> None:
         self.families.kv_integrity_failures.labels(self.role, self.model_name).inc(blocks)
