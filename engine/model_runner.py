@@ -14,7 +14,7 @@ from engine.dtypes import torch_dtype
 from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
-from engine.models.llama import LlamaModel, load_llama_weights, rms_norm
+from engine.models.llama import LlamaModel, fused_groups, load_llama_weights, rms_norm
 from engine.outputs import PromptKV, SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
@@ -66,12 +66,18 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
-        tensors = load_tensors(config.model, device=str(self.device))
+        fuse = fused_groups(model_config)  # read back to back: fused without a copy
+        tensors = load_tensors(config.model, device=str(self.device), fuse=fuse)
         if truncated:
             tensors = _first_layers(tensors, model_config.num_layers)
         self.kernels = cpu_kernels(self.device)
         weights = load_llama_weights(
-            tensors, model_config, self.dtype, self.kernels, config.weight_dtype
+            tensors,
+            model_config,
+            self.dtype,
+            self.kernels,
+            config.weight_dtype,
+            threads=torch.get_num_threads(),
         )
         attention = get_attention_backend(self.device, model_config.head_dim**-0.5)
         norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
