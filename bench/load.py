@@ -13,9 +13,10 @@ the project are imported), as a worker starting up would be:
 
 cold: the checkpoint's pages are dropped from the page cache first (posix_fadvise
 DONTNEED on every file: no root needed; the disk read is then real unless the storage has
-its own cache); warm: read once just before. `--up`: seconds from `rtp-serve up` (tiny-llama,
-fused:1) to ready, with the CPU kernels already built and with them built afresh (a new
-TORCH_EXTENSIONS_DIR), which is what a fresh install costs on first start.
+its own cache); warm: read once just before. `--up`: seconds from `rtp-serve up` (the default
+model, smollm2-135m, in the default PD layout) to ready, with the CPU kernels compiled at
+install (ours) and, as before, compiled by each worker on first use: found in torch's cache,
+and afresh (a new TORCH_EXTENSIONS_DIR), which is what a fresh install cost on first start.
 """
 
 from __future__ import annotations
@@ -83,22 +84,34 @@ def time_one(kind: str, model_dir: Path, cold: bool, threads: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def time_up(fresh_kernels: bool) -> float:
+# `--up` cells: how the CPU kernels reach the workers. "installed" is ours (compiled by the
+# install, kernels/cpu.py only imports them); the two "jit" ones are how it was before, the
+# kernels compiled on a worker's first start (afresh: a new TORCH_EXTENSIONS_DIR, what a
+# fresh install cost) or found in torch's cache from an earlier start.
+UP_CELLS = {
+    "installed (ours)": {},
+    "jit, cached (before, warm)": {"RTP_SERVE_CPU_KERNELS": "jit"},
+    "jit, afresh (before, fresh install)": {"RTP_SERVE_CPU_KERNELS": "jit", "fresh": "1"},
+}
+
+
+def time_up(model: str, cell: dict[str, str]) -> float:
+    """Seconds from `rtp-serve up` (default PD layout) to ready, in a clean environment."""
     from services.launcher.process import launch
 
-    env_before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    saved = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="load-up-") as tmp:
-        if fresh_kernels:
-            os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(tmp) / "torch_extensions")
         try:
+            os.environ.pop("RTP_SERVE_CPU_KERNELS", None)
+            os.environ.update({k: v for k, v in cell.items() if k != "fresh"})
+            if "fresh" in cell:
+                os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(tmp) / "torch_extensions")
             start = time.perf_counter()
-            with launch("tiny-llama", Path(tmp), "--fused", "1", "--kv-cache-mib", "64"):
+            with launch(model, Path(tmp), "--kv-cache-mib", "64"):
                 return time.perf_counter() - start
         finally:
-            if env_before is None:
-                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-            else:
-                os.environ["TORCH_EXTENSIONS_DIR"] = env_before
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def main() -> int:
@@ -107,12 +120,14 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2, help="per cell; the median is shown")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--up", action="store_true", help="also time rtp-serve up to ready")
+    ap.add_argument("--up-model", default="smollm2-135m", help="the model --up serves")
+    ap.add_argument("--skip-load", action="store_true", help="only --up")
     args = ap.parse_args()
     from engine.make_model import resolve_model
 
-    print(f"cpu: {cpu_isa().describe()}")
+    print(f"cpu: {cpu_isa().describe()}; load average {os.getloadavg()[0]:.1f}")
     print(f"{'model':12} {'size':>8} {'cache':>5} {'ours s':>8} {'hf s':>8} {'hf/ours':>8}")
-    for name in args.models.split(","):
+    for name in [] if args.skip_load else args.models.split(","):
         model_dir = Path(resolve_model(name))
         size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
         for cold in (True, False):
@@ -124,9 +139,11 @@ def main() -> int:
                   f"{cells['ours']:>8.2f} {cells['hf']:>8.2f} "
                   f"{cells['hf'] / cells['ours']:>7.1f}x", flush=True)  # fmt: skip
     if args.up:
-        for fresh in (False, True):
-            what = "kernels built afresh" if fresh else "kernels already built"
-            print(f"rtp-serve up (tiny-llama, fused:1) to ready, {what}: {time_up(fresh):.1f} s")
+        print(f"rtp-serve up --model {args.up_model} (1 prefill, 1 decode) to ready, "
+              f"median of {args.trials}; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+        for what, cell in UP_CELLS.items():
+            runs = [time_up(args.up_model, cell) for _ in range(args.trials)]
+            print(f"  kernels {what:38} {statistics.median(runs):6.1f} s", flush=True)
     return 0
 
 

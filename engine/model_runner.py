@@ -16,7 +16,13 @@ from engine.grammar_masks import MaskWorker
 from engine.lora.batch import LoraBatch, lora_matmul
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
-from engine.models.llama import LlamaModel, apply_rope, load_llama_weights, rms_norm
+from engine.models.llama import (
+    LlamaModel,
+    apply_rope,
+    fused_groups,
+    load_llama_weights,
+    rms_norm,
+)
 from engine.outputs import PromptKV, SampledToken
 from engine.request import Request
 from engine.sampler import Sampler
@@ -64,12 +70,18 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
-        tensors = load_tensors(config.model, device=str(self.device))
+        fuse = fused_groups(model_config)  # read back to back: fused without a copy
+        tensors = load_tensors(config.model, device=str(self.device), fuse=fuse)
         if truncated:
             tensors = _first_layers(tensors, model_config.num_layers)
         self.kernels = cpu_kernels(self.device)
         weights = load_llama_weights(
-            tensors, model_config, self.dtype, self.kernels, config.weight_dtype
+            tensors,
+            model_config,
+            self.dtype,
+            self.kernels,
+            config.weight_dtype,
+            threads=torch.get_num_threads(),
         )
         choice = backends.choose(self.device, self.dtype, self.kv_dtype, config.block_size)
         self.attention_backend = choice.describe()

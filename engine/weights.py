@@ -10,6 +10,10 @@ buffer (pinned on CUDA), then one copy to the device. Shards are read in paralle
 when there are several and more than one core (file reads release the GIL). Checkpoints
 over PROGRESS_BYTES log their progress.
 
+Tensors a model fuses (a layer's q, k and v; gate and up) can be placed back to back: named
+in `fuse`, they are read straight into their rows of one allocation, so the model takes the
+fused weight as it is (`joined`) instead of concatenating copies.
+
 The result is bit-identical to `safetensors.torch.load_file` (tests/test_weights.py).
 """
 
@@ -21,7 +25,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -51,45 +57,107 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def load_tensors(model_dir: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+def load_tensors(
+    model_dir: str | Path, device: str = "cpu", fuse: Iterable[Sequence[str]] = ()
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; those of each group in `fuse` as adjacent rows of one
+    allocation (where they share a dtype and all but the first dimension)."""
     files = checkpoint_files(model_dir)
+    headers = {}
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            headers[path] = _header(f, path)
+    places = _places([e for entries, _ in headers.values() for e in entries], fuse, device)
     progress = _Progress(sum(f.stat().st_size for f in files), Path(model_dir).name)
     workers = min(len(files), os.cpu_count() or 1)
     tensors: dict[str, torch.Tensor] = {}
+
+    def one(path: Path) -> dict[str, torch.Tensor]:
+        return read_file(path, device, progress, places, headers[path])
+
     if workers > 1:
         with ThreadPoolExecutor(workers, thread_name_prefix="load") as pool:
-            for part in pool.map(lambda f: read_file(f, device, progress), files):
+            for part in pool.map(one, files):
                 tensors.update(part)
     else:
         for f in files:
-            tensors.update(read_file(f, device, progress))
+            tensors.update(one(f))
     progress.done()
     return tensors
 
 
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated on their first dimension: the allocation `load_tensors` placed
+    them in, without a copy, where they are all of it in order; else a new tensor."""
+    if len(parts) == 1:
+        return parts[0]
+    base = parts[0]._base
+    if (
+        base is not None
+        and all(p._base is base and p.is_contiguous() for p in parts)
+        and parts[0].data_ptr() == base.data_ptr()
+        and all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in pairwise(parts))
+        and sum(p.nbytes for p in parts) == base.nbytes
+    ):
+        return base
+    return torch.cat(list(parts))
+
+
 def read_file(
-    path: Path, device: str = "cpu", progress: _Progress | None = None
+    path: Path,
+    device: str = "cpu",
+    progress: _Progress | None = None,
+    places: dict[str, torch.Tensor] | None = None,
+    header: tuple[list[_Entry], int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, read front to back."""
+    """Every tensor of one safetensors file, read front to back; a tensor named in `places`
+    into the tensor given there (on `device`)."""
     target = torch.device(device)
+    places = places or {}
     with open(path, "rb", buffering=0) as f:
-        entries, data_start = _header(f, path)
+        entries, data_start = header or _header(f, path)
         staging = _Staging(target) if target.type != "cpu" else None
         out: dict[str, torch.Tensor] = {}
-        position = data_start
+        position = -1
         for name, dtype, shape, begin, end in entries:
             if data_start + begin != position:
                 f.seek(data_start + begin)
-            host = staging.take(dtype, shape) if staging else torch.empty(shape, dtype=dtype)
-            _read_into(f, host, end - begin, path, name)
-            out[name] = host.to(target, copy=True) if staging else host
+            place = places.get(name)
+            if staging:
+                host = staging.take(dtype, shape)
+                _read_into(f, host, end - begin, path, name)
+                out[name] = host.to(target, copy=True) if place is None else place.copy_(host)
+            else:
+                out[name] = torch.empty(shape, dtype=dtype) if place is None else place
+                _read_into(f, out[name], end - begin, path, name)
             position = data_start + end
             if progress is not None:
                 progress.add(end - begin)
         return out
 
 
-def _header(f, path: Path) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], int]:
+_Entry = tuple[str, torch.dtype, list[int], int, int]  # name, dtype, shape, begin, end
+
+
+def _places(
+    entries: list[_Entry], fuse: Iterable[Sequence[str]], device: str
+) -> dict[str, torch.Tensor]:
+    """For each group that can be fused, its tensors as consecutive rows of one allocation."""
+    by_name = {e[0]: e for e in entries}
+    places: dict[str, torch.Tensor] = {}
+    for group in fuse:
+        parts = [by_name.get(name) for name in group]
+        if any(p is None or not p[2] for p in parts):
+            continue  # not in this checkpoint (or a scalar): each is read on its own
+        if len({(p[1], tuple(p[2][1:])) for p in parts}) != 1:
+            continue  # mixed dtypes or row shapes: the model concatenates (and converts)
+        rows = [p[2][0] for p in parts]
+        slab = torch.empty([sum(rows), *parts[0][2][1:]], dtype=parts[0][1], device=device)
+        places.update(zip(group, slab.split(rows), strict=True))
+    return places
+
+
+def _header(f, path: Path) -> tuple[list[_Entry], int]:
     """The file's tensors in the order their bytes lie in it, and where the bytes start."""
     raw = f.read(8)
     if len(raw) != 8:

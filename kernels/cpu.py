@@ -1,10 +1,14 @@
-"""CPU kernels compiled from `kernels/csrc` on first use (cached by torch's extension builder).
+"""The compiled CPU kernels (kernels/csrc) for the ISA level in use.
 
-They are built for the CPU they run on (-march=native), under a name that carries the ISA
-level and this checkout's path, so two CPUs or two checkouts sharing a cache directory never
-load each other's build. If no compiler is available, or the ISA level is `scalar`
-(RTP_SERVE_CPU_KERNELS=0 or RTP_SERVE_ISA=scalar), `load()` returns None and the engine uses
-the torch reference ops.
+They are compiled when the project is installed (setup.py, one module per build in
+kernels/cpu_build.py), so a worker only imports them. Where the installed module is missing
+(an install without a compiler, a source checkout never installed) or was built against
+another torch, they are compiled on first use instead, by torch's extension builder (cached
+under a name that carries the build and this checkout's path, so two checkouts sharing a
+cache directory never load each other's build). If that fails too (no compiler), or the
+level is `scalar` (RTP_SERVE_CPU_KERNELS=0 or RTP_SERVE_ISA=scalar), `load()` returns None
+and the engine uses the torch reference ops. RTP_SERVE_ISA=avx2 on an AVX-512 machine loads
+the AVX2 build, so each build can be tested where a better one would be chosen.
 """
 
 from __future__ import annotations
@@ -13,48 +17,73 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from kernels import cpu_build
+
 log = logging.getLogger(__name__)
-_SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in (
-        "paged_decode.cpp",
-        "small_gemm.cpp",
-        "rows_gemm.cpp",
-        "rms_norm.cpp",
-        "kv_quant.cpp",
-        "paged_prefill.cpp",
-    )
-]
+_CSRC = Path(__file__).parent / "csrc"
 
 
 def load() -> ModuleType | None:
     """The compiled kernels, or None where the ISA level (as the environment caps it now)
-    is `scalar` or they do not build."""
+    is `scalar` or they neither are installed nor build."""
     from kernels.isa import cpu_isa
 
-    isa = cpu_isa()
-    return _build(isa.hardware) if isa.at_least("avx2") else None
+    build = cpu_build.build_for(cpu_isa().level)
+    return _load(build) if build else None
 
 
 @functools.cache
-def _build(hardware: str) -> ModuleType | None:
+def _load(build: str) -> ModuleType | None:
+    # RTP_SERVE_CPU_KERNELS=jit: compile on first use even where installed (what a start
+    # cost before they were; bench/load.py times both).
+    if os.environ.get("RTP_SERVE_CPU_KERNELS") == "jit":
+        return _build(build)
+    return installed(build) or _build(build)
+
+
+def installed(build: str) -> ModuleType | None:
+    """The module setup.py compiled for `build`, if it is there and fits this torch."""
+    import torch
+
+    name = f"kernels.{cpu_build.module_name(build)}"
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:  # not built at install, or an ABI it cannot link against
+        log.warning("CPU kernels %s not installed (%s); compiling them now", name, exc)
+        return None
+    ours = torch.__version__.split("+")[0]
+    if module.torch_version != ours:
+        log.warning(
+            "CPU kernels %s were built against torch %s, this is %s; compiling them now",
+            name,
+            module.torch_version,
+            ours,
+        )
+        return None
+    log.info("CPU kernels: %s (%s build, installed)", module.__file__, build)
+    return module
+
+
+def _build(build: str) -> ModuleType | None:
     where = hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:8]
-    name = f"rtp_cpu_kernels_{hardware}_{where}"
+    name = f"rtp_cpu_kernels_{build}_{where}"
     try:
         from torch.utils.cpp_extension import _get_build_directory
-        from torch.utils.cpp_extension import load as build
+        from torch.utils.cpp_extension import load as compile_now
 
         with _exclusive(Path(_get_build_directory(name, verbose=False))):
-            return build(
+            return compile_now(
                 name=name,
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
+                sources=[str(_CSRC / source) for source in cpu_build.SOURCES],
+                extra_cflags=cpu_build.flags(build),
+                extra_ldflags=list(cpu_build.LINK_FLAGS),
                 verbose=False,
             )
     except Exception as exc:  # no compiler, missing headers: the reference still works

@@ -6,14 +6,15 @@ bf16 dot products, VNNI and AMX tiles. The engine picks its kernels from `cpu_is
     level        needs (Linux /proc/cpuinfo flags)        what it enables
     amx          amx_bf16 amx_int8 avx512_bf16            oneDNN prepacked bf16 GEMMs (AMX tiles)
     avx512_bf16  avx512_bf16 avx512f                      oneDNN prepacked bf16 GEMMs
-    avx512       avx512f avx512bw avx512vl                compiled kernels built for AVX-512
-    avx2         avx2 fma                                 compiled kernels built for AVX2
+    avx512       avx512f avx512bw avx512vl (+ avx2's)     compiled kernels built for AVX-512
+    avx2         avx2 fma f16c                            compiled kernels built for AVX2
     scalar       -                                        torch reference ops only
 
 `RTP_SERVE_ISA=<level>` caps the level below what the CPU has, so every fallback can be
 forced and tested on a machine that has more (it never raises it above the hardware).
-The compiled kernels themselves are built for the machine they run on (-march=native);
-`RTP_SERVE_CPU_KERNELS=0` (or level `scalar`) turns them off.
+The compiled kernels are built at install time for each level's instruction sets
+(kernels/cpu_build.py) and the module of the level in use is loaded; `RTP_SERVE_CPU_KERNELS=0`
+(or level `scalar`) turns them off.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import platform
 from dataclasses import dataclass
 
 LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+# Each level needs the one below it too: its kernels are built with both's instructions.
+_AVX2 = {"avx2", "fma", "f16c"}
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl"}
 _NEEDS = {
-    "avx2": {"avx2", "fma"},
-    "avx512": {"avx512f", "avx512bw", "avx512vl"},
-    "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_int8"},
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "amx": _AVX512 | {"avx512_bf16", "amx_bf16", "amx_int8"},
 }
 # Reported in logs and Stats (the VNNI and AMX-INT8 ones gate no path yet).
 _REPORTED = (

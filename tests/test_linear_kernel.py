@@ -167,12 +167,13 @@ def test_prepacked_bf16_matches_reference(ops, m):
 
 
 def test_isa_levels_cap_but_never_raise():
-    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+    flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
     assert resolve(flags, None).level == "avx512_bf16"
     capped = resolve(flags, "avx2")
     assert capped.level == "avx2" and capped.hardware == "avx512_bf16"
     assert "capped" in capped.describe()
-    assert resolve(frozenset({"avx2", "fma"}), "amx").level == "avx2"  # never above the CPU
+    assert resolve(frozenset({"avx2", "fma", "f16c"}), "amx").level == "avx2"  # never above
+    assert resolve(frozenset({"avx2", "fma"}), None).level == "scalar"  # the build needs F16C
     assert resolve(frozenset(), None).level == "scalar"
     with pytest.raises(ValueError, match="RTP_SERVE_ISA"):
         resolve(flags, "sse9")

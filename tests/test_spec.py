@@ -87,6 +87,25 @@ def test_a_draft_rows_cost_from_the_fitted_step_time():
     step = StepCost(fixed_s=0.060, token_s=0.001, row_s=0.010)
     assert draft_row_cost(step, 1) == pytest.approx(1 / 7)
     assert draft_row_cost(step, 16) == pytest.approx(16 / 22)
+    # A draft model's own pass (20 ms for the batch) on top of the row: 1/7 + 20/70.
+    assert draft_row_cost(step, 1, draft_pass_s=0.020) == pytest.approx(1 / 7 + 2 / 7)
+    assert [best_k(0.5, 5, beta) for beta in (1 / 7, 3 / 7, 1.0)] == [2, 1, 0]
+
+
+def test_a_proposer_whose_passes_cost_more_than_they_add_stops_drafting():
+    """The speculator times the proposer (a scripted clock: 120 ms a call, two drafts a
+    call); with that in the price, a request right half the time stops drafting."""
+    ticks = iter([0.0, 0.120, 1.0, 1.120])
+    spec = Speculator(NgramProposer(max_n=2, min_n=2), 5, 64, clock=lambda: next(ticks))
+    step = StepCost(fixed_s=0.060, token_s=0.001, row_s=0.010)
+    r = req([1, 2, 3, 1, 2, 3, 1, 2], max_tokens=30)
+    r.num_computed_tokens = len(r.token_ids) - 1
+    r.status = RequestStatus.RUNNING
+    spec.propose([r], step)
+    assert r.spec_token_ids == [3, 1]  # alpha 1/2 and only the row's cost: k = 2
+    assert spec.pass_s == pytest.approx(0.060)  # 120 ms for two passes
+    spec.propose([r], step)
+    assert r.spec_token_ids == []  # the same request, the pass priced in: k = 0
 
 
 # -- the acceptance rule -----------------------------------------------------------------

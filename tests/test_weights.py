@@ -75,3 +75,28 @@ def test_broken_files_are_refused_by_name(tmp_path):
     (tmp_path / "tiny.safetensors").write_bytes(b"\x01")
     with pytest.raises(ValueError, match="not a safetensors file"):
         read_file(tmp_path / "tiny.safetensors")
+
+
+def test_fused_groups_are_read_back_to_back_and_joined_without_a_copy(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    want = {
+        "q": torch.randn(8, 6, generator=g),
+        "k": torch.randn(4, 6, generator=g),
+        "v": torch.randn(4, 6, generator=g),
+        "gate": torch.randn(5, 6, generator=g).bfloat16(),
+        "up": torch.randn(5, 6, generator=g),  # another dtype: cannot share an allocation
+        "o": torch.randn(6, 8, generator=g),
+    }
+    out = tmp_path / "sharded"
+    out.mkdir()
+    save_weights(sorted(want.items()), out, max_shard_bytes=200)  # a group across shards
+    assert len(weights.checkpoint_files(out)) > 2
+    got = load_tensors(out, fuse=[("q", "k", "v"), ("gate", "up"), ("o", "missing")])
+    _same(got, want)
+    qkv = weights.joined([got["q"], got["k"], got["v"]])
+    assert qkv.data_ptr() == got["q"].data_ptr()  # the allocation itself: no copy
+    assert torch.equal(qkv, torch.cat([want["q"], want["k"], want["v"]]))
+    for parts in ([got["k"], got["q"], got["v"]], [got["q"], got["k"]], [got["o"], got["o"]]):
+        # out of order, not all of it, or never placed together: a real concatenation
+        cat = weights.joined(parts)
+        assert torch.equal(cat, torch.cat(parts)) and cat.data_ptr() != parts[0].data_ptr()

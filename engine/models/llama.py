@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, RopeScaling
 from engine.lora.batch import LoraBatch
 from engine.lora.weights import DOWN, GATE_UP, OUT, QKV
+from engine.weights import joined
 from kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
 from kernels.linear import Kernels, LinearOp, RowsLinear, make_linear
 
@@ -54,17 +56,32 @@ class LlamaWeights:
         return sum(op.nbytes for op in self.projections())
 
 
+def fused_groups(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    """The checkpoint tensors each layer fuses into one projection, in their fused order
+    (for the loader to place back to back: engine/weights.py)."""
+    groups = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        groups.append(tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
+        groups.append((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+    return groups
+
+
 def load_llama_weights(
     tensors: dict[str, torch.Tensor],
     cfg: ModelConfig,
     dtype: torch.dtype,
     kernels: Kernels,
     weight_dtype: str = "auto",
+    threads: int = 1,
 ) -> LlamaWeights:
     """Map HF tensor names onto fused weights; `tensors` is consumed (popped) as we go.
 
     `weight_dtype` "int8" stores the projections (not the embedding, norms or LM head, as
     is usual for weight-only INT8) quantized per output channel; "auto" keeps `dtype`.
+    The projections are prepared (transposed, converted, quantized) by `threads` threads:
+    that, not reading the file, is most of a float32 load, and torch's copies do it on one
+    core each.
     """
 
     def raw(name: str) -> torch.Tensor:
@@ -76,18 +93,36 @@ def load_llama_weights(
     def take(name: str) -> torch.Tensor:
         return raw(name).to(dtype).contiguous()
 
-    def proj(*names: str, quantize: bool = True) -> LinearOp:
+    def proj(parts: list[torch.Tensor], quantize: bool = True) -> LinearOp:
         """[out, in] checkpoint weights, concatenated on `out`, as one projection. INT8 is
         quantized from the checkpoint's own values, not from a rounded copy."""
-        parts = [raw(n) for n in names]
-        w = torch.cat(parts) if len(parts) > 1 else parts[0]  # one part: no copy
+        w = joined(parts)  # no copy where the loader placed them back to back
         wd = weight_dtype if quantize else "auto"
         return make_linear(w if wd == "int8" else w.to(dtype), dtype, wd, kernels)
 
+    # Each job takes its weights from `tensors` as it starts, so a checkpoint is never held
+    # twice (raw and prepared) beyond the projections in flight.
+    jobs: list[tuple[int, str, list[str]]] = []  # layer, field, checkpoint names
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        jobs += [
+            (i, "qkv", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+            (i, "o", [p + "self_attn.o_proj.weight"]),
+            (i, "gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            (i, "down", [p + "mlp.down_proj.weight"]),
+        ]
+    if not cfg.tie_word_embeddings:
+        jobs.append((-1, "lm_head", ["lm_head.weight"]))
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights") as pool:
+        done = pool.map(lambda j: proj([raw(n) for n in j[2]], j[1] != "lm_head"), jobs)
+        ops = dict(zip([j[:2] for j in jobs], done, strict=True))
+    embed = take("model.embed_tokens.weight")
+    # A tied head reuses the embedding as is: a transposed copy would double its memory.
+    tied = cfg.tie_word_embeddings
+    lm_head = RowsLinear(embed, dtype, kernels) if tied else ops[-1, "lm_head"]
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = proj(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
         bias = (
             torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             if cfg.attention_bias
@@ -96,20 +131,14 @@ def load_llama_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=qkv,
+                qkv=ops[i, "qkv"],
                 qkv_bias=bias,
-                o=proj(p + "self_attn.o_proj.weight"),
+                o=ops[i, "o"],
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=proj(p + "mlp.down_proj.weight"),
+                gate_up=ops[i, "gate_up"],
+                down=ops[i, "down"],
             )
         )
-    embed = take("model.embed_tokens.weight")
-    # A tied head reuses the embedding as is: a transposed copy would double its memory.
-    if cfg.tie_word_embeddings:
-        lm_head: LinearOp = RowsLinear(embed, dtype, kernels)
-    else:
-        lm_head = proj("lm_head.weight", quantize=False)
     weights = LlamaWeights(
         embed=embed,
         layers=layers,

@@ -14,7 +14,13 @@ without speculation, S(B) / B for a batch of B, a draft row costs
 
     beta = C B / (M + C B)          (about 0.15 at batch 1 on a CPU, 0.75 at batch 16)
 
-so each request takes the k in [0, k_max] that maximises E(k) / (1 + beta k). When that is
+A proposer that runs a model of its own (engine/spec/draft_model.py) adds its passes: k
+drafts take k of them, D seconds each for the batch (timed by engine/spec/speculator.py),
+so a draft costs beta + D / S(B) instead (with S(B) about 60 ms at batch 1 for smollm2-135m
+on a CPU and its 2-layer draft at about 20 ms a pass, drafting pays only at a high
+acceptance rate: the draft pass, not the verification row, is most of a draft's price).
+
+So each request takes the k in [0, k_max] that maximises E(k) / (1 + beta k). When that is
 0 it sits out, then tries one draft again after 1, 2, 4, 8, 16 steps, so that a request
 whose text starts repeating is noticed. A proposer that finds nothing costs nothing.
 """
@@ -84,9 +90,13 @@ def best_k(alpha: float, k_max: int, beta: float) -> int:
     return best
 
 
-def draft_row_cost(step: StepCost, batch: int) -> float:
-    """beta: a draft row's cost relative to one token's time at this batch size, from the
-    engine's fitted step time (engine/cost_model.py; a prior ratio until it is fitted)."""
+def draft_row_cost(step: StepCost, batch: int, draft_pass_s: float = 0.0) -> float:
+    """beta: a draft's cost relative to one token's time at this batch size: its row in the
+    engine's fitted step time (engine/cost_model.py; a prior ratio until it is fitted),
+    plus `draft_pass_s`, the proposer's own pass for the batch, over that step time."""
     ratio = step.row_s / step.fixed_s if step.fixed_s > 0 else _PRIOR_ROW_COST
     cb = min(ratio, 1.0) * max(batch, 1)
-    return cb / (1.0 + cb)
+    beta = cb / (1.0 + cb)
+    if draft_pass_s > 0 and step.fitted:
+        beta += draft_pass_s / step.decode_step_s(batch)
+    return beta

@@ -5,7 +5,8 @@ Before each schedule, every running request that is decoding (exactly one token 
 KV) and has speculation on gets drafts from the proposer, as many as pay
 at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
 never past its max_tokens or the context limit. After the step, the accepted counts feed
-that estimate and the counters.
+that estimate and the counters. The proposer's own time is measured too (a draft model's
+passes): per draft, it is part of what a draft costs.
 
 A request with a grammar keeps its drafts up to the first one the grammar refuses (the
 matcher checks them without advancing); each draft row is then sampled under the grammar's
@@ -15,7 +16,8 @@ the grammar allows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from engine.cost_model import StepCost
 from engine.request import Request, RequestStatus
@@ -23,12 +25,20 @@ from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, draft_row_co
 from engine.spec.proposer import Proposer
 from engine.spec.stats import SpecCounts, SpecStats
 
+_PASS_DECAY = 0.7  # weight of the past in the proposer's time per pass
+
 
 class Speculator:
     def __init__(
-        self, proposer: Proposer, num_tokens: int, max_model_len: int, adaptive: bool = True
+        self,
+        proposer: Proposer,
+        num_tokens: int,
+        max_model_len: int,
+        adaptive: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`adaptive` False: every request proposes its k_max drafts each step."""
+        """`adaptive` False: every request proposes its k_max drafts each step. `clock`
+        times the proposer."""
         if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {num_tokens}"
@@ -38,6 +48,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.adaptive = adaptive
         self._stats = SpecStats(MAX_SPECULATIVE_TOKENS)
+        self._clock = clock
+        self.pass_s = 0.0  # the proposer's seconds per draft pass over the batch (decayed)
 
     def propose(self, running: Sequence[Request], step: StepCost) -> None:
         """Set `spec_token_ids` of every running request (empty where it does not speculate).
@@ -48,7 +60,7 @@ class Speculator:
             if r.status != RequestStatus.RUNNING or r.num_computed_tokens != len(r.token_ids) - 1:
                 continue  # waiting for remote KV, or a prompt (a recompute) catching up
             decoding.append((r, self._k_max(r)))
-        beta = draft_row_cost(step, len(decoding))
+        beta = draft_row_cost(step, len(decoding), self.pass_s)
         chosen: list[Request] = []
         budgets: list[int] = []
         for r, k in decoding:
@@ -67,9 +79,14 @@ class Speculator:
                 budgets.append(budget)
         if not chosen:
             return
-        for r, budget, drafts in zip(
-            chosen, budgets, self.proposer.propose(chosen, budgets), strict=True
-        ):
+        start = self._clock()
+        proposed = self.proposer.propose(chosen, budgets)
+        # A draft model drafts the batch's tokens one position a pass: max(budgets) passes.
+        took = (self._clock() - start) / max(budgets)
+        self.pass_s = (
+            took if not self.pass_s else _PASS_DECAY * self.pass_s + (1 - _PASS_DECAY) * took
+        )
+        for r, budget, drafts in zip(chosen, budgets, proposed, strict=True):
             r.spec_token_ids = _within_grammar(r, list(drafts[:budget]))
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:

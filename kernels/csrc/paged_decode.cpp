@@ -10,10 +10,12 @@
 // (batch 1) the heads are split so that every thread has work.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -175,6 +177,10 @@ void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
                    torch::Tensor slot_mapping, int64_t block_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The loader refuses a module built against another torch (kernels/cpu.py).
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                            std::to_string(TORCH_VERSION_MINOR) + "." +
+                            std::to_string(TORCH_VERSION_PATCH);
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,24 +239,39 @@ def _worker_count(args: argparse.Namespace) -> int:
     return args.fused if args.fused else args.prefill + args.decode
 
 
-def _start(cluster: Cluster, model: str) -> str:
+def _start_infra(cluster: Cluster) -> tuple[str, str | None]:
+    """The cluster's certificates, NATS and Redis (those not given by URL), side by side:
+    each server is waited on until it answers, so one after the other would add up."""
     args = cluster.args
-    tls = certs.issue_cluster_certs(cluster.data_dir / "tls") if args.tls else None
-    cluster.secrets = ClusterSecrets.from_args(args, tls)
-    nats_url = args.nats_url
-    if nats_url is None:
-        nats = servers.start_nats(cluster.data_dir / "nats", token=args.nats_token)
-        cluster.infra.append(nats)
-        nats_url = nats.url
-    redis_url = args.redis_url
-    if redis_url is None and not args.no_cache:
-        redis = servers.start_redis(
+    jobs: dict[str, Callable[[], object]] = {}
+    if args.tls:
+        jobs["tls"] = lambda: certs.issue_cluster_certs(cluster.data_dir / "tls")
+    if args.nats_url is None:
+        jobs["nats"] = lambda: servers.start_nats(cluster.data_dir / "nats", token=args.nats_token)
+    if args.redis_url is None and not args.no_cache:
+        jobs["redis"] = lambda: servers.start_redis(
             cluster.data_dir / "redis",
             maxmemory=f"{args.redis_maxmemory_mib}mb",
             password=args.redis_password,
         )
-        cluster.infra.append(redis)
-        redis_url = redis.url
+    with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="infra") as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    done = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    cluster.infra += [done[n] for n in ("nats", "redis") if n in done]  # stopped on failure too
+    for future in futures.values():
+        if future.exception() is not None:
+            raise future.exception()
+    cluster.secrets = ClusterSecrets.from_args(args, done.get("tls"))
+    nats_url = done["nats"].url if "nats" in done else args.nats_url
+    redis_url = done["redis"].url if "redis" in done else args.redis_url
+    return nats_url, redis_url
+
+
+def _start(cluster: Cluster, model: str) -> str:
+    """Infrastructure first, then every service at once (none waits for another: each
+    connects and registers as it comes up)."""
+    args = cluster.args
+    nats_url, redis_url = _start_infra(cluster)
     ns_port, ns_metrics_port = servers.free_port(), servers.free_port()
     nameservice = f"127.0.0.1:{ns_port}"
     cluster.addresses.update(nats=nats_url, redis=redis_url or "", nameservice=nameservice)
