@@ -269,8 +269,6 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.costs.step())
         sched = self.scheduler.schedule()
-        for r in [s.request for s in sched.scheduled] + sched.waiting_for_kv:
-            r.staged_kv = None  # admitted: its blocks are its own now
         outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
             return outputs

@@ -252,6 +252,7 @@ class Scheduler:
 
     def _admit(self, request: Request, num_hit_tokens: int, status: RequestStatus) -> None:
         heapq.heappop(self._waiting)
+        request.staged_kv = None  # what a tier fetch gave it is in its blocks now
         request.num_computed_tokens += num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens

@@ -95,7 +95,7 @@ class PrefixIndex:
         lower = self.host._holders if self.host is not None else {}
         n = 0
         for h in hashes:
-            if not ids & (self._holders.get(h, set()) | lower.get(h, set())):
+            if ids.isdisjoint(self._holders.get(h, ())) and ids.isdisjoint(lower.get(h, ())):
                 break
             n += 1
         return n
