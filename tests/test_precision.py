@@ -3,7 +3,8 @@ bf16 and float32 weights, and every forced kernel path against the compiled one.
 
 Stated bounds (measured; see the engine issue's closing note):
 - bf16 greedy equals HF bf16 greedy for the first token of every prompt on every tiny
-  preset (N = 1). Past that, rounding differences between two bf16 implementations of these
+  preset (N = 1), but for at most one prompt whose top two HF logits are within two bf16
+  steps (HF's own rounding depends on the CPU's ISA). Past that, rounding differences between two bf16 implementations of these
   deliberately peaky random models make sequences drift apart within a few tokens; float32
   parity (tests/test_parity.py) is exact for all 24.
 - INT8 weights on the trained smollm2-135m, 256 tokens of fixed text: logits within 5%
@@ -37,10 +38,18 @@ def test_bfloat16_first_token_matches_hf_bfloat16(preset, model_dir, hf_model, p
     llm = make_llm(model_dir(preset), "bfloat16")
     hf = hf_model(preset, torch.bfloat16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    exact = 0
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
-            first = int(hf(torch.tensor([prompt])).logits[0, -1].argmax())
-        assert out.token_ids[0] == first, f"prompt of {len(prompt)} tokens"
+            logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+        top = float(logits.max())
+        exact += out.token_ids[0] == int(logits.argmax())
+        # HF's bf16 GEMMs round by what the CPU has (oneDNN's AVX512-BF16 kernels differ from
+        # its AVX2 ones), so where its top two are within two bf16 steps of each other, ours
+        # may take either: 2 x 2^(exponent - 7) at the top logit's size.
+        tie = 2 * 2.0 ** (torch.frexp(torch.tensor(top)).exponent.item() - 1 - 7)
+        assert float(logits[out.token_ids[0]]) >= top - tie, f"prompt of {len(prompt)} tokens"
+    assert exact >= len(prompts) - 1
     assert_pool_idle(llm.engine)
 
 

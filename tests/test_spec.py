@@ -89,6 +89,10 @@ def test_a_draft_rows_cost_from_the_fitted_step_time():
     assert draft_row_cost(step, 16) == pytest.approx(16 / 22)
     # A draft model's own pass (20 ms for the batch) on top of the row: 1/7 + 20/70.
     assert draft_row_cost(step, 1, draft_pass_s=0.020) == pytest.approx(1 / 7 + 2 / 7)
+    # Fitted on prompt tokens alone (the decode terms held at 0): no decode step to price the
+    # draft's pass against, so only the prior row cost counts (this divided by zero once).
+    prompts_only = StepCost(token_s=0.001)
+    assert draft_row_cost(prompts_only, 1, draft_pass_s=0.020) == pytest.approx(0.2 / 1.2)
     assert [best_k(0.5, 5, beta) for beta in (1 / 7, 3 / 7, 1.0)] == [2, 1, 0]
 
 

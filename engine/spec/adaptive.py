@@ -97,6 +97,7 @@ def draft_row_cost(step: StepCost, batch: int, draft_pass_s: float = 0.0) -> flo
     ratio = step.row_s / step.fixed_s if step.fixed_s > 0 else _PRIOR_ROW_COST
     cb = min(ratio, 1.0) * max(batch, 1)
     beta = cb / (1.0 + cb)
-    if draft_pass_s > 0 and step.fitted:
-        beta += draft_pass_s / step.decode_step_s(batch)
+    step_s = step.decode_step_s(batch)
+    if draft_pass_s > 0 and step_s > 0:  # a fit whose coefficients are all held at 0 says nothing
+        beta += draft_pass_s / step_s
     return beta
