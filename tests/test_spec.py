@@ -82,6 +82,15 @@ def test_a_request_backs_off_and_probes_again():
     assert state.take_budget(0.15) == 5
 
 
+def test_a_request_does_not_probe_where_no_acceptance_would_pay():
+    """A draft that costs about a step (a big model's pass at a big batch): even drafts
+    right nine times in ten would not pay, so the request never probes; once drafts are
+    cheap again it probes after its pause."""
+    state = SpecState(k_max=5)
+    assert [state.take_budget(0.98) for _ in range(12)] == [0] * 12
+    assert 1 in [state.take_budget(0.15) for _ in range(16)]
+
+
 def test_a_draft_rows_cost_from_the_fitted_step_time():
     assert draft_row_cost(StepCost(), 1) == pytest.approx(0.2 / 1.2)  # the prior, unfitted
     step = StepCost(fixed_s=0.060, token_s=0.001, row_s=0.010)
@@ -94,6 +103,10 @@ def test_a_draft_rows_cost_from_the_fitted_step_time():
     prompts_only = StepCost(token_s=0.001)
     assert draft_row_cost(prompts_only, 1, draft_pass_s=0.020) == pytest.approx(0.2 / 1.2)
     assert [best_k(0.5, 5, beta) for beta in (1 / 7, 3 / 7, 1.0)] == [2, 1, 0]
+    # A draft model's guess of its pass (a quarter of the target's weights) until a pass of
+    # it is timed and the step is fitted; then the timing.
+    assert draft_row_cost(StepCost(), 1, pass_ratio_prior=0.25) == pytest.approx(0.2 / 1.2 + 0.25)
+    assert draft_row_cost(step, 1, 0.020, pass_ratio_prior=0.25) == pytest.approx(1 / 7 + 2 / 7)
 
 
 def test_a_proposer_whose_passes_cost_more_than_they_add_stops_drafting():
@@ -209,9 +222,15 @@ def test_drafts_are_dropped_rather_than_preempt_anyone():
 
 # -- end to end on the tiny preset --------------------------------------------------------
 def _engine(model_dir, spec_k: int | None, method: str = "ngram", **args) -> LLMEngine:
+    """A draft model speculates at full k every step (adaptive off): on these tiny models
+    its pass costs about what the target's does, so adaptive k would rightly never draft,
+    and these tests are about what drafting does to the output, KV and pools."""
     if spec_k is not None:
         args |= {"speculative": method, "num_speculative_tokens": spec_k}
-    return make_llm(model_dir(PRESET), **args).engine
+    engine = make_llm(model_dir(PRESET), **args).engine
+    if method == "draft" and spec_k is not None:
+        engine.speculator.adaptive = False
+    return engine
 
 
 def _run(
@@ -577,6 +596,9 @@ def test_draft_model_greedy_equals_no_speculation(model_dir, spec_prompts, refer
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert_pool_idle(engine)
     proposer = engine.speculator.proposer
+    # Its price: the target's weights, or its first layer's share; then its timed passes.
+    assert (proposer.timer.prior == 1.0) == (draft == "whole target") and proposer.timer.prior > 0
+    assert proposer.timer.pass_s > 0
     assert proposer._shadows == {}  # every shadow released with its request
     assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
 

@@ -22,7 +22,11 @@ acceptance rate: the draft pass, not the verification row, is most of a draft's 
 
 So each request takes the k in [0, k_max] that maximises E(k) / (1 + beta k). When that is
 0 it sits out, then tries one draft again after 1, 2, 4, 8, 16 steps, so that a request
-whose text starts repeating is noticed. A proposer that finds nothing costs nothing.
+whose text starts repeating is noticed. A proposer that finds nothing costs nothing. A probe
+is only made where drafting could pay at all, were the drafts now right nine times in ten
+(alpha 0.9): a draft model's pass at a large batch can cost more than any acceptance
+returns, and its probes (each a catch-up pass over the tokens since the last) would be
+pure loss, so there the request keeps sitting out.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from engine.cost_model import StepCost
 MAX_SPECULATIVE_TOKENS = 16  # per request and per server
 _DECAY = 0.8  # weight of the past in a request's acceptance estimate
 _MAX_PAUSE = 16
+_PROBE_ALPHA = 0.9  # a probe is made only where drafts this good would pay
 # C / M until the step time is fitted. Measured on a 2-core AVX2 box (smollm2-135m,
 # float32, one thread): ~15 ms a row over a ~60 ms weight pass.
 _PRIOR_ROW_COST = 0.2
@@ -63,11 +68,19 @@ class SpecState:
         """Drafts this request should propose this step (0: sit it out)."""
         if self.pause > 0:
             self.pause -= 1
-            return 1 if self.pause == 0 else 0  # back from a pause: probe with one
+            if self.pause > 0:
+                return 0
+            if best_k(_PROBE_ALPHA, self.k_max, beta) > 0:
+                return 1  # back from a pause: probe with one
+            self._sit_out()
+            return 0
         k = best_k(self.alpha, self.k_max, beta)
         if k == 0:
-            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, _MAX_PAUSE)
+            self._sit_out()
         return k
+
+    def _sit_out(self) -> None:
+        self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, _MAX_PAUSE)
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -90,14 +103,17 @@ def best_k(alpha: float, k_max: int, beta: float) -> int:
     return best
 
 
-def draft_row_cost(step: StepCost, batch: int, draft_pass_s: float = 0.0) -> float:
+def draft_row_cost(
+    step: StepCost, batch: int, draft_pass_s: float = 0.0, pass_ratio_prior: float = 0.0
+) -> float:
     """beta: a draft's cost relative to one token's time at this batch size: its row in the
     engine's fitted step time (engine/cost_model.py; a prior ratio until it is fitted),
-    plus `draft_pass_s`, the proposer's own pass for the batch, over that step time."""
+    plus `draft_pass_s`, the proposer's own pass for the batch, over that step time (until
+    both are known, `pass_ratio_prior`: the proposer's own guess of that ratio)."""
     ratio = step.row_s / step.fixed_s if step.fixed_s > 0 else _PRIOR_ROW_COST
     cb = min(ratio, 1.0) * max(batch, 1)
     beta = cb / (1.0 + cb)
     step_s = step.decode_step_s(batch)
     if draft_pass_s > 0 and step_s > 0:  # a fit whose coefficients are all held at 0 says nothing
-        beta += draft_pass_s / step_s
-    return beta
+        return beta + draft_pass_s / step_s
+    return beta + pass_ratio_prior

@@ -26,6 +26,7 @@ nothing this step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -38,6 +39,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec.proposer import PassTimer
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,9 @@ class DraftModelProposer:
         self.kv = KVCacheManager(
             BlockPool(limits.num_kv_blocks), config.block_size, enable_caching=False
         )
+        # What a pass costs beside the target's decode step: timed, guessed from the weights
+        # each streams until then.
+        self.timer = PassTimer(decode_weights(cfg) / decode_weights(target))
         self._shadows: OrderedDict[str, Request] = OrderedDict()  # least recently drafted first
         self._synced: dict[str, int] = {}  # the request's length when its shadow last synced
         log.info("draft model: %s, %d of %d layers", model_dir, cfg.num_layers, all_layers)
@@ -98,7 +103,11 @@ class DraftModelProposer:
                 [ScheduledRequest(s, len(s.token_ids) - s.num_computed_tokens) for _, s, _ in todo]
             )
             tables = {s.request_id: self.kv.block_ids(s.request_id) for _, s, _ in todo}
+            short = all(n.num_new_tokens <= PassTimer.SHORT for n in sched.scheduled)
+            start = time.perf_counter()
             sampled = self.runner.execute(sched, tables)
+            if short:
+                self.timer.observe(time.perf_counter() - start)
             more = []
             for i, s, k in todo:
                 s.num_computed_tokens = len(s.token_ids)
@@ -152,3 +161,11 @@ class DraftModelProposer:
                 return False
             self.release(victim)
         return True
+
+
+def decode_weights(cfg: ModelConfig) -> int:
+    """The weights a decode step streams (every layer's projections and the LM head): what
+    a pass of a weight-bound model costs, up to a constant."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * layer + cfg.hidden_size * cfg.vocab_size

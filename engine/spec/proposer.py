@@ -43,3 +43,22 @@ class Proposer(Protocol):
     def check_integrity(self) -> None:
         """Assert the proposer's own invariants (its KV blocks, for a draft model)."""
         ...
+
+
+class PassTimer:
+    """A proposer that runs a model of its own times its passes with this: the decayed
+    seconds of a pass in which each request computes a few tokens (a draft pass, or a
+    short catch-up), not the first pass over a request's whole context, which is paid once
+    and would otherwise price drafting out for every request after it. Until a pass is
+    timed, `prior` is the proposer's guess of its pass over the target's decode step."""
+
+    SHORT = 4  # tokens a request computes at most in a timed pass: weight-bound, like one
+    _DECAY = 0.7
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.pass_s = 0.0  # 0: none timed yet
+
+    def observe(self, seconds: float) -> None:
+        d = self._DECAY
+        self.pass_s = seconds if not self.pass_s else d * self.pass_s + (1 - d) * seconds

@@ -6,7 +6,9 @@ KV) and has speculation on gets drafts from the proposer, as many as pay
 at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
 never past its max_tokens or the context limit. After the step, the accepted counts feed
 that estimate and the counters. The proposer's own time is measured too (a draft model's
-passes): per draft, it is part of what a draft costs.
+passes): per draft, it is part of what a draft costs. A proposer with a `timer`
+(engine/spec/proposer.PassTimer) times its own passes, leaving out the catch-up over a
+request's whole context; the others are timed here, per call.
 
 A request with a grammar keeps its drafts up to the first one the grammar refuses (the
 matcher checks them without advancing); each draft row is then sampled under the grammar's
@@ -60,7 +62,11 @@ class Speculator:
             if r.status != RequestStatus.RUNNING or r.num_computed_tokens != len(r.token_ids) - 1:
                 continue  # waiting for remote KV, or a prompt (a recompute) catching up
             decoding.append((r, self._k_max(r)))
-        beta = draft_row_cost(step, len(decoding), self.pass_s)
+        timer = getattr(self.proposer, "timer", None)
+        if timer is None:
+            beta = draft_row_cost(step, len(decoding), self.pass_s)
+        else:
+            beta = draft_row_cost(step, len(decoding), timer.pass_s, timer.prior)
         chosen: list[Request] = []
         budgets: list[int] = []
         for r, k in decoding:
