@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -86,10 +87,38 @@ class ManagedProcess:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free a moment ago, for a process started after this returns.
+
+    Picked below the kernel's ephemeral range: every service that binds port 0 (gRPC
+    servers, metrics, clients' sockets) gets its port from that range, so one starting
+    meanwhile never takes the port a sibling was told to bind (the launcher starts every
+    service at once). Only another caller of this function can, and the bind retries
+    cover that."""
+    low, high = _ephemeral_range()
+    for _ in range(64):
+        port = _RNG.randrange(_FIXED_PORTS_FROM, low) if low > _FIXED_PORTS_FROM else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is full: any
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_FIXED_PORTS_FROM = 10000  # below: well-known and registered services' ports
+_RNG = random.SystemRandom()  # not the global generator, which tests seed
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's ip_local_port_range (32768-60999 by default)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def nats_executable() -> str:
