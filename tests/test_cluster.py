@@ -18,6 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from services.common import grpc_util
 from services.common.pb import (
+    cache_pb2_grpc,
     master_pb2,
     master_pb2_grpc,
     nameservice_pb2,
@@ -231,7 +232,7 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, referenc
         pytest.skip("prefill workers' use of the tier is covered by the PD cluster's requests")
     from engine.block_hash import block_hash_keys, cache_salt
     from services.common.convert import params_to_pb
-    from services.common.pb import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from services.common.pb import cache_pb2
 
     deadline = time.monotonic() + 30
     while len(workers := cluster.workers()) < 2:
@@ -303,23 +304,28 @@ def _route(master: str, n: int) -> list[str]:
 
 def test_master_index_equals_what_the_workers_hold(cluster):
     """The master's prefix index (Master.Index) is exactly the union of the workers'
-    snapshots (Worker.Snapshot), once traffic stops; its metrics say how it got there."""
+    snapshots (Worker.Snapshot) and the cache instances' (Cache.Snapshot: the remote tier,
+    which the workers write back to), once traffic stops; its metrics say how it got there."""
     client, model_id = _client(cluster), _model_id(cluster)
     for prompt in PROMPTS:
         client.completions.create(model=model_id, prompt=prompt * 4, max_tokens=2)
     master = cluster.members(nameservice_pb2.ROLE_MASTER)[0]
     workers = cluster.workers()
+    caches = cluster.members(nameservice_pb2.ROLE_CACHE)
 
     async def state() -> tuple[dict[str, set[bytes]], dict[str, set[bytes]]]:
         async with grpc_util.channel(master.address) as ch:
             reply = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest())
         index = {w.worker_id: set(w.block_hashes) for w in reply.workers if w.block_hashes}
         truth = {}
-        for m in workers:
+        for m in [*workers, *caches]:
             async with grpc_util.channel(m.address) as ch:
-                snap = await worker_pb2_grpc.WorkerStub(ch).Snapshot(
-                    worker_pb2.KVSnapshotRequest(), timeout=5
+                stub = (
+                    cache_pb2_grpc.CacheStub(ch)
+                    if m.role == nameservice_pb2.ROLE_CACHE
+                    else worker_pb2_grpc.WorkerStub(ch)
                 )
+                snap = await stub.Snapshot(worker_pb2.KVSnapshotRequest(), timeout=5)
             assert snap.worker_id == m.id
             if snap.block_hashes:
                 truth[m.id] = set(snap.block_hashes)
