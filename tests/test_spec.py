@@ -87,8 +87,12 @@ def test_a_request_does_not_probe_where_no_acceptance_would_pay():
     right nine times in ten would not pay, so the request never probes; once drafts are
     cheap again it probes after its pause."""
     state = SpecState(k_max=5)
-    assert [state.take_budget(0.98) for _ in range(12)] == [0] * 12
-    assert 1 in [state.take_budget(0.15) for _ in range(16)]
+    assert [state.take_budget(0.98, gate_probes=True) for _ in range(12)] == [0] * 12
+    assert 1 in [state.take_budget(0.15, gate_probes=True) for _ in range(16)]
+    # An n-gram proposer's price is only timed on its calls: ungated, it probes at any price
+    # (one slow call must not stop its requests for good).
+    state = SpecState(k_max=5)
+    assert [state.take_budget(0.98) for _ in range(4)] == [0, 1, 0, 0]
 
 
 def test_a_draft_rows_cost_from_the_fitted_step_time():
@@ -107,6 +111,8 @@ def test_a_draft_rows_cost_from_the_fitted_step_time():
     # it is timed and the step is fitted; then the timing.
     assert draft_row_cost(StepCost(), 1, pass_ratio_prior=0.25) == pytest.approx(0.2 / 1.2 + 0.25)
     assert draft_row_cost(step, 1, 0.020, pass_ratio_prior=0.25) == pytest.approx(1 / 7 + 2 / 7)
+    # A timed pass far above the prior (the process was paused meanwhile) counts as twice it.
+    assert draft_row_cost(step, 1, 0.700, pass_ratio_prior=0.25) == pytest.approx(1 / 7 + 0.5)
 
 
 def test_a_proposer_whose_passes_cost_more_than_they_add_stops_drafting():

@@ -22,11 +22,13 @@ acceptance rate: the draft pass, not the verification row, is most of a draft's 
 
 So each request takes the k in [0, k_max] that maximises E(k) / (1 + beta k). When that is
 0 it sits out, then tries one draft again after 1, 2, 4, 8, 16 steps, so that a request
-whose text starts repeating is noticed. A proposer that finds nothing costs nothing. A probe
-is only made where drafting could pay at all, were the drafts now right nine times in ten
-(alpha 0.9): a draft model's pass at a large batch can cost more than any acceptance
-returns, and its probes (each a catch-up pass over the tokens since the last) would be
-pure loss, so there the request keeps sitting out.
+whose text starts repeating is noticed. A proposer that finds nothing costs nothing. For a
+proposer with passes of its own (a draft model) a probe is only made where drafting could
+pay at all, were the drafts now right nine times in ten (alpha 0.9): its pass at a large
+batch can cost more than any acceptance returns, and its probes (each a catch-up pass over
+the tokens since the last) would be pure loss, so there the request keeps sitting out.
+(An n-gram proposer always probes: it costs nothing, and its price is only ever timed on
+its calls, so one slow call must not stop them for good.)
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ class SpecState:
     def alpha(self) -> float:
         return (self.accepted + 0.5) / (self.tried + 1.0)
 
-    def take_budget(self, beta: float) -> int:
-        """Drafts this request should propose this step (0: sit it out)."""
+    def take_budget(self, beta: float, gate_probes: bool = False) -> int:
+        """Drafts this request should propose this step (0: sit it out). `gate_probes`: probe
+        only where drafts right nine times in ten would pay."""
         if self.pause > 0:
             self.pause -= 1
             if self.pause > 0:
                 return 0
-            if best_k(_PROBE_ALPHA, self.k_max, beta) > 0:
+            if not gate_probes or best_k(_PROBE_ALPHA, self.k_max, beta) > 0:
                 return 1  # back from a pause: probe with one
             self._sit_out()
             return 0
@@ -109,11 +112,15 @@ def draft_row_cost(
     """beta: a draft's cost relative to one token's time at this batch size: its row in the
     engine's fitted step time (engine/cost_model.py; a prior ratio until it is fitted),
     plus `draft_pass_s`, the proposer's own pass for the batch, over that step time (until
-    both are known, `pass_ratio_prior`: the proposer's own guess of that ratio)."""
+    both are known, `pass_ratio_prior`: the proposer's own guess of that ratio, which also
+    caps a timed ratio at twice itself: a pass timed across a pause of the process says
+    nothing of the next one, and with probes gated a price too high would never be
+    timed again)."""
     ratio = step.row_s / step.fixed_s if step.fixed_s > 0 else _PRIOR_ROW_COST
     cb = min(ratio, 1.0) * max(batch, 1)
     beta = cb / (1.0 + cb)
     step_s = step.decode_step_s(batch)
     if draft_pass_s > 0 and step_s > 0:  # a fit whose coefficients are all held at 0 says nothing
-        return beta + draft_pass_s / step_s
+        timed = draft_pass_s / step_s
+        return beta + (min(timed, 2 * pass_ratio_prior) if pass_ratio_prior > 0 else timed)
     return beta + pass_ratio_prior
