@@ -129,6 +129,7 @@ def main() -> int:
     print(f"{'model':12} {'size':>8} {'cache':>5} {'ours s':>8} {'hf s':>8} {'hf/ours':>8}")
     for name in [] if args.skip_load else args.models.split(","):
         model_dir = Path(resolve_model(name))
+        os.sync()  # a preset built just now: its pages written back before any timing
         size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
         for cold in (True, False):
             cells = {}
