@@ -126,6 +126,7 @@ class LLMEngine:
         else:
             proposer = DraftModelProposer(
                 self.model_config,
+                self.runner.weight_bytes_per_step,
                 config,
                 self.limits,
                 config.draft_model,

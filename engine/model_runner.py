@@ -94,6 +94,7 @@ class ModelRunner:
 
             norm, rope = triton_norm.rms_norm, rotary.apply_rope
         self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm, rope)
+        self.weight_bytes_per_step = weights.nbytes_per_token  # what a decode step streams
         # CUDA graphs pad decode batches with rows that write into a scratch block past the
         # pool's (engine/cuda_graphs.py): the block pool never hands it out.
         graphs = (

@@ -155,8 +155,8 @@ def test_logits_and_perplexity_equal_hf(llm, hf):
     hf.to(torch.float32)
     # Through 30 float32 layers both implementations land ~1e-4 from the float64 result
     # (summation order, which differs by ISA), so a few of 4M logits differ by about 1e-4
-    # (1.08e-4 seen on AVX-512): allow 2e-4 plus 1e-5 of
-    # the logit's size on top, and require ours to be as close to exact as HF's own.
+    # (1.08e-4 seen on AVX-512): allow 2e-4 plus 1e-5 of the logit's size, and require ours
+    # to be as close to exact as HF's own.
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-5)
     ours_err = (ours.double() - exact).abs().max().item()
     hf_err = (ref.double() - exact).abs().max().item()

@@ -50,14 +50,15 @@ class DraftModelProposer:
     def __init__(
         self,
         target: ModelConfig,
+        target_step_bytes: int,
         config: EngineConfig,
         limits: EngineLimits,
         draft_model: str | None = None,
         num_layers: int | None = None,
     ) -> None:
-        """`draft_model` None: the target's own checkpoint; `num_layers`: only its first
-        layers (None: all of the draft model's; with no draft model, a quarter of the
-        target's)."""
+        """`target_step_bytes`: the weight bytes a decode step of the target streams;
+        `draft_model` None: the target's own checkpoint; `num_layers`: only its first layers
+        (None: all of the draft model's; with no draft model, a quarter of the target's)."""
         model_dir = draft_model or config.model
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.vocab_size != target.vocab_size:
@@ -84,7 +85,7 @@ class DraftModelProposer:
         )
         # What a pass costs beside the target's decode step: timed, guessed from the weights
         # each streams until then.
-        self.timer = PassTimer(decode_weights(cfg) / decode_weights(target))
+        self.timer = PassTimer(self.runner.weight_bytes_per_step / target_step_bytes)
         self._shadows: OrderedDict[str, Request] = OrderedDict()  # least recently drafted first
         self._synced: dict[str, int] = {}  # the request's length when its shadow last synced
         log.info("draft model: %s, %d of %d layers", model_dir, cfg.num_layers, all_layers)
@@ -161,11 +162,3 @@ class DraftModelProposer:
                 return False
             self.release(victim)
         return True
-
-
-def decode_weights(cfg: ModelConfig) -> int:
-    """The weights a decode step streams (every layer's projections and the LM head): what
-    a pass of a weight-bound model costs, up to a constant."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * layer + cfg.hidden_size * cfg.vocab_size

@@ -79,7 +79,10 @@ class Speculator:
                 r.params.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - len(r.token_ids),
             )
-            budget = min(r.spec.take_budget(beta, timer is not None) if self.adaptive else k, room)
+            budget = min(
+                r.spec.take_budget(beta, gate_probes=timer is not None) if self.adaptive else k,
+                room,
+            )
             if budget > 0:
                 chosen.append(r)
                 budgets.append(budget)

@@ -94,7 +94,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     meanwhile never takes the port a sibling was told to bind (the launcher starts every
     service at once). Only another caller of this function can, and the bind retries
     cover that."""
-    low, high = _ephemeral_range()
+    low, _ = _ephemeral_range()
     for _ in range(64):
         port = _RNG.randrange(_FIXED_PORTS_FROM, low) if low > _FIXED_PORTS_FROM else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
