@@ -223,8 +223,8 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
         work = prompts(args.batch, args.work_prompt_len, vocab, seed=2)
         weights = llm.engine.runner.model.w
         weight_bytes = weights.nbytes_per_token
-        params = sum(op.nbytes // op.w.element_size() for op in weights.projections())
-        head = weights.lm_head.nbytes // weights.lm_head.w.element_size()
+        params = sum(op.params for op in weights.projections())
+        head = weights.lm_head.params
         with torch.inference_mode():
             ours_single(llm, single[:32], 4)
             a = ours_single(llm, single, args.new_tokens)

@@ -70,7 +70,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
-        fuse = fused_groups(model_config)  # read back to back: fused without a copy
+        fuse = fused_groups(model_config)  # read (a device) back to back: fused without a copy
         tensors = load_tensors(config.model, device=str(self.device), fuse=fuse)
         if truncated:
             tensors = _first_layers(tensors, model_config.num_layers)

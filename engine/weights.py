@@ -2,17 +2,25 @@
 in file order.
 
 A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, byte
-range) and the tensors' bytes back to back. Each file is read front to back: its tensors are
-taken in the order their bytes lie in the file and each is read straight into its own
-freshly allocated tensor (large sequential reads, no copy in between, no page-cache mapping
-kept alive). A device other than the CPU gets each tensor through one reused host staging
-buffer (pinned on CUDA), then one copy to the device. Shards are read in parallel threads
-when there are several and more than one core (file reads release the GIL). Checkpoints
-over PROGRESS_BYTES log their progress.
+range) and the tensors' bytes back to back. Two ways in, the same tensors out:
 
-Tensors a model fuses (a layer's q, k and v; gate and up) can be placed back to back: named
-in `fuse`, they are read straight into their rows of one allocation, so the model takes the
-fused weight as it is (`joined`) instead of concatenating copies.
+  mapped (the CPU)  each file is mapped copy-on-write and its pages are brought in front to
+                    back (MADV_POPULATE_READ, or a read of each page where the kernel lacks
+                    it: sequential reads with read-ahead when the file is not cached); each
+                    tensor is a view of the mapping. Nothing is copied, workers serving one
+                    model on one machine share its pages, and a write to a weight (none is
+                    expected) changes only the writer's own copy of that page.
+  read (devices)    each file is read front to back, its tensors in the order their bytes
+                    lie in it: on the CPU straight into fresh tensors, for a device through
+                    one reused host staging buffer (pinned on CUDA), then one copy to it.
+
+Shards are taken in parallel threads when there are several and more than one core (page
+faults and file reads release the GIL). Checkpoints over PROGRESS_BYTES log their progress.
+
+Tensors a model fuses (a layer's q, k and v; gate and up) are best back to back in memory,
+so the model takes the fused weight as it is (`joined`) instead of concatenating copies.
+Mapped, those the file stores adjacent already are (a layer's gate and up, as HF writes
+them); read, the groups named in `fuse` are read straight into their rows of one allocation.
 
 The result is bit-identical to `safetensors.torch.load_file` (tests/test_weights.py).
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -37,6 +46,7 @@ log = logging.getLogger(__name__)
 PROGRESS_BYTES = 1 << 30  # bigger checkpoints log their progress
 STAGING_BYTES = 64 << 20  # non-CPU devices: tensors pass through a buffer this large
 _HEADER_LIMIT = 100 << 20  # safetensors' own bound on the JSON header
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.14 names it
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -58,21 +68,31 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_tensors(
-    model_dir: str | Path, device: str = "cpu", fuse: Iterable[Sequence[str]] = ()
+    model_dir: str | Path,
+    device: str = "cpu",
+    fuse: Iterable[Sequence[str]] = (),
+    mapped: bool | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint; those of each group in `fuse` as adjacent rows of one
-    allocation (where they share a dtype and all but the first dimension)."""
+    """Every tensor of the checkpoint: mapped (the default on the CPU) or read. Read, those
+    of each group in `fuse` come as adjacent rows of one allocation (where they share a
+    dtype and all but the first dimension)."""
+    mapped = torch.device(device).type == "cpu" if mapped is None else mapped
+    if mapped and torch.device(device).type != "cpu":
+        raise ValueError(f"only the CPU can use a mapped checkpoint, not {device}")
     files = checkpoint_files(model_dir)
     headers = {}
     for path in files:
         with open(path, "rb", buffering=0) as f:
             headers[path] = _header(f, path)
-    places = _places([e for entries, _ in headers.values() for e in entries], fuse, device)
+    entries = [e for file_entries, _ in headers.values() for e in file_entries]
+    places = {} if mapped else _places(entries, fuse, device)
     progress = _Progress(sum(f.stat().st_size for f in files), Path(model_dir).name)
     workers = min(len(files), os.cpu_count() or 1)
     tensors: dict[str, torch.Tensor] = {}
 
     def one(path: Path) -> dict[str, torch.Tensor]:
+        if mapped:
+            return map_file(path, progress, headers[path])
         return read_file(path, device, progress, places, headers[path])
 
     if workers > 1:
@@ -86,21 +106,72 @@ def load_tensors(
     return tensors
 
 
+def back_to_back(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The parts concatenated on their first dimension as a view of the memory they share,
+    where they lie back to back in order in one storage (placed so by the reader, or so
+    stored in a mapped file); else None."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    if all(
+        p.is_contiguous()
+        and p.dim() >= 1
+        and p.dtype == first.dtype
+        and p.shape[1:] == first.shape[1:]
+        and p.untyped_storage().data_ptr() == storage
+        for p in parts
+    ) and all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in pairwise(parts)):
+        rows = sum(p.shape[0] for p in parts)
+        return first.as_strided([rows, *first.shape[1:]], first.stride(), first.storage_offset())
+    return None
+
+
 def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parts concatenated on their first dimension: the allocation `load_tensors` placed
-    them in, without a copy, where they are all of it in order; else a new tensor."""
+    """The parts concatenated on their first dimension: `back_to_back` where it can, else
+    a new tensor."""
     if len(parts) == 1:
         return parts[0]
-    base = parts[0]._base
-    if (
-        base is not None
-        and all(p._base is base and p.is_contiguous() for p in parts)
-        and parts[0].data_ptr() == base.data_ptr()
-        and all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in pairwise(parts))
-        and sum(p.nbytes for p in parts) == base.nbytes
-    ):
-        return base
-    return torch.cat(list(parts))
+    view = back_to_back(parts)
+    return view if view is not None else torch.cat(list(parts))
+
+
+def map_file(
+    path: Path, progress: _Progress | None = None, header: tuple[list[_Entry], int] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file as a view of its copy-on-write mapping, the
+    pages brought in front to back first. A tensor whose bytes are not aligned to its dtype
+    (no writer here makes one) is copied out."""
+    with open(path, "rb", buffering=0) as f:
+        entries, data_start = header or _header(f, path)
+        size = os.fstat(f.fileno()).st_size
+        view = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    for name, _, _, _, end in entries:
+        if data_start + end > size:
+            raise ValueError(f"{path}: file ends inside tensor {name}")
+    _populate(view, progress)
+    whole = torch.frombuffer(view, dtype=torch.uint8)  # the tensors keep the mapping alive
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, begin, end in entries:
+        _check_size(path, name, dtype, shape, end - begin)
+        raw = whole[data_start + begin : data_start + end]
+        if (data_start + begin) % dtype.itemsize:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(shape)
+    return out
+
+
+def _populate(view: mmap.mmap, progress: _Progress | None) -> None:
+    """Bring every page of the mapping in, in order, without copying it (a read fault maps
+    the page cache's own page), in chunks so progress can be logged."""
+    chunk = 256 << 20
+    page = mmap.PAGESIZE
+    for start in range(0, len(view), chunk):
+        length = min(chunk, len(view) - start)
+        try:
+            view.madvise(_MADV_POPULATE_READ, start, length)
+        except OSError:  # an older kernel: touch one byte of each page
+            sum(memoryview(view)[start : start + length : page])
+        if progress is not None:
+            progress.add(length)
 
 
 def read_file(
@@ -178,10 +249,14 @@ def _header(f, path: Path) -> tuple[list[_Entry], int]:
     return entries, 8 + size
 
 
-def _read_into(f, tensor: torch.Tensor, nbytes: int, path: Path, name: str) -> None:
-    expected = tensor.numel() * tensor.element_size()
+def _check_size(path: Path, name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> None:
+    expected = torch.Size(shape).numel() * dtype.itemsize
     if nbytes != expected:
         raise ValueError(f"{path}: tensor {name} has {nbytes} bytes, its shape needs {expected}")
+
+
+def _read_into(f, tensor: torch.Tensor, nbytes: int, path: Path, name: str) -> None:
+    _check_size(path, name, tensor.dtype, list(tensor.shape), nbytes)
     if nbytes == 0:
         return
     view = memoryview(tensor.view(-1).view(torch.uint8).numpy())

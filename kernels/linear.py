@@ -5,13 +5,15 @@ computes `(residual +) x @ w.T (+ bias)` for x [T, in] in the model's dtype. Whi
 runs depends on the weight's storage, the number of rows and the CPU (kernels/isa.py):
 
     storage          T <= SMALL_M (decode: memory-bound)       more rows (prefill: compute-bound)
-    float32 [in,out] small_gemm (streams fp32 weights)          MKL addmm
+    float32 [o,i]    rows_gemm (streams fp32 weights)           MKL sgemm
     bf16/fp16 [o,i]  rows_gemm (widens to fp32 as it streams)   avx512_bf16+: oneDNN prepacked
                                                                 else: widen, MKL sgemm
     int8 [out, in]   rows_gemm (x * q, then * scale per out)    dequantize, then as above
     + scale [out]
 
-The compiled kernels accumulate in float32 whatever the storage. Weight-only INT8 is
+Every weight keeps the checkpoint's [out, in] layout, so one already in the dtype it runs in
+is used where the loader put it (a view of the mapped file: engine/weights.py), never
+copied. The compiled kernels accumulate in float32 whatever the storage. Weight-only INT8 is
 symmetric per output channel, quantized at load from the checkpoint (`quantize_int8`); it
 halves bf16's weight bytes, which is what bounds decode. Without compiled kernels
 (RTP_SERVE_ISA=scalar) every op is the torch reference, which is also what tests compare to.
@@ -35,6 +37,7 @@ SMALL_M = 32  # up to this many rows a projection is memory-bound on the CPUs me
 
 class LinearOp(Protocol):
     nbytes: int  # bytes of weight it reads per call (what bounds decode)
+    params: int  # weights it holds (elements)
     kernel: str  # which path serves small batches, for logs and Stats
 
     def __call__(
@@ -54,18 +57,6 @@ class Kernels:
     isa: CpuIsa | None = None
 
 
-def torch_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(residual +) x [T, in] @ w [in, out] (+ bias)."""
-    if residual is not None:
-        return torch.addmm(residual if bias is None else residual + bias, x, w)
-    return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
-
-
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8: w [out, in] ~= q * scale[:, None], |q| <= 127."""
     wf = w.float()
@@ -75,18 +66,21 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp32Linear:
-    """float32 weights, stored [in, out]: the layout MKL's GEMV reads fastest at decode sizes."""
+    """float32 weights [out, in], as the checkpoint stores them (no copy where it is float32)."""
 
     def __init__(self, w: torch.Tensor, kernels: Kernels) -> None:
-        self.w = w.float().t().contiguous()
-        self.nbytes = self.w.numel() * 4
-        self._small = getattr(kernels.ops, "small_gemm", None)
-        self.kernel = "small_gemm" if self._small else "mkl"
+        self.w = w.float().contiguous()
+        self.params = self.w.numel()
+        self.nbytes = self.params * 4
+        self._rows = getattr(kernels.ops, "rows_gemm", None)
+        self.kernel = "rows_gemm" if self._rows else "mkl"
 
     def __call__(self, x, bias=None, residual=None):
-        if self._small is not None and x.shape[0] <= SMALL_M:
-            return self._small(x, self.w, bias, residual)
-        return torch_linear(x, self.w, bias, residual)
+        if self._rows is not None and x.shape[0] <= SMALL_M:
+            return self._rows(x, self.w, None, bias, residual)
+        if residual is None:
+            return F.linear(x, self.w, bias)
+        return torch.addmm(residual if bias is None else residual + bias, x, self.w.t())
 
 
 class RowsLinear:
@@ -102,7 +96,8 @@ class RowsLinear:
         self.w = w.contiguous()
         self.scale = scale
         self.dtype = dtype  # activations and output
-        self.nbytes = self.w.numel() * self.w.element_size()
+        self.params = self.w.numel()
+        self.nbytes = self.params * self.w.element_size()
         self._rows = getattr(kernels.ops, "rows_gemm", None)
         self.kernel = "rows_gemm" if self._rows else "torch"
         self._packed = None
@@ -129,6 +124,23 @@ class RowsLinear:
             out = F.linear(x.float(), w, b).to(x.dtype)
         else:
             out = F.linear(x, self.dense(), bias)
+        return out if residual is None else out.add_(residual)
+
+
+class PartsLinear:
+    """One projection made of several (a layer's q, k and v where the checkpoint does not
+    hold their weights back to back): each part runs on its own weight, where the loader
+    left it, and the outputs are concatenated, instead of copying the weights together."""
+
+    def __init__(self, parts: list[LinearOp], sizes: list[int]) -> None:
+        self.parts, self.sizes = parts, sizes
+        self.params = sum(p.params for p in parts)
+        self.nbytes = sum(p.nbytes for p in parts)
+        self.kernel = parts[0].kernel
+
+    def __call__(self, x, bias=None, residual=None):
+        biases = bias.split(self.sizes) if bias is not None else [None] * len(self.parts)
+        out = torch.cat([p(x, b) for p, b in zip(self.parts, biases, strict=True)], dim=-1)
         return out if residual is None else out.add_(residual)
 
 

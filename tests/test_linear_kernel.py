@@ -1,5 +1,6 @@
-"""Every projection path against the torch reference: the compiled kernels (small_gemm for
-float32, rows_gemm for bf16/fp16/int8 storage), the large-batch paths, and INT8 quantization.
+"""Every projection path against the torch reference: the compiled kernels (rows_gemm for
+float32/bf16/fp16/int8 storage [out, in]; small_gemm for [in, out], which LoRA's updates
+use), the large-batch paths, and INT8 quantization.
 
 Tolerances: float32 storage 1e-4 (summation order only); bf16/fp16 storage 1e-4 against the
 same widened weights in float32 (the kernel accumulates in float32); bf16 activations 2e-2

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, RopeScaling
 from engine.lora.batch import LoraBatch
 from engine.lora.weights import DOWN, GATE_UP, OUT, QKV
-from engine.weights import joined
+from engine.weights import back_to_back, joined
 from kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
-from kernels.linear import Kernels, LinearOp, RowsLinear, make_linear
+from kernels.linear import Kernels, LinearOp, PartsLinear, RowsLinear, make_linear
 
 
 @dataclass(slots=True)
@@ -79,9 +79,9 @@ def load_llama_weights(
 
     `weight_dtype` "int8" stores the projections (not the embedding, norms or LM head, as
     is usual for weight-only INT8) quantized per output channel; "auto" keeps `dtype`.
-    The projections are prepared (transposed, converted, quantized) by `threads` threads:
-    that, not reading the file, is most of a float32 load, and torch's copies do it on one
-    core each.
+    The projections are prepared (converted, quantized, prepacked; joined where the file
+    does not hold a fused group back to back) by `threads` threads: torch's copies do it on
+    one core each. A weight already in its dtype and layout is used as loaded.
     """
 
     def raw(name: str) -> torch.Tensor:
@@ -95,9 +95,14 @@ def load_llama_weights(
 
     def proj(parts: list[torch.Tensor], quantize: bool = True) -> LinearOp:
         """[out, in] checkpoint weights, concatenated on `out`, as one projection. INT8 is
-        quantized from the checkpoint's own values, not from a rounded copy."""
-        w = joined(parts)  # no copy where the loader placed them back to back
+        quantized from the checkpoint's own values, not from a rounded copy. Parts already
+        in `dtype` that do not lie back to back run apart (PartsLinear), not copied."""
         wd = weight_dtype if quantize else "auto"
+        apart = len(parts) > 1 and back_to_back(parts) is None
+        if apart and wd == "auto" and all(p.dtype == dtype for p in parts):
+            ops = [make_linear(p, dtype, wd, kernels) for p in parts]
+            return PartsLinear(ops, [p.shape[0] for p in parts])
+        w = joined(parts)  # no copy where the loader placed them back to back
         return make_linear(w if wd == "int8" else w.to(dtype), dtype, wd, kernels)
 
     # Each job takes its weights from `tensors` as it starts, so a checkpoint is never held

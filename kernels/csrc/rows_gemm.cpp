@@ -1,5 +1,6 @@
-// x @ w.T (* scale) (+ bias) (+ residual) for a few rows of x, over bf16/fp16 or int8 weights
-// stored [out, in] (the checkpoint's layout).
+// x @ w.T (* scale) (+ bias) (+ residual) for a few rows of x, over float32, bf16/fp16 or int8
+// weights stored [out, in] (the checkpoint's layout, so a float32 weight is used where the
+// loader mapped it, never transposed).
 //
 // At decode batch sizes a projection is bound by how fast its weights stream from memory, so
 // a weight stored in 2 (bf16) or 1 (int8) bytes is 2x or 4x less to read than float32. This
@@ -9,6 +10,10 @@
 // symmetric per output channel (w = q * scale[n]), so the scale is applied once per output.
 // The loops are plain C++ that the compiler vectorises for the CPU it is built on
 // (-march=native: AVX2, AVX-512 ...), so every ISA runs the same, tested source.
+//
+// Float32 weights need no widening, so they take their own path (rows_f32): a few rows of x
+// at once against four weight rows, all in vector registers (AVX-512 or AVX2), so each
+// weight row is read from memory once and from L1 once per group of x rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -125,6 +130,123 @@ inline void dot_rows2(const float* __restrict xa, const float* __restrict xb,
   sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
 }
 
+#if defined(__AVX512F__)
+using VecF = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int kGroup = 4;  // rows of x per pass: 16 accumulators of the 32 registers
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+#elif defined(RTP_AVX2)
+using VecF = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int kGroup = 2;  // 8 accumulators of the 16 registers
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline float vsum(VecF v) { return hsum(v); }
+#endif
+
+#if defined(__AVX512F__) || defined(RTP_AVX2)
+#define RTP_F32_ROWS 1
+// G rows of x (row stride K) against kRows consecutive weight rows: s[g * kRows + r].
+template <int G>
+inline void f32_group(const float* __restrict x, const float* __restrict w, int64_t K, float* s) {
+  VecF acc[G][kRows];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < kRows; ++r) acc[g][r] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    VecF wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = vload(w + r * K + k);
+    for (int g = 0; g < G; ++g) {
+      const VecF xv = vload(x + g * K + k);
+      for (int r = 0; r < kRows; ++r) acc[g][r] = vfma(xv, wv[r], acc[g][r]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < kRows; ++r) {
+      float v = vsum(acc[g][r]);
+      for (int64_t j = k; j < K; ++j) v += x[g * K + j] * w[r * K + j];
+      s[g * kRows + r] = v;
+    }
+}
+
+// One row of x: each weight row read as one stream, four accumulators along it.
+inline void f32_one(const float* __restrict x, const float* __restrict w, int64_t K, float* s) {
+  for (int64_t r = 0; r < kRows; ++r) {
+    const float* __restrict wr = w + r * K;
+    VecF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t k = 0;
+    for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
+      a0 = vfma(vload(x + k), vload(wr + k), a0);
+      a1 = vfma(vload(x + k + kLanes), vload(wr + k + kLanes), a1);
+      a2 = vfma(vload(x + k + 2 * kLanes), vload(wr + k + 2 * kLanes), a2);
+      a3 = vfma(vload(x + k + 3 * kLanes), vload(wr + k + 3 * kLanes), a3);
+    }
+    for (; k + kLanes <= K; k += kLanes) a0 = vfma(vload(x + k), vload(wr + k), a0);
+    float v = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
+    for (; k < K; ++k) v += x[k] * wr[k];
+    s[r] = v;
+  }
+}
+
+// Rows [m, m + G) of x against one block of weight rows; G < kGroup only for the last rows.
+inline void f32_rows_of_x(const float* x, const float* w, int64_t K, int64_t G, float* s) {
+  switch (G) {
+    case 1: f32_one(x, w, K, s); break;
+    case 2: f32_group<2>(x, w, K, s); break;
+#if defined(__AVX512F__)
+    case 3: f32_group<3>(x, w, K, s); break;
+    case 4: f32_group<4>(x, w, K, s); break;
+#endif
+    default: TORCH_CHECK(false, "rows_gemm: bad row group");
+  }
+}
+#endif
+
+template <typename w_t>
+void rows_kernel(const float* x, const w_t* w, const float* scale, const float* bias,
+                 const float* residual, float* out, int64_t M, int64_t K, int64_t N);
+
+// Float32 weights: rows of x in groups of kGroup against each block of kRows weight rows.
+void rows_f32(const float* x, const float* w, const float* bias, const float* residual,
+              float* out, int64_t M, int64_t K, int64_t N) {
+#ifdef RTP_F32_ROWS
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (4 * at::get_num_threads())),
+                   [&](int64_t b0, int64_t b1) {
+    std::vector<float> tail;
+    float s[kGroup * kRows];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kRows;
+      const int64_t rows = std::min(kRows, N - n0);
+      const float* wr = w + n0 * K;
+      if (rows < kRows) {  // pad the last, partial block with zero rows
+        tail.assign(kRows * K, 0.f);
+        std::copy(wr, wr + rows * K, tail.begin());
+        wr = tail.data();
+      }
+      for (int64_t m = 0; m < M; m += kGroup) {
+        const int64_t G = std::min<int64_t>(kGroup, M - m);
+        f32_rows_of_x(x + m * K, wr, K, G, s);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = (m + g) * N + n0 + r;
+            float v = s[g * kRows + r];
+            if (bias) v += bias[n0 + r];
+            if (residual) v += residual[i];
+            out[i] = v;
+          }
+      }
+    }
+  });
+#else
+  rows_kernel(x, w, nullptr, bias, residual, out, M, K, N);
+#endif
+}
+
 template <typename w_t>
 void rows_kernel(const float* x, const w_t* w, const float* scale, const float* bias,
                  const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
@@ -214,8 +336,9 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     case at::kChar:
       rows_kernel(xp, w.data_ptr<int8_t>(), sp, bp, rp, op, M, K, N);
       break;
-    case at::kFloat:  // a tied float32 LM head, read in the embedding's own layout
-      rows_kernel(xp, w.data_ptr<float>(), sp, bp, rp, op, M, K, N);
+    case at::kFloat:
+      TORCH_CHECK(!sp, "float32 weights take no scale");
+      rows_f32(xp, w.data_ptr<float>(), bp, rp, op, M, K, N);
       break;
     default:
       TORCH_CHECK(false, "rows_gemm: weights must be bfloat16, float16, int8 or float32");
