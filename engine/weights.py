@@ -143,7 +143,9 @@ def map_file(
     with open(path, "rb", buffering=0) as f:
         entries, data_start = header or _header(f, path)
         size = os.fstat(f.fileno()).st_size
-        view = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = mmap.mmap(
+            f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
     for name, _, _, _, end in entries:
         if data_start + end > size:
             raise ValueError(f"{path}: file ends inside tensor {name}")

@@ -22,6 +22,10 @@
 #include <cstring>
 #include <vector>
 
+// The vector helpers must inline into the loops: an out-of-line call per FMA, which GCC's
+// inlining budget chose for this file's many instantiations, ran at half the speed.
+#define RTP_INLINE inline __attribute__((always_inline))
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RTP_AVX2 1
@@ -75,7 +79,7 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline float hsum(__m256 v) {
+RTP_INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -134,107 +138,87 @@ inline void dot_rows2(const float* __restrict xa, const float* __restrict xb,
 using VecF = __m512;
 constexpr int64_t kLanes = 16;
 constexpr int kGroup = 4;  // rows of x per pass: 16 accumulators of the 32 registers
-inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
-inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VecF vzero() { return _mm512_setzero_ps(); }
-inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+RTP_INLINE VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+RTP_INLINE VecF vzero() { return _mm512_setzero_ps(); }
+RTP_INLINE float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
 #elif defined(RTP_AVX2)
 using VecF = __m256;
 constexpr int64_t kLanes = 8;
 constexpr int kGroup = 2;  // 8 accumulators of the 16 registers
-inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
-inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VecF vzero() { return _mm256_setzero_ps(); }
-inline float vsum(VecF v) { return hsum(v); }
+RTP_INLINE VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+RTP_INLINE VecF vzero() { return _mm256_setzero_ps(); }
+RTP_INLINE float vsum(VecF v) { return hsum(v); }
 #endif
 
 #if defined(__AVX512F__) || defined(RTP_AVX2)
 #define RTP_F32_ROWS 1
-// G rows of x (row stride K) against kRows consecutive weight rows: s[g * kRows + r].
-template <int G>
-inline void f32_group(const float* __restrict x, const float* __restrict w, int64_t K, float* s) {
-  VecF acc[G][kRows];
+// G rows of x (row stride K) against R consecutive weight rows, one accumulator each:
+// s[g * R + r]. A single row of x takes eight weight rows at a time (eight streams keep
+// more loads in flight: bench/linear.py), more rows four, so the accumulators fit the
+// registers.
+template <int R, int G>
+RTP_INLINE void f32_block(const float* __restrict x, const float* __restrict w, int64_t K, float* s) {
+  VecF acc[G][R];
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < kRows; ++r) acc[g][r] = vzero();
+    for (int r = 0; r < R; ++r) acc[g][r] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    VecF wv[kRows];
-    for (int r = 0; r < kRows; ++r) wv[r] = vload(w + r * K + k);
+    VecF wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = vload(w + r * K + k);
     for (int g = 0; g < G; ++g) {
       const VecF xv = vload(x + g * K + k);
-      for (int r = 0; r < kRows; ++r) acc[g][r] = vfma(xv, wv[r], acc[g][r]);
+      for (int r = 0; r < R; ++r) acc[g][r] = vfma(xv, wv[r], acc[g][r]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       float v = vsum(acc[g][r]);
       for (int64_t j = k; j < K; ++j) v += x[g * K + j] * w[r * K + j];
-      s[g * kRows + r] = v;
+      s[g * R + r] = v;
     }
 }
 
-// One row of x: each weight row read as one stream, four accumulators along it.
-inline void f32_one(const float* __restrict x, const float* __restrict w, int64_t K, float* s) {
-  for (int64_t r = 0; r < kRows; ++r) {
-    const float* __restrict wr = w + r * K;
-    VecF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-    int64_t k = 0;
-    for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
-      a0 = vfma(vload(x + k), vload(wr + k), a0);
-      a1 = vfma(vload(x + k + kLanes), vload(wr + k + kLanes), a1);
-      a2 = vfma(vload(x + k + 2 * kLanes), vload(wr + k + 2 * kLanes), a2);
-      a3 = vfma(vload(x + k + 3 * kLanes), vload(wr + k + 3 * kLanes), a3);
-    }
-    for (; k + kLanes <= K; k += kLanes) a0 = vfma(vload(x + k), vload(wr + k), a0);
-    float v = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
-    for (; k < K; ++k) v += x[k] * wr[k];
-    s[r] = v;
-  }
-}
-
-// Rows [m, m + G) of x against one block of weight rows; G < kGroup only for the last rows.
-inline void f32_rows_of_x(const float* x, const float* w, int64_t K, int64_t G, float* s) {
+// Rows [m, m + G) of x against R weight rows; G < kGroup only for the last rows.
+template <int R>
+void f32_rows_of_x(const float* x, const float* w, int64_t K, int64_t G, float* s) {
   switch (G) {
-    case 1: f32_one(x, w, K, s); break;
-    case 2: f32_group<2>(x, w, K, s); break;
+    case 1: f32_block<R, 1>(x, w, K, s); break;
+    case 2: f32_block<R, 2>(x, w, K, s); break;
 #if defined(__AVX512F__)
-    case 3: f32_group<3>(x, w, K, s); break;
-    case 4: f32_group<4>(x, w, K, s); break;
+    case 3: f32_block<R, 3>(x, w, K, s); break;
+    case 4: f32_block<R, 4>(x, w, K, s); break;
 #endif
     default: TORCH_CHECK(false, "rows_gemm: bad row group");
   }
 }
-#endif
 
-template <typename w_t>
-void rows_kernel(const float* x, const w_t* w, const float* scale, const float* bias,
-                 const float* residual, float* out, int64_t M, int64_t K, int64_t N);
-
-// Float32 weights: rows of x in groups of kGroup against each block of kRows weight rows.
-void rows_f32(const float* x, const float* w, const float* bias, const float* residual,
-              float* out, int64_t M, int64_t K, int64_t N) {
-#ifdef RTP_F32_ROWS
-  const int64_t blocks = (N + kRows - 1) / kRows;
+// Every row of x against blocks of R weight rows; each thread a contiguous run of blocks.
+template <int R>
+void f32_blocks(const float* x, const float* w, const float* bias, const float* residual,
+                float* out, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = (N + R - 1) / R;
   at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (4 * at::get_num_threads())),
                    [&](int64_t b0, int64_t b1) {
     std::vector<float> tail;
-    float s[kGroup * kRows];
+    float s[kGroup * R];
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * kRows;
-      const int64_t rows = std::min(kRows, N - n0);
+      const int64_t n0 = blk * R;
+      const int64_t rows = std::min<int64_t>(R, N - n0);
       const float* wr = w + n0 * K;
-      if (rows < kRows) {  // pad the last, partial block with zero rows
-        tail.assign(kRows * K, 0.f);
+      if (rows < R) {  // pad the last, partial block with zero rows
+        tail.assign(R * K, 0.f);
         std::copy(wr, wr + rows * K, tail.begin());
         wr = tail.data();
       }
       for (int64_t m = 0; m < M; m += kGroup) {
         const int64_t G = std::min<int64_t>(kGroup, M - m);
-        f32_rows_of_x(x + m * K, wr, K, G, s);
+        f32_rows_of_x<R>(x + m * K, wr, K, G, s);
         for (int64_t g = 0; g < G; ++g)
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = (m + g) * N + n0 + r;
-            float v = s[g * kRows + r];
+            float v = s[g * R + r];
             if (bias) v += bias[n0 + r];
             if (residual) v += residual[i];
             out[i] = v;
@@ -242,6 +226,22 @@ void rows_f32(const float* x, const float* w, const float* bias, const float* re
       }
     }
   });
+}
+#endif
+
+template <typename w_t>
+void rows_kernel(const float* x, const w_t* w, const float* scale, const float* bias,
+                 const float* residual, float* out, int64_t M, int64_t K, int64_t N);
+
+// Float32 weights: rows of x in groups of kGroup against each block of weight rows.
+void rows_f32(const float* x, const float* w, const float* bias, const float* residual,
+              float* out, int64_t M, int64_t K, int64_t N) {
+#ifdef RTP_F32_ROWS
+  if (M == 1) {
+    f32_blocks<8>(x, w, bias, residual, out, M, K, N);
+  } else {
+    f32_blocks<kRows>(x, w, bias, residual, out, M, K, N);
+  }
 #else
   rows_kernel(x, w, nullptr, bias, residual, out, M, K, N);
 #endif
