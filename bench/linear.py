@@ -76,8 +76,7 @@ def main() -> None:
     ops = cpu.load()
     if ops is None:
         sys.exit("no compiled CPU kernels here (RTP_SERVE_ISA=scalar?): nothing to compare")
-    isa = cpu_isa()
-    print(f"cpu: {isa.level}; flags {' '.join(isa.flags)}; threads {args.threads}")
+    print(f"cpu: {cpu_isa().describe()}; threads {args.threads}")
     cfg = ModelConfig.from_dir(resolve_model(args.model))
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) for _ in range(args.layers) for k, n in shapes(cfg)]
