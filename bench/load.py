@@ -10,10 +10,11 @@ the project are imported), as a worker starting up would be:
   ours   engine.llm_engine.LLMEngine(EngineConfig(model, small KV)): reads the safetensors
          in file order (engine/weights.py), fuses, allocates the KV pool, ready to step
   hf     transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=float32)
+  fst    ours with --load-format fastsafetensors (where that package is installed)
 
 cold: the checkpoint's pages are dropped from the page cache first (posix_fadvise
 DONTNEED on every file: no root needed; the disk read is then real unless the storage has
-its own cache); warm: read once just before. `--up`: seconds from `rtp-serve up` (the default
+its own cache); warm: dropped and read once with plain reads just before. `--up`: seconds from `rtp-serve up` (the default
 model, smollm2-135m, in the default PD layout) to ready, with the CPU kernels compiled at
 install (ours) and, as before, compiled by each worker on first use: found in torch's cache,
 and afresh (a new TORCH_EXTENSIONS_DIR), which is what a fresh install cost on first start.
@@ -22,6 +23,7 @@ and afresh (a new TORCH_EXTENSIONS_DIR), which is what a fresh install cost on f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -41,11 +43,13 @@ import json, sys, time
 import torch
 kind, model = sys.argv[1], sys.argv[2]
 torch.set_num_threads(int(sys.argv[3]))
-if kind == "ours":
+if kind != "hf":
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
+    how = "auto" if kind == "ours" else kind
     start = time.perf_counter()
-    LLMEngine(EngineConfig(model=model, num_kv_blocks=64, num_threads=int(sys.argv[3])))
+    LLMEngine(EngineConfig(model=model, num_kv_blocks=64, num_threads=int(sys.argv[3]),
+                           load_format=how))
 else:
     from transformers import AutoModelForCausalLM
     start = time.perf_counter()
@@ -65,6 +69,10 @@ def drop_page_cache(model_dir: Path) -> None:
 
 
 def warm_page_cache(model_dir: Path) -> None:
+    """Dropped, then read with plain reads (as `cat` would): the same page cache for every
+    warm trial, whoever loaded the model before (a mapped read with huge pages leaves 2 MiB
+    folios that map faster than what a plain read leaves)."""
+    drop_page_cache(model_dir)
     for path in model_dir.iterdir():
         if path.is_file():
             with open(path, "rb") as f:
@@ -126,19 +134,25 @@ def main() -> int:
     from engine.make_model import resolve_model
 
     print(f"cpu: {cpu_isa().describe()}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'model':12} {'size':>8} {'cache':>5} {'ours s':>8} {'hf s':>8} {'hf/ours':>8}")
+    kinds = ["ours", "hf"]
+    if importlib.util.find_spec("fastsafetensors") is not None:
+        kinds.append("fastsafetensors")
+    fst = "fastsafetensors" in kinds
+    print(f"{'model':12} {'size':>8} {'cache':>5} {'ours s':>8} {'hf s':>8} {'hf/ours':>8}"
+          + (f" {'fst s':>8}" if fst else ""))  # fmt: skip
     for name in [] if args.skip_load else args.models.split(","):
         model_dir = Path(resolve_model(name))
         os.sync()  # a preset built just now: its pages written back before any timing
         size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
         for cold in (True, False):
             cells = {}
-            for kind in ("ours", "hf"):
+            for kind in kinds:
                 runs = [time_one(kind, model_dir, cold, args.threads) for _ in range(args.trials)]
                 cells[kind] = statistics.median(runs)
             print(f"{name:12} {size / 2**30:>6.2f}Gi {'cold' if cold else 'warm':>5} "
                   f"{cells['ours']:>8.2f} {cells['hf']:>8.2f} "
-                  f"{cells['hf'] / cells['ours']:>7.1f}x", flush=True)  # fmt: skip
+                  f"{cells['hf'] / cells['ours']:>7.1f}x"
+                  + (f" {cells['fastsafetensors']:>8.2f}" if fst else ""), flush=True)  # fmt: skip
     if args.up:
         print(f"rtp-serve up --model {args.up_model} (1 prefill, 1 decode) to ready, "
               f"median of {args.trials}; load average {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -15,6 +15,7 @@ from engine.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
 from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
+LOAD_FORMATS = ("auto", "mmap", "read", "fastsafetensors")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -125,6 +126,9 @@ class EngineConfig:
     # "auto": the KV cache in `dtype`; or a narrower dtype than the model (bf16 KV, fp32 model).
     kv_dtype: str = "auto"
     device: str = "cpu"
+    # How the checkpoint comes in (engine/weights.py): "auto" maps it on the CPU and reads
+    # it for a device; "mmap", "read" or "fastsafetensors" (that package, the gpu extra).
+    load_format: str = "auto"
     # Decode batch sizes captured as CUDA graphs at start (engine/cuda_graphs.py), on CUDA
     # with the Triton backend; () runs every step eagerly. Ignored on CPU.
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -166,6 +170,8 @@ class EngineConfig:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

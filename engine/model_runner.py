@@ -13,7 +13,7 @@ from engine.config import EngineConfig, EngineLimits, ModelConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_capture
 from engine.dtypes import torch_dtype
 from engine.grammar_masks import MaskWorker
-from engine.lora.batch import LoraBatch, lora_matmul
+from engine.lora.batch import LoraBatch, lora_ops
 from engine.lora.registry import LoraRegistry
 from engine.memory import kv_bytes_per_block
 from engine.models.llama import (
@@ -71,7 +71,9 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
         fuse = fused_groups(model_config)  # read (a device) back to back: fused without a copy
-        tensors = load_tensors(config.model, device=str(self.device), fuse=fuse)
+        tensors = load_tensors(
+            config.model, device=str(self.device), fuse=fuse, load_format=config.load_format
+        )
         if truncated:
             tensors = _first_layers(tensors, model_config.num_layers)
         self.kernels = cpu_kernels(self.device)
@@ -139,7 +141,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.eos_token_ids)
         self.masks = MaskWorker(model_config.vocab_size)
         self.loras = LoraRegistry(model_config, config.max_loras, self.dtype, self.device)
-        self._lora_mm = lora_matmul(self.kernels.ops, self.dtype)
+        self._lora_ops = lora_ops(self.kernels.ops, self.dtype)
         isa = self.kernels.isa
         self.cpu_isa = isa.describe() if isa else self.device.type
         self.linear_kernels = weights.layers[0].qkv.kernel + (
@@ -269,7 +271,7 @@ class ModelRunner:
             return None
         resident = self.loras.activate(names)
         rows = [(s.num_new_tokens, s.request.lora, _is_prefill(s)) for s in items]
-        return LoraBatch.of_rows(rows, resident, self.loras.stacked, self.dtype, self._lora_mm)
+        return LoraBatch.of_rows(rows, resident, self.loras.stacked, self.dtype, self._lora_ops)
 
     def _prepare(
         self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]

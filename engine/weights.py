@@ -7,9 +7,13 @@ range) and the tensors' bytes back to back. Two ways in, the same tensors out:
   mapped (the CPU)  each file is mapped copy-on-write and its pages are brought in front to
                     back (MADV_POPULATE_READ, or a read of each page where the kernel lacks
                     it: sequential reads with read-ahead when the file is not cached); each
-                    tensor is a view of the mapping. Nothing is copied, workers serving one
-                    model on one machine share its pages, and a write to a weight (none is
-                    expected) changes only the writer's own copy of that page.
+                    tensor is a view of the mapping. The mapping asks for huge pages
+                    (MADV_HUGEPAGE): the kernel then reads a cold file into 2 MiB page-cache
+                    folios and maps each with one page-table entry, so a later load maps
+                    4 GB in milliseconds instead of faulting in a million 4 KiB pages.
+                    Nothing is copied, workers serving one model on one machine share its
+                    pages, and a write to a weight (none is expected) changes only the
+                    writer's own copy of that page.
   read (devices)    each file is read front to back, its tensors in the order their bytes
                     lie in it: on the CPU straight into fresh tensors, for a device through
                     one reused host staging buffer (pinned on CUDA), then one copy to it.
@@ -22,11 +26,16 @@ so the model takes the fused weight as it is (`joined`) instead of concatenating
 Mapped, those the file stores adjacent already are (a layer's gate and up, as HF writes
 them); read, the groups named in `fuse` are read straight into their rows of one allocation.
 
+A third way, where the `fastsafetensors` package is installed (the `gpu` extra), is
+`load_format="fastsafetensors"`: its loader copies each file whole onto the device (with
+GPUDirect Storage where there is one).
+
 The result is bit-identical to `safetensors.torch.load_file` (tests/test_weights.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -41,12 +50,15 @@ from pathlib import Path
 
 import torch
 
+from engine.config import LOAD_FORMATS
+
 log = logging.getLogger(__name__)
 
 PROGRESS_BYTES = 1 << 30  # bigger checkpoints log their progress
 STAGING_BYTES = 64 << 20  # non-CPU devices: tensors pass through a buffer this large
 _HEADER_LIMIT = 100 << 20  # safetensors' own bound on the JSON header
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.14 names it
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -71,15 +83,23 @@ def load_tensors(
     model_dir: str | Path,
     device: str = "cpu",
     fuse: Iterable[Sequence[str]] = (),
-    mapped: bool | None = None,
+    load_format: str = "auto",
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint: mapped (the default on the CPU) or read. Read, those
-    of each group in `fuse` come as adjacent rows of one allocation (where they share a
-    dtype and all but the first dimension)."""
-    mapped = torch.device(device).type == "cpu" if mapped is None else mapped
-    if mapped and torch.device(device).type != "cpu":
+    """Every tensor of the checkpoint, by `load_format` (LOAD_FORMATS): "mmap" (what "auto"
+    is on the CPU), "read" (what it is on a device) or "fastsafetensors". Read, those of
+    each group in `fuse` come as adjacent rows of one allocation (where they share a dtype
+    and all but the first dimension)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if load_format == "auto":
+        load_format = "mmap" if on_cpu else "read"
+    if load_format == "mmap" and not on_cpu:
         raise ValueError(f"only the CPU can use a mapped checkpoint, not {device}")
+    mapped = load_format == "mmap"
     files = checkpoint_files(model_dir)
+    if load_format == "fastsafetensors":
+        return load_fastsafetensors(files, device)
     headers = {}
     for path in files:
         with open(path, "rb", buffering=0) as f:
@@ -104,6 +124,33 @@ def load_tensors(
             tensors.update(one(f))
     progress.done()
     return tensors
+
+
+def load_fastsafetensors(files: Sequence[Path], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the files through the `fastsafetensors` package (the `gpu` extra):
+    each file copied whole into one buffer on `device` (with GPUDirect Storage where the
+    GPU and file system have it, else through its own bounce buffer), the tensors views of
+    it. Bit-identical to the other ways in."""
+    try:
+        from fastsafetensors import SafeTensorsFileLoader, cpp
+    except ImportError as e:
+        raise RuntimeError(
+            "load_format fastsafetensors needs the fastsafetensors package "
+            "(pip install 'rtp-serve[gpu]')"
+        ) from e
+    target = torch.device(device)
+    gds = target.type == "cuda" and cpp.is_cufile_found()
+    log.info("loading %d file(s) with fastsafetensors (%s)", len(files), "GDS" if gds else "no GDS")
+    loader = SafeTensorsFileLoader(None, str(target), nogds=not gds)
+    try:
+        loader.add_filenames({0: [str(f) for f in files]})
+        buffer = loader.copy_files_to_device()
+        try:  # the tensors keep their buffer alive after it is closed
+            return {name: buffer.get_tensor(name) for name in loader.get_keys()}
+        finally:
+            buffer.close()
+    finally:
+        loader.close()
 
 
 def back_to_back(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -149,6 +196,10 @@ def map_file(
     for name, _, _, _, end in entries:
         if data_start + end > size:
             raise ValueError(f"{path}: file ends inside tensor {name}")
+    # 2 MiB page-cache folios map with one entry each, and a cold read fills them so; a
+    # kernel without transparent huge pages refuses the advice.
+    with contextlib.suppress(OSError):
+        view.madvise(_MADV_HUGEPAGE)
     _populate(view, progress)
     whole = torch.frombuffer(view, dtype=torch.uint8)  # the tensors keep the mapping alive
     out: dict[str, torch.Tensor] = {}

@@ -1,20 +1,25 @@
-"""The checkpoint loader (engine/weights.py), mapped and read, gives exactly what
-safetensors' own loader gives: same names, dtypes, shapes and bits, for one file and for
-shards, in float32, bfloat16 and the integer and float8 dtypes; and refuses broken files
-clearly. Mapped tensors are views of the file, and writing one never reaches the file."""
+"""The checkpoint loader (engine/weights.py), mapped, read and through fastsafetensors,
+gives exactly what safetensors' own loader gives: same names, dtypes, shapes and bits, for
+one file and for shards, in float32, bfloat16 and the integer and float8 dtypes; and
+refuses broken files clearly. Mapped tensors are views of the file, and writing one never
+reaches the file."""
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import weights
+from engine import SamplingParams, weights
 from engine.checkpoint_writer import save_weights
+from engine.config import EngineConfig
 from engine.weights import load_tensors, map_file, read_file
+from tests.helpers import make_llm
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -46,24 +51,31 @@ def test_one_file_of_every_dtype_reads_bit_identical(tmp_path):
     _same(read_file(path), load_file(path))
     _same(map_file(path), load_file(path))
     _same(load_tensors(tmp_path), load_file(path))
-    _same(load_tensors(tmp_path, mapped=False), load_file(path))
+    _same(load_tensors(tmp_path, load_format="read"), load_file(path))
+    _same(load_tensors(tmp_path, load_format="mmap"), load_file(path))
 
 
 def test_mapped_tensors_are_views_of_the_file_that_writes_never_reach(tmp_path):
     path = tmp_path / "model.safetensors"
-    save_file({"a": torch.ones(1024, 64), "b": torch.zeros(3)}, path)
+    save_file({"a": torch.ones(2048, 1024), "b": torch.zeros(3)}, path)  # 8 MiB: huge pages
     before = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)  # out of the page cache: the mapping reads it afresh
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
     got = map_file(path)
     assert got["a"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()
     got["a"].mul_(3.0)  # copy-on-write: this process's pages only
-    assert torch.equal(got["a"], torch.full((1024, 64), 3.0))
+    assert torch.equal(got["a"], torch.full((2048, 1024), 3.0))
     assert path.read_bytes() == before
-    assert torch.equal(map_file(path)["a"], torch.ones(1024, 64))
+    assert torch.equal(map_file(path)["a"], torch.ones(2048, 1024))
 
 
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+@pytest.mark.parametrize("load_format", ["auto", "read", "fastsafetensors"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_model_in_shards_reads_bit_identical(model_dir, tmp_path, dtype, mapped):
+def test_a_model_in_shards_reads_bit_identical(model_dir, tmp_path, dtype, load_format):
+    if load_format == "fastsafetensors":
+        pytest.importorskip("fastsafetensors")
     base = model_dir("tiny-llama")
     want = {k: v.to(dtype) for k, v in load_file(base / "model.safetensors").items()}
     out = tmp_path / "sharded"
@@ -71,7 +83,25 @@ def test_a_model_in_shards_reads_bit_identical(model_dir, tmp_path, dtype, mappe
     save_weights(sorted(want.items()), out, max_shard_bytes=256 << 10)
     shards = weights.checkpoint_files(out)
     assert len(shards) > 3  # really sharded: read in parallel where there are cores
-    _same(load_tensors(out, mapped=mapped), want)
+    _same(load_tensors(out, load_format=load_format), want)
+
+
+def test_fastsafetensors_reads_every_dtype_bit_identical(tmp_path):
+    pytest.importorskip("fastsafetensors")
+    path = tmp_path / "model.safetensors"
+    save_file(_mixed(), path, metadata={"format": "pt"})
+    _same(load_tensors(tmp_path, load_format="fastsafetensors"), load_file(path))
+
+
+def test_a_missing_fastsafetensors_or_an_unknown_format_is_a_clear_error(tmp_path, monkeypatch):
+    save_file({"w": torch.ones(4, 4)}, tmp_path / "model.safetensors")
+    monkeypatch.setitem(sys.modules, "fastsafetensors", None)  # as if not installed
+    with pytest.raises(RuntimeError, match="needs the fastsafetensors package"):
+        load_tensors(tmp_path, load_format="fastsafetensors")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_tensors(tmp_path, load_format="pickle")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        EngineConfig(model=str(tmp_path), load_format="pickle")
 
 
 def test_broken_files_are_refused_by_name(tmp_path):
@@ -110,7 +140,9 @@ def test_fused_groups_are_read_back_to_back_and_joined_without_a_copy(tmp_path):
     out.mkdir()
     save_weights(sorted(want.items()), out, max_shard_bytes=200)  # a group across shards
     assert len(weights.checkpoint_files(out)) > 2
-    got = load_tensors(out, fuse=[("q", "k", "v"), ("gate", "up"), ("o", "missing")], mapped=False)
+    got = load_tensors(
+        out, fuse=[("q", "k", "v"), ("gate", "up"), ("o", "missing")], load_format="read"
+    )
     _same(got, want)
     qkv = weights.joined([got["q"], got["k"], got["v"]])
     assert qkv.data_ptr() == got["q"].data_ptr()  # the allocation itself: no copy
@@ -142,3 +174,14 @@ def test_mapped_tensors_stored_back_to_back_are_joined_without_a_copy(tmp_path):
     ):
         cat = weights.joined(parts)
         assert torch.equal(cat, torch.cat(parts)) and cat.data_ptr() != parts[0].data_ptr()
+
+
+@pytest.mark.parametrize("load_format", ["read", "fastsafetensors"])
+def test_an_engine_loaded_another_way_generates_the_same_tokens(model_dir, prompts, load_format):
+    if load_format == "fastsafetensors":
+        pytest.importorskip("fastsafetensors")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    base = model_dir("tiny-llama")
+    want = [o.token_ids for o in make_llm(base).generate(prompts[:3], greedy)]
+    got = make_llm(base, load_format=load_format).generate(prompts[:3], greedy)
+    assert [o.token_ids for o in got] == want

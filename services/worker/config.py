@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from engine.async_llm import AsyncLLM
-from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig
+from engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig, ModelConfig
 from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
 from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
 from services.common.flags import (
@@ -61,6 +61,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "fresh one per start. A restart under the same id is told apart by its incarnation",
     )
     p.add_argument("--device", default=env("device", "cpu"), help="cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--load-format",
+        default=env("load_format", "auto"),
+        choices=LOAD_FORMATS,
+        help="auto: the checkpoint mapped on the CPU (pages shared by workers), read on a "
+        "device; fastsafetensors: that package's loader (the gpu extra; GPUDirect Storage)",
+    )
     p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
     p.add_argument(
         "--kv-cache-mib",
@@ -178,6 +185,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         weight_dtype=args.weight_dtype,
         kv_dtype=args.kv_dtype,
         device=args.device,
+        load_format=args.load_format,
         block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes,
         host_kv_cache_bytes=args.host_kv_cache_mib << 20,
