@@ -8,10 +8,11 @@ adapters resident (all of q/k/v/o/gate/up/down), the same `--batch` prompts subm
 together twice: every row on the base model, and row i on adapter i % adapters. Printed
 side by side: decode tokens/s (the steady state: output tokens after the first over the
 time after every row has its first token), end-to-end output tokens/s, and their ratio
-(target >= 0.8x). Last, one layer's LoRA updates at decode size by three ways of batching
-them: the stacked masked pass the engine uses for decode rows (engine/lora/stacked.py), the
-per-adapter runs it uses for prefill chunks (engine/lora/batch.py), and a gathered per-row
-A/B (a bmm over [rows, in, R] copies). Wall-clock on a shared machine: compare within one
+(target >= 0.8x). Last, one layer's LoRA updates at decode size by the ways of batching
+them: the compiled `lora_rows` kernel the engine uses for decode rows on the CPU kernels
+(float32), the masked GEMMs over the stacked adapters it uses without them
+(engine/lora/stacked.py), the per-adapter runs it uses for prefill chunks
+(engine/lora/batch.py), and a gathered per-row A/B (a bmm over [rows, in, R] copies). Wall-clock on a shared machine: compare within one
 run.
 """
 
@@ -22,6 +23,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path and would shadow `engine`.
@@ -84,8 +86,11 @@ def apply_micro(llm: LLM, names: list[str], reps: int = 100) -> dict[str, float]
     }
     xs = {p: torch.randn(rows, i, dtype=dtype) for p, (i, _) in fan.items()}
     ys = {p: torch.zeros(rows, o, dtype=dtype) for p, (_, o) in fan.items()}
-    stacked = LoraBatch.of_rows([(1, n, False) for n in names], resident, registry.stacked, dtype)
-    runs = LoraBatch.of_rows([(1, n, True) for n in names], resident, registry.stacked, dtype)
+    ops = llm.engine.runner._lora_ops  # the engine's kernels for decode-sized updates
+    decode = [(1, n, False) for n in names]
+    kernel = LoraBatch.of_rows(decode, resident, registry.stacked, dtype, ops)
+    masked = LoraBatch.of_rows(decode, resident, registry.stacked, dtype, replace(ops, rows=None))
+    runs = LoraBatch.of_rows([(1, n, True) for n in names], resident, registry.stacked, dtype, ops)
     pairs = [resident[n].layers[0][QKV] for n in names]
     a = torch.stack([p.a for p in pairs])  # [rows, in, R]
     b = torch.zeros(rows, a.shape[2], fan[QKV][1], dtype=dtype)
@@ -107,7 +112,10 @@ def apply_micro(llm: LLM, names: list[str], reps: int = 100) -> dict[str, float]
             ys[QKV].add_(torch.bmm(t, b.index_select(0, slot)).squeeze(1))
 
     timings = {}
-    for name, fn in (("stacked", batched(stacked)), ("runs", batched(runs)), ("gather", gathered)):
+    cases = {"masked": batched(masked), "runs": batched(runs), "gather": gathered}
+    if ops.rows is not None:
+        cases["kernel"] = batched(kernel)
+    for name, fn in cases.items():
         for _ in range(5):
             fn()
         t0 = time.perf_counter()
@@ -172,7 +180,9 @@ def main() -> None:
         print(f"{name:<14}{dec:>14.1f}{e2e:>12.1f}{dec / base[0]:>8.2f}x")
     micro = apply_micro(llm, cases[f"{args.adapters} adapters"])
     print(
-        f"one layer's updates, {args.batch} decode rows: stacked {micro['stacked']:.0f} us, "
+        f"one layer's updates, {args.batch} decode rows: "
+        + (f"lora_rows kernel {micro['kernel']:.0f} us, " if "kernel" in micro else "")
+        + f"masked stacked GEMMs {micro['masked']:.0f} us, "
         f"per-adapter runs {micro['runs']:.0f} us, gathered per-row bmm {micro['gather']:.0f} us"
     )
 

@@ -25,7 +25,7 @@ from engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.spec.draft_model import DraftModelProposer
+from engine.spec.draft_model import DraftModelProposer, TargetKV
 from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import Proposer
 from engine.spec.speculator import Speculator
@@ -131,6 +131,7 @@ class LLMEngine:
                 self.limits,
                 config.draft_model,
                 config.draft_num_layers,
+                TargetKV(self.runner.kv_cache, self.kv.block_ids),
             )
         return Speculator(proposer, config.num_speculative_tokens, self.limits.max_model_len)
 

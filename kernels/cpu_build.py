@@ -25,6 +25,7 @@ SOURCES = (
     "rms_norm.cpp",
     "kv_quant.cpp",
     "paged_prefill.cpp",
+    "lora_rows.cpp",
 )
 COMMON_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp")  # -g0: Python's CFLAGS carry -g
 LINK_FLAGS = ("-fopenmp",)

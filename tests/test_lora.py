@@ -14,6 +14,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.lora.make_adapter import build_adapter
 from engine.lora.peft_config import AdapterError, LoraConfig, UnknownAdapterError
+from engine.lora.stacked import Stacked, StackedRows, stack_pairs
+from engine.lora.weights import LoraPair, LoraPart
+from kernels import cpu
 from tests.helpers import assert_pool_idle
 
 STEPS = 10
@@ -255,3 +258,62 @@ def test_peft_config_checks(adapter_dir, tmp_path):
         LoraConfig.load("none", tmp_path)
     # Same content, another name: the same fingerprint (and so the same KV namespace).
     assert LoraConfig.load("copy", variant(r=4)).fingerprint == cfg.fingerprint
+
+
+def _random_pair(
+    g: torch.Generator, fan_in: int, widths: list[int], rank: int, targeted: list[int]
+):
+    """One adapter's fused projection: parts `targeted` (indexes into `widths`) of rank
+    `rank`, the others untouched."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    parts = [
+        LoraPart(
+            slice(j * rank, (j + 1) * rank),
+            slice(starts[i], starts[i] + widths[i]),
+            torch.randn(rank, widths[i], generator=g),
+        )
+        for j, i in enumerate(targeted)
+    ]
+    return LoraPair(torch.randn(fan_in, rank * len(targeted), generator=g), tuple(parts))
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["a"],  # one row: fewer adapters than threads
+        ["a", "a", "a"],  # one adapter, several rows
+        ["b", "", "a", "c", "a", "", "c", "b"],  # every adapter, base rows among them
+        ["c", "b", "a", "d"] * 5,  # more rows than threads, "d" not resident
+    ],
+    ids=["one", "shared", "mixed", "many"],
+)
+@pytest.mark.parametrize("tail", [0, 5], ids=["decode-only", "with-prefill-rows"])
+def test_lora_rows_kernel_matches_the_masked_gemms_and_each_row_alone(names, tail):
+    """The compiled decode-row kernel against the masked GEMMs over the stacked adapters
+    and against each row's own update: adapters of different ranks, partly targeted fused
+    projections (q and v of q/k/v), rows on the base model, and rows after the decode rows
+    (a prefill chunk's) left alone."""
+    ops = cpu.load()
+    if ops is None or not hasattr(ops, "lora_rows"):
+        pytest.fail("the CPU kernels did not build (set RTP_SERVE_CPU_KERNELS=0 to run without)")
+    g = torch.Generator().manual_seed(len(names) * 10 + tail)
+    fan_in, widths = 96, [64, 32, 32]
+    pairs = {
+        "a": _random_pair(g, fan_in, widths, 8, [0, 1, 2]),
+        "b": _random_pair(g, fan_in, widths, 4, [0, 2]),
+        "c": _random_pair(g, fan_in, widths, 6, [1]),
+    }
+    resident = sorted(pairs)
+    stacked = Stacked(
+        tuple(resident), [(stack_pairs(list(enumerate(pairs[n] for n in resident))),)]
+    )
+    x = torch.randn(len(names) + tail, fan_in, generator=g)
+    y0 = torch.randn(len(names) + tail, sum(widths), generator=g)
+    want = y0.clone()
+    for i, name in enumerate(names):
+        if name in pairs:
+            pairs[name].add(x[i : i + 1], want[i : i + 1])
+    for kernel in (ops.lora_rows, None):
+        y = y0.clone()
+        StackedRows(stacked, names, torch.float32, kernel).add(0, 0, x, y)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)  # summation order only

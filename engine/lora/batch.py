@@ -9,8 +9,9 @@ a step's rows by adapter within its decode and prefill parts:
     prefill rows: per-adapter runs, a [5,8) b [8,10): two GEMMs on slices each
 
 Decode rows are few and many adapters may be among them, so there one launch per
-adapter would dominate; prefill chunks are long, so there per-adapter GEMMs do only the
-work needed. (Measured, with a gathered per-row A/B as well: bench/lora.py.)
+adapter would dominate (on the CPU kernels one `lora_rows` call per projection takes every
+decode row, each with its own adapter); prefill chunks are long, so there per-adapter GEMMs
+do only the work needed. (Measured, with a gathered per-row A/B as well: bench/lora.py.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.stacked import Stacked, StackedRows
+from engine.lora.stacked import RowsKernel, Stacked, StackedRows
 from engine.lora.weights import LoraWeights, MatMul
 
 # Up to this many decode rows, their update runs over the stacked adapters (stacked.py):
@@ -28,14 +29,26 @@ from engine.lora.weights import LoraWeights, MatMul
 STACKED_MAX_ROWS = 32  # kernels.linear.SMALL_M: where the compiled small GEMM pays
 
 
-def lora_matmul(ops: object | None, dtype: torch.dtype) -> MatMul:
-    """The GEMM for decode-sized LoRA updates: at a few rows MKL's sgemm spends more on
-    packing its operands than on the product (bench/lora.py), so float32 takes the compiled
-    kernel that streams w once (kernels/csrc/small_gemm.cpp); other dtypes torch.mm."""
+@dataclass(frozen=True, slots=True)
+class LoraOps:
+    """The compiled kernels LoRA updates use where there are some (lora_ops)."""
+
+    small_mm: MatMul = torch.mm  # the GEMM for decode-sized runs
+    rows: RowsKernel | None = None  # the decode rows over the stacked adapters
+
+
+def lora_ops(ops: object | None, dtype: torch.dtype) -> LoraOps:
+    """Float32 on the CPU kernels: `lora_rows` for the decode rows (kernels/csrc/
+    lora_rows.cpp), and for runs of a few rows the GEMM that streams w once
+    (kernels/csrc/small_gemm.cpp: at a few rows MKL's sgemm spends more on packing its
+    operands than on the product, bench/lora.py). Other dtypes: torch."""
+    if dtype != torch.float32:
+        return LoraOps()
     small = getattr(ops, "small_gemm", None)
-    if small is None or dtype != torch.float32:
-        return torch.mm
-    return lambda x, w: small(x, w, None, None)
+    return LoraOps(
+        small_mm=torch.mm if small is None else (lambda x, w: small(x, w, None, None)),
+        rows=getattr(ops, "lora_rows", None),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,18 +71,18 @@ class LoraBatch:
         resident: dict[str, LoraWeights],
         stacked: Callable[[], Stacked],
         dtype: torch.dtype,
-        small_mm: MatMul = torch.mm,
+        ops: LoraOps = LoraOps(),
     ) -> LoraBatch | None:
         """`items`: (number of rows, adapter name or "", is a prefill chunk) per scheduled
-        item, in row order (decodes first). None when no row uses an adapter. `small_mm`:
-        the GEMM for decode-sized row counts (lora_matmul)."""
+        item, in row order (decodes first). None when no row uses an adapter. `ops`: the
+        compiled kernels to use (lora_ops)."""
         num_decode = sum(n for n, _, prefill in items if not prefill)
         decode = None
         if 0 < num_decode <= STACKED_MAX_ROWS and any(
             name for _, name, prefill in items if not prefill
         ):
             names = [name for n, name, prefill in items if not prefill for _ in range(n)]
-            decode = StackedRows(stacked(), names, dtype, small_mm)
+            decode = StackedRows(stacked(), names, dtype, ops.rows)
         runs: list[LoraRun] = []
         row = 0
         for n, name, _ in items:
@@ -83,7 +96,7 @@ class LoraBatch:
         if decode is None and not runs:
             return None
         longest = max((r.end - r.start for r in runs), default=0)
-        return cls(tuple(runs), decode, small_mm if longest <= STACKED_MAX_ROWS else torch.mm)
+        return cls(tuple(runs), decode, ops.small_mm if longest <= STACKED_MAX_ROWS else torch.mm)
 
     def add(self, layer: int, proj: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += (x[rows] A) B for each row's adapter, in place."""

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.lora.peft_config import WEIGHTS_FILE, AdapterError, LoraConfig
 
-# x [T, k] @ w [k, n]: torch.mm, or the compiled kernel for decode-sized fp32 (lora_matmul).
+# x [T, k] @ w [k, n]: torch.mm, or the compiled kernel for decode-sized fp32 (lora_ops).
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The engine's projections, in the order a layer runs them, and the HF modules fused in each.

@@ -175,6 +175,9 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             c10::optional<torch::Tensor> v_scale);
 void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
                    torch::Tensor slot_mapping, int64_t block_size);
+void lora_rows(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, torch::Tensor a,
+               torch::Tensor col_slot, torch::Tensor b, torch::Tensor b_off,
+               torch::Tensor b_col0, torch::Tensor b_len);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The loader refuses a module built against another torch (kernels/cpu.py).
@@ -192,5 +195,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_write_int8", &kv_write_int8, "rows into the int8 KV cache, adapting block scales");
   m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
+  m.def("lora_rows", &lora_rows, "y += LoRA updates of rows, each with its own adapter (float32)");
   m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }
