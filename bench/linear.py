@@ -1,8 +1,9 @@
-"""Float32 projections at decode sizes: the checkpoint's [out, in] layout (what the engine
-keeps, so a mapped weight is used where it lies) against the transposed [in, out] copy the
-engine used to make at load, and MKL.
+"""Projections at decode sizes: the checkpoint's [out, in] layout (what the engine keeps, so
+a mapped weight is used where it lies) against the transposed [in, out] copy the engine used
+to make at load, and MKL; with --dtype, weights stored narrower against torch's own GEMM.
 
     python bench/linear.py [--model llama-1b] [--layers 6] [--rows 1,2,3,4,8,16,32] [--threads N]
+    python bench/linear.py --dtype bfloat16|float16|int8
 
 One model's projection shapes (q/k/v, o, gate/up, down), `--layers` copies of each with
 random weights, so the weights stream from memory as in a decode step (more than the last
@@ -12,8 +13,19 @@ level cache), each called with `--rows` rows of x:
   small_gemm [in,out]  kernels/csrc/small_gemm.cpp over a transposed copy: the baseline
   F.linear [out,in]    MKL sgemm, what serves more rows than kernels.linear.SMALL_M
 
-Printed: the median milliseconds (the three called in turn) for all of them and the weight bytes streamed per second, the ratio
-baseline / ours (above 1: ours faster). Header: the CPU flags and the build that ran.
+Printed: the median milliseconds (the three called in turn) for all of them and the weight
+bytes streamed per second, the ratio baseline / ours (above 1: ours faster). Header: the CPU
+flags and the build that ran.
+
+--dtype: the same shapes stored in bfloat16, float16 or int8 (per output channel, a float32
+scale), three ways, called in turn:
+
+  rows_gemm <dtype>    the engine's path (RowsLinear): widened to float32 as it streams
+  torch <dtype>        what serves them without it: F.linear in that dtype (oneDNN's bf16
+                       GEMM on AVX512-BF16 CPUs), int8 dequantized first
+  rows_gemm float32    the same projections stored in float32 (twice or 4x the bytes)
+  oneDNN packed        bfloat16 on CPUs where kernels.linear.prepack_works(): the prepacked
+                       GEMM RowsLinear uses from PACKED_FROM rows
 Wall-clock on a shared machine: compare within one run.
 """
 
@@ -36,6 +48,7 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.make_model import resolve_model  # noqa: E402
 from kernels import cpu  # noqa: E402
 from kernels.isa import cpu_isa  # noqa: E402
+from kernels.linear import Kernels, RowsLinear, prepack_works, quantize_int8  # noqa: E402
 
 
 def shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -71,6 +84,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", *NARROW])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu.load()
@@ -80,6 +94,9 @@ def main() -> None:
     cfg = ModelConfig.from_dir(resolve_model(args.model))
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) for _ in range(args.layers) for k, n in shapes(cfg)]
+    if args.dtype != "float32":
+        narrow(ops, ws, args, g)
+        return
     wts = [w.t().contiguous() for w in ws]
     gib = sum(w.numel() * 4 for w in ws) / 2**30
     print(f"{args.model}: {len(ws)} projections, {gib:.2f} GiB of float32 weights")
@@ -97,6 +114,46 @@ def main() -> None:
         )
         print(f"{m:>4} {ours * 1e3:>13.1f} {gib / ours:>6.1f} {base * 1e3:>14.1f} {gib / base:>6.1f} "
               f"{mkl * 1e3:>12.1f} {base / ours:>9.2f}x")  # fmt: skip
+
+
+NARROW = {"bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+
+def narrow(ops, ws: list[torch.Tensor], args, g: torch.Generator) -> None:
+    """The --dtype table: rows_gemm over the narrow weights, torch over them, and
+    rows_gemm over float32."""
+    dtype = NARROW[args.dtype]
+    if dtype == torch.int8:
+        stored = [quantize_int8(w) for w in ws]
+    else:
+        stored = [(w.to(dtype), None) for w in ws]
+    gib = sum(w.numel() * w.element_size() for w, _ in stored) / 2**30
+    packed = None  # the engine's op on the prepacked path alone (no rows_gemm to take rows)
+    if dtype == torch.bfloat16 and prepack_works():
+        only_packed = Kernels(ops=None, prepack_bf16=True)
+        packed = [RowsLinear(w, dtype, only_packed) for w, _ in stored]
+    print(f"{args.model}: {len(ws)} projections, {gib:.2f} GiB of {args.dtype} weights")
+    print(f"{'rows':>4} {'rows_gemm ms':>13} {'GiB/s':>6} {'torch ms':>9} {'fp32 rows_gemm ms':>18} "
+          f"{'torch/rows':>10}" + (f" {'oneDNN packed ms':>17}" if packed else ""))  # fmt: skip
+
+    def torch_path(x: torch.Tensor) -> list[torch.Tensor]:
+        if dtype == torch.int8:  # dequantized, then float32
+            return [F.linear(x[w.shape[1]], w.float() * s[:, None]) for w, s in stored]
+        return [F.linear(x[w.shape[1]].to(dtype), w) for w, _ in stored]
+
+    for m in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w in ws}}
+        fns = [
+            lambda xs=xs: [ops.rows_gemm(xs[w.shape[1]], w, s, None, None) for w, s in stored],
+            lambda xs=xs: torch_path(xs),
+            lambda xs=xs: [ops.rows_gemm(xs[w.shape[1]], w, None, None, None) for w in ws],
+        ]
+        if packed:
+            xb = {k: x.bfloat16() for k, x in xs.items()}
+            fns.append(lambda xb=xb: [op(xb[op.w.shape[1]]) for op in packed])
+        ours, base, f32, *onednn = timed(fns, args.repeats)
+        print(f"{m:>4} {ours * 1e3:>13.1f} {gib / ours:>6.1f} {base * 1e3:>9.1f} {f32 * 1e3:>18.1f} "
+              f"{base / ours:>9.2f}x" + (f" {onednn[0] * 1e3:>17.1f}" if onednn else ""))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ runs depends on the weight's storage, the number of rows and the CPU (kernels/is
     int8 [out, in]   rows_gemm (x * q, then * scale per out)    dequantize, then as above
     + scale [out]
 
+On CPUs with native bf16 dot products (avx512_bf16, AMX), bf16 activations over bf16 weights
+take oneDNN's prepacked GEMM from PACKED_FROM rows on: it beats widening to float32 there.
+
 Every weight keeps the checkpoint's [out, in] layout, so one already in the dtype it runs in
 is used where the loader put it (a view of the mapped file: engine/weights.py), never
 copied. The compiled kernels accumulate in float32 whatever the storage. Weight-only INT8 is
@@ -33,6 +36,10 @@ from kernels.isa import CpuIsa
 log = logging.getLogger(__name__)
 
 SMALL_M = 32  # up to this many rows a projection is memory-bound on the CPUs measured
+# bf16 with oneDNN's prepacked GEMM (avx512_bf16+): from this many rows it is faster than
+# rows_gemm (bench/linear.py --dtype bfloat16, AVX512-BF16: 22 vs 25 ms at 3 rows, 29 vs
+# 56 at 16; at 1 and 2 rows rows_gemm wins, 17-21 vs 24 ms).
+PACKED_FROM = 3
 
 
 class LinearOp(Protocol):
@@ -103,6 +110,8 @@ class RowsLinear:
         self._packed = None
         if kernels.prepack_bf16 and dtype == torch.bfloat16:
             self._packed = _prepack(self.dense())
+        # rows_gemm up to SMALL_M rows, or below PACKED_FROM where the prepacked GEMM is there.
+        self._rows_up_to = SMALL_M if self._packed is None else PACKED_FROM - 1
         # oneDNN's bf16 GEMM emulated on AVX2 is several times slower than widening the
         # weight and calling MKL's sgemm (bench/linear.py), so large batches widen there.
         self._widen = not kernels.prepack_bf16 and kernels.ops is not None
@@ -114,7 +123,7 @@ class RowsLinear:
         return (self.w.float() * self.scale[:, None]).to(self.dtype)
 
     def __call__(self, x, bias=None, residual=None):
-        if self._rows is not None and x.shape[0] <= SMALL_M:
+        if self._rows is not None and x.shape[0] <= self._rows_up_to:
             return self._rows(x, self.w, self.scale, bias, residual)
         if self._packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")

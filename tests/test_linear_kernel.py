@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kernels import cpu
 from kernels.isa import LEVELS, resolve
 from kernels.linear import (
+    PACKED_FROM,
     SMALL_M,
     Fp32Linear,
     Kernels,
@@ -155,8 +156,9 @@ def test_kernel_choice_follows_the_machine(ops):
 
 
 @pytest.mark.skipif(not prepack_works(), reason="oneDNN prepacked bf16 needs AVX512-BF16 / AMX")
-@pytest.mark.parametrize("m", [SMALL_M + 1, 200])
+@pytest.mark.parametrize("m", [PACKED_FROM - 1, PACKED_FROM, 7, SMALL_M + 1, 200])
 def test_prepacked_bf16_matches_reference(ops, m):
+    """From PACKED_FROM rows on the prepacked GEMM, below it rows_gemm: both as reference."""
     x, w, bias, residual = _case(m, 96, 200)
     op = make_linear(w.bfloat16(), torch.bfloat16, "auto", Kernels(ops=ops, prepack_bf16=True))
     assert op._packed is not None

@@ -11,9 +11,11 @@
 // The loops are plain C++ that the compiler vectorises for the CPU it is built on
 // (-march=native: AVX2, AVX-512 ...), so every ISA runs the same, tested source.
 //
-// Float32 weights need no widening, so they take their own path (rows_f32): one row of x
-// against eight weight rows, or groups of rows of x against four, all in vector registers
-// (AVX-512 or AVX2), so each weight row is read from memory once and from L1 once per group.
+// With more than one row of x (and for float32 weights always), the rows are taken in groups
+// against blocks of weight rows held in vector registers (AVX-512 or AVX2), widened as they
+// are loaded: each weight row is read from memory once and from L1 once per group of rows,
+// with no buffer in between. A single row of x against float32 weights takes eight weight
+// rows at a time, more rows four.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -67,18 +69,18 @@ inline void dot_rows_portable(const float* __restrict xm, const w_t* __restrict 
 #ifdef RTP_AVX2
 // The compiler does not vectorise the widening of mixed-type streams well (int8 above all),
 // so the memory-bound path is written out for AVX2, which every x86 machine here has.
-inline __m256 load8(const c10::BFloat16* p) {
+RTP_INLINE __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline __m256 load8(const c10::Half* p) {
+RTP_INLINE __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline __m256 load8(const int8_t* p) {
+RTP_INLINE __m256 load8(const int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+RTP_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 RTP_INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -142,6 +144,19 @@ RTP_INLINE VecF vload(const float* p) { return _mm512_loadu_ps(p); }
 RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 RTP_INLINE VecF vzero() { return _mm512_setzero_ps(); }
 RTP_INLINE float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+// Sixteen weights widened to float32 as they are loaded.
+RTP_INLINE VecF vloadw(const float* p) { return _mm512_loadu_ps(p); }
+RTP_INLINE VecF vloadw(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+RTP_INLINE VecF vloadw(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+RTP_INLINE VecF vloadw(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
 #elif defined(RTP_AVX2)
 using VecF = __m256;
 constexpr int64_t kLanes = 8;
@@ -150,23 +165,25 @@ RTP_INLINE VecF vload(const float* p) { return _mm256_loadu_ps(p); }
 RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 RTP_INLINE VecF vzero() { return _mm256_setzero_ps(); }
 RTP_INLINE float vsum(VecF v) { return hsum(v); }
+template <typename w_t>
+RTP_INLINE VecF vloadw(const w_t* p) { return load8(p); }
 #endif
 
 #if defined(__AVX512F__) || defined(RTP_AVX2)
 #define RTP_F32_ROWS 1
-// G rows of x (row stride K) against R consecutive weight rows, one accumulator each:
-// s[g * R + r]. A single row of x takes eight weight rows at a time (eight streams keep
-// more loads in flight: bench/linear.py), more rows four, so the accumulators fit the
-// registers.
-template <int R, int G>
-RTP_INLINE void f32_block(const float* __restrict x, const float* __restrict w, int64_t K, float* s) {
+// G rows of x (row stride K) against R consecutive weight rows (any storage, widened as
+// loaded), one accumulator each: s[g * R + r]. A single row of x takes eight float32 weight
+// rows at a time (eight streams keep more loads in flight: bench/linear.py), more rows
+// four, so the accumulators fit the registers.
+template <int R, int G, typename w_t>
+RTP_INLINE void f32_block(const float* __restrict x, const w_t* __restrict w, int64_t K, float* s) {
   VecF acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     VecF wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = vload(w + r * K + k);
+    for (int r = 0; r < R; ++r) wv[r] = vloadw(w + r * K + k);
     for (int g = 0; g < G; ++g) {
       const VecF xv = vload(x + g * K + k);
       for (int r = 0; r < R; ++r) acc[g][r] = vfma(xv, wv[r], acc[g][r]);
@@ -175,7 +192,7 @@ RTP_INLINE void f32_block(const float* __restrict x, const float* __restrict w, 
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) {
       float v = vsum(acc[g][r]);
-      for (int64_t j = k; j < K; ++j) v += x[g * K + j] * w[r * K + j];
+      for (int64_t j = k; j < K; ++j) v += x[g * K + j] * widen(w[r * K + j]);
       s[g * R + r] = v;
     }
 }
@@ -190,7 +207,8 @@ RTP_NOINLINE void f32_single(const float* x, const float* w, int64_t K, float* s
 }
 
 // Rows [m, m + G) of x against kRows weight rows; G < kGroup only for the last rows.
-RTP_NOINLINE void f32_rows_of_x(const float* x, const float* w, int64_t K, int64_t G, float* s) {
+template <typename w_t>
+RTP_NOINLINE void f32_rows_of_x(const float* x, const w_t* w, int64_t K, int64_t G, float* s) {
   switch (G) {
     case 1: f32_block<kRows, 1>(x, w, K, s); break;
     case 2: f32_block<kRows, 2>(x, w, K, s); break;
@@ -202,22 +220,22 @@ RTP_NOINLINE void f32_rows_of_x(const float* x, const float* w, int64_t K, int64
   }
 }
 
-// Every row of x against blocks of R weight rows (eight for a single row of x, else kRows);
-// each thread a contiguous run of blocks.
-template <int R>
-void f32_blocks(const float* x, const float* w, const float* bias, const float* residual,
-                float* out, int64_t M, int64_t K, int64_t N) {
+// Every row of x against blocks of R weight rows (eight for a single row of x over float32,
+// else kRows); each thread a contiguous run of blocks. `scale`: int8's, per output row.
+template <int R, typename w_t>
+void f32_blocks(const float* x, const w_t* w, const float* scale, const float* bias,
+                const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = (N + R - 1) / R;
   at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (4 * at::get_num_threads())),
                    [&](int64_t b0, int64_t b1) {
-    std::vector<float> tail;
+    std::vector<w_t> tail;
     float s[kGroup * R];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * R;
       const int64_t rows = std::min<int64_t>(R, N - n0);
-      const float* wr = w + n0 * K;
+      const w_t* wr = w + n0 * K;
       if (rows < R) {  // pad the last, partial block with zero rows
-        tail.assign(R * K, 0.f);
+        tail.assign(R * K, w_t(0));
         std::copy(wr, wr + rows * K, tail.begin());
         wr = tail.data();
       }
@@ -226,12 +244,12 @@ void f32_blocks(const float* x, const float* w, const float* bias, const float* 
         if constexpr (R == kRows) {
           f32_rows_of_x(x + m * K, wr, K, G, s);
         } else {
-          f32_single(x + m * K, wr, K, s);  // M == 1
+          f32_single(x + m * K, wr, K, s);  // M == 1, float32
         }
         for (int64_t g = 0; g < G; ++g)
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = (m + g) * N + n0 + r;
-            float v = s[g * R + r];
+            float v = scale ? s[g * R + r] * scale[n0 + r] : s[g * R + r];
             if (bias) v += bias[n0 + r];
             if (residual) v += residual[i];
             out[i] = v;
@@ -251,9 +269,9 @@ void rows_f32(const float* x, const float* w, const float* bias, const float* re
               float* out, int64_t M, int64_t K, int64_t N) {
 #ifdef RTP_F32_ROWS
   if (M == 1) {  // as f32_single takes them
-    f32_blocks<8>(x, w, bias, residual, out, M, K, N);
+    f32_blocks<8>(x, w, nullptr, bias, residual, out, M, K, N);
   } else {
-    f32_blocks<kRows>(x, w, bias, residual, out, M, K, N);
+    f32_blocks<kRows>(x, w, nullptr, bias, residual, out, M, K, N);
   }
 #else
   rows_kernel(x, w, nullptr, bias, residual, out, M, K, N);
@@ -263,6 +281,12 @@ void rows_f32(const float* x, const float* w, const float* bias, const float* re
 template <typename w_t>
 void rows_kernel(const float* x, const w_t* w, const float* scale, const float* bias,
                  const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
+#ifdef RTP_F32_ROWS
+  if (M > 1) {  // rows of x in groups against weight rows widened in registers
+    f32_blocks<kRows>(x, w, scale, bias, residual, out, M, K, N);
+    return;
+  }
+#endif
   const int64_t full = N / kRows;  // blocks of kRows weight rows; a ragged tail is padded
   const int64_t blocks = (N + kRows - 1) / kRows;
   auto store = [&](int64_t m, int64_t n0, int64_t rows, const float* sums) {
