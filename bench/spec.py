@@ -11,9 +11,11 @@ Workloads, greedy, on the real model:
 Methods: ngram (prompt lookup and advice), draft (a draft model: --draft-model, else the
 model's own first --draft-layers layers, default a quarter; it ignores advice).
 
-Each (workload, batch) runs twice on the same engine: speculation off for every request
-(num_speculative_tokens=0), then on. Decode tokens/s counts the output tokens after each
-request's first over the time from the batch's first token to its last. Outputs are
+Each (workload, batch) runs on the same engine with speculation off for every request
+(num_speculative_tokens=0) and on, alternately, --reps times each; the median of each is
+shown (one run of either on this shared machine varies by up to 10%). Decode tokens/s
+counts the output tokens after each request's first over the time from the batch's first
+token to its last. Outputs are
 compared token for token (greedy: they must be equal). Acceptance rate and mean accepted
 length are from the engine's counters over the speculative run.
 Timings are wall-clock on a shared machine: compare within one run, not across runs.
@@ -22,6 +24,7 @@ Timings are wall-clock on a shared machine: compare within one run, not across r
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -173,6 +176,7 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram", help="ngram, draft, or both")
     ap.add_argument("--draft-model", default=None, help="draft: a model directory or preset")
     ap.add_argument("--draft-layers", type=int, default=None, help="draft: its first N layers")
+    ap.add_argument("--reps", type=int, default=3, help="off/on runs, alternated; medians shown")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
@@ -206,14 +210,21 @@ def bench_method(engine: LLMEngine, method: str, args: argparse.Namespace) -> No
         for b in map(int, args.batches.split(",")):
             batch = prompts(engine, workload, b)
             run(engine, batch[:1], replace(greedy, max_tokens=4), "warm")
-            off = run(engine, batch, replace(greedy, num_speculative_tokens=0), "off")
             before = engine.stats().spec
-            on = run(engine, batch, greedy, "on")
+            offs, ons, same = [], [], True
+            for rep in range(args.reps):
+                off = run(engine, batch, replace(greedy, num_speculative_tokens=0), f"off{rep}")
+                on = run(engine, batch, greedy, f"on{rep}")
+                offs.append(off.tokens_per_s)
+                ons.append(on.tokens_per_s)
+                same &= all(
+                    on.outputs[f"on{rep}-{i}"] == off.outputs[f"off{rep}-{i}"] for i in range(b)
+                )
             assert before is not None and engine.stats().spec is not None
             rate, mean_len = diff(before, engine.stats().spec)
-            same = all(on.outputs[f"on-{i}"] == off.outputs[f"off-{i}"] for i in range(b))
-            print(f"{method:6} {workload:8} {b:>5} {off.tokens_per_s:>10.1f} {on.tokens_per_s:>9.1f} "
-                  f"{on.tokens_per_s / off.tokens_per_s:>7.2f}x {rate:>7.2f} {mean_len:>8.2f} "
+            off_s, on_s = statistics.median(offs), statistics.median(ons)
+            print(f"{method:6} {workload:8} {b:>5} {off_s:>10.1f} {on_s:>9.1f} "
+                  f"{on_s / off_s:>7.2f}x {rate:>7.2f} {mean_len:>8.2f} "
                   f"{str(same):>6}", flush=True)  # fmt: skip
 
 

@@ -88,6 +88,9 @@ def test_a_request_does_not_probe_where_no_acceptance_would_pay():
     cheap again it probes after its pause."""
     state = SpecState(k_max=5)
     assert [state.take_budget(0.98, gate_probes=True) for _ in range(12)] == [0] * 12
+    # Nor where such drafts would pay only a little (k=1 at alpha 0.9: 1.9 / 1.85 = 1.03):
+    # drafts that are not that good would make it a loss.
+    assert [state.take_budget(0.85, gate_probes=True) for _ in range(12)] == [0] * 12
     assert 1 in [state.take_budget(0.15, gate_probes=True) for _ in range(16)]
     # An n-gram proposer's price is only timed on its calls: ungated, it probes at any price
     # (one slow call must not stop its requests for good).
@@ -612,6 +615,29 @@ def test_draft_model_greedy_equals_no_speculation(model_dir, spec_prompts, refer
     assert proposer.timer.pass_s > 0
     assert proposer._shadows == {}  # every shadow released with its request
     assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
+
+
+def test_a_draft_of_the_targets_layers_copies_their_kv_instead_of_computing_it(
+    model_dir, spec_prompts, reference
+):
+    """Its shadows take the target's KV of what the target computed: every draft pass
+    computes one token a request (the prompt is never run through the draft), and the
+    drafts are still all right (the whole target drafting: any wrong KV would show)."""
+    engine = _engine(model_dir, 3, "draft", **DRAFTS["whole target"])
+    runner = engine.speculator.proposer.runner
+    rows: list[int] = []
+    execute = runner.execute
+
+    def counting(sched, tables):
+        rows.extend(s.num_new_tokens for s in sched.scheduled)
+        return execute(sched, tables)
+
+    runner.execute = counting
+    outs = _run(engine, spec_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference[0]]
+    stats = engine.stats().spec
+    assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
+    assert rows and set(rows) == {1}
 
 
 @pytest.mark.parametrize("draft", list(DRAFTS))

@@ -23,10 +23,12 @@ acceptance rate: the draft pass, not the verification row, is most of a draft's 
 So each request takes the k in [0, k_max] that maximises E(k) / (1 + beta k). When that is
 0 it sits out, then tries one draft again after 1, 2, 4, 8, 16 steps, so that a request
 whose text starts repeating is noticed. A proposer that finds nothing costs nothing. For a
-proposer with passes of its own (a draft model) a probe is only made where drafting could
-pay at all, were the drafts now right nine times in ten (alpha 0.9): its pass at a large
-batch can cost more than any acceptance returns, and its probes (each a catch-up pass over
-the tokens since the last) would be pure loss, so there the request keeps sitting out.
+proposer with passes of its own (a draft model) a probe is only made where drafting would
+pay clearly (at least 10% more tokens per unit of time), were the drafts now right nine
+times in ten (alpha 0.9): its pass at a large batch can cost about what any acceptance
+returns, and there its probes (a pass and a verified row each) are a loss whenever the
+drafts are not that good (measured: 12% of the decode rate at batch 16 with drafts right
+5% of the time, bench/spec.py), so there the request keeps sitting out.
 (An n-gram proposer always probes: it costs nothing, and its price is only ever timed on
 its calls, so one slow call must not stop them for good.)
 """
@@ -40,7 +42,8 @@ from engine.cost_model import StepCost
 MAX_SPECULATIVE_TOKENS = 16  # per request and per server
 _DECAY = 0.8  # weight of the past in a request's acceptance estimate
 _MAX_PAUSE = 16
-_PROBE_ALPHA = 0.9  # a probe is made only where drafts this good would pay
+_PROBE_ALPHA = 0.9  # a probe is made only where drafts this good would pay ...
+_PROBE_GAIN = 1.1  # ... at least this much (tokens per unit of time, relative to none)
 # C / M until the step time is fitted. Measured on a 2-core AVX2 box (smollm2-135m,
 # float32, one thread): ~15 ms a row over a ~60 ms weight pass.
 _PRIOR_ROW_COST = 0.2
@@ -73,7 +76,7 @@ class SpecState:
             self.pause -= 1
             if self.pause > 0:
                 return 0
-            if not gate_probes or best_k(_PROBE_ALPHA, self.k_max, beta) > 0:
+            if not gate_probes or _best(_PROBE_ALPHA, self.k_max, beta)[1] >= _PROBE_GAIN:
                 return 1  # back from a pause: probe with one
             self._sit_out()
             return 0
@@ -96,6 +99,11 @@ class SpecState:
 
 def best_k(alpha: float, k_max: int, beta: float) -> int:
     """The k in [0, k_max] maximising E(k) / (1 + beta k); the smallest on ties."""
+    return _best(alpha, k_max, beta)[0]
+
+
+def _best(alpha: float, k_max: int, beta: float) -> tuple[int, float]:
+    """best_k and its gain E(k) / (1 + beta k) (1 for k = 0)."""
     best, best_gain, expected, term = 0, 1.0, 1.0, 1.0
     for k in range(1, k_max + 1):
         term *= alpha
@@ -103,7 +111,7 @@ def best_k(alpha: float, k_max: int, beta: float) -> int:
         gain = expected / (1.0 + beta * k)
         if gain > best_gain + 1e-9:
             best, best_gain = k, gain
-    return best
+    return best, best_gain
 
 
 def draft_row_cost(

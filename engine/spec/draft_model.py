@@ -21,6 +21,13 @@ Shadows live until the engine releases their request (finished, aborted); when t
 pool is full, the least recently drafted shadow not in this step is dropped (it computes
 its context again when it next drafts), and a request that still does not fit drafts
 nothing this step.
+
+A draft made of the target's own first layers (`target_kv`) computes nothing the target
+has: the KV of those layers for the tokens the target has computed is the draft's KV, so
+step 2 copies it from the target's cache into the shadow's blocks, and the draft pass
+computes only the last token. A probe after a long pause, or a request's first, then costs
+one short pass, not a pass over its whole context. (Not for an INT8 cache, whose scales are
+per block, nor under a LoRA adapter, which the draft runs without.)
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineLimits, ModelConfig
@@ -46,6 +56,14 @@ log = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
 
 
+@dataclass(frozen=True, slots=True)
+class TargetKV:
+    """The target's paged KV, for a draft made of its first layers."""
+
+    cache: torch.Tensor  # [layers, 2, slots, kv heads, head dim]
+    block_ids: Callable[[str], list[int]]  # a request's blocks, in order
+
+
 class DraftModelProposer:
     def __init__(
         self,
@@ -55,10 +73,12 @@ class DraftModelProposer:
         limits: EngineLimits,
         draft_model: str | None = None,
         num_layers: int | None = None,
+        target_kv: TargetKV | None = None,
     ) -> None:
         """`target_step_bytes`: the weight bytes a decode step of the target streams;
         `draft_model` None: the target's own checkpoint; `num_layers`: only its first layers
-        (None: all of the draft model's; with no draft model, a quarter of the target's)."""
+        (None: all of the draft model's; with no draft model, a quarter of the target's);
+        `target_kv`: the target's cache, used where the draft is the target's first layers."""
         model_dir = draft_model or config.model
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.vocab_size != target.vocab_size:
@@ -88,6 +108,12 @@ class DraftModelProposer:
         self.timer = PassTimer(self.runner.weight_bytes_per_step / target_step_bytes)
         self._shadows: OrderedDict[str, Request] = OrderedDict()  # least recently drafted first
         self._synced: dict[str, int] = {}  # the request's length when its shadow last synced
+        same_model = (
+            draft_model is None or Path(draft_model).resolve() == Path(config.model).resolve()
+        )
+        self._target_kv = (
+            target_kv if same_model and self.runner.kv_scales is None else None
+        )  # the draft's layers are the target's first ones, in a cache without scales
         log.info("draft model: %s, %d of %d layers", model_dir, cfg.num_layers, all_layers)
 
     def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
@@ -98,6 +124,7 @@ class DraftModelProposer:
             if k > 0:
                 shadow = self._sync(r)
                 if self._room(shadow, len(shadow.token_ids) - shadow.num_computed_tokens, live):
+                    self._copy_target_kv(r, shadow)
                     todo.append((i, shadow, k))
         while todo:
             sched = SchedulerOutput(
@@ -152,6 +179,25 @@ class DraftModelProposer:
         shadow.token_ids = list(request.token_ids)
         self._synced[rid] = len(request.token_ids)
         return shadow
+
+    def _copy_target_kv(self, request: Request, shadow: Request) -> None:
+        """The target's KV of the tokens it has computed and the shadow has not, copied
+        into the shadow's blocks (allocated already), for the draft's layers."""
+        start, end = shadow.num_computed_tokens, request.num_computed_tokens
+        if self._target_kv is None or request.lora or end <= start:
+            return
+        device = self.runner.kv_cache.device
+        pos = torch.arange(start, end, device=device)
+        bs = self.block_size
+        src = torch.tensor(self._target_kv.block_ids(request.request_id), device=device)
+        dst = torch.tensor(self.kv.block_ids(shadow.request_id), device=device)
+        layers = self.model_config.num_layers
+        self.runner.kv_cache.index_copy_(
+            2,
+            dst[pos // bs] * bs + pos % bs,
+            self._target_kv.cache[:layers].index_select(2, src[pos // bs] * bs + pos % bs),
+        )
+        shadow.num_computed_tokens = end
 
     def _room(self, shadow: Request, num_new: int, live: set[str]) -> bool:
         """Blocks for `num_new` more tokens of `shadow`, dropping the least recently drafted
