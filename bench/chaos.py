@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -70,6 +71,14 @@ PROMPTS = [
     "alpha beta gamma delta " * 10,
     "Hello",
 ]
+# Every len(PROMPTS) + 1-th request is a long prompt (about 1,500 tokens, ~90 KV blocks), so
+# that its KV transfer from a prefill to a decode worker lasts long enough to be caught
+# under way; each a variant no worker has seen yet (its first block differs, so no block is
+# a prefix-cache hit and the whole prompt moves), until all have been sent.
+LONG_PROMPTS = [
+    f"Record {i}. " + "The history of the old harbour town, told street by street: " * 60
+    for i in range(48)
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +86,11 @@ class Fault:
     name: str  # the table row
     process: str  # the launcher's name for the process it hits
     stop: bool = False  # SIGSTOP for STOP_TTLS TTLs, then SIGCONT (else SIGKILL)
-    busy: bool = False  # wait until the victim (a worker) runs a request
+    # Wait until the victim (a worker) is in this phase: "busy" with a request (running or
+    # queued in its engine: a prefill worker's whole prompt runs in one step, so it is seen
+    # queued, never running, between steps), or a prompt's KV "transfer" under way (sending
+    # it, a prefill worker; receiving it, a decode worker).
+    phase: str = ""
 
     @property
     def may_fail(self) -> bool:
@@ -88,9 +101,11 @@ class Fault:
 FAULTS = {
     f.name: f
     for f in (
-        Fault("prefill", "prefill", busy=True),
-        Fault("decode", "decode", busy=True),
-        Fault("fused", "fused", busy=True),
+        Fault("prefill", "prefill", phase="busy"),
+        Fault("decode", "decode", phase="busy"),
+        Fault("prefill-transfer", "prefill", phase="transfer"),
+        Fault("decode-transfer", "decode", phase="transfer"),
+        Fault("fused", "fused", phase="busy"),
         Fault("stop-decode", "decode", stop=True),
         Fault("stop-fused", "fused", stop=True),
         Fault("cache", "cache"),
@@ -102,8 +117,8 @@ FAULTS = {
         Fault("frontend", "frontend"),
     )
 }
-ALL_PD = ["prefill", "decode", "stop-decode", "cache", "redis", "nats", "master",
-          "nameservice", "stop-nameservice", "frontend"]  # fmt: skip
+ALL_PD = ["prefill", "decode", "prefill-transfer", "decode-transfer", "stop-decode", "cache",
+          "redis", "nats", "master", "nameservice", "stop-nameservice", "frontend"]  # fmt: skip
 ALL_FUSED = ["fused", "stop-fused", "cache", "redis", "nats", "master", "nameservice",
              "frontend"]  # fmt: skip
 
@@ -118,6 +133,7 @@ class Row:
     leaked_blocks: int = 0
     index_ok: bool = False
     expired: int | None = None  # members the nameservice dropped for silence (None: restarted)
+    caught: bool | None = None  # the victim was seen in the fault's phase before the kill
     errors: list[str] = field(default_factory=list)  # the first few, for the reader
 
     def passed(self, fault: Fault) -> bool:
@@ -126,7 +142,8 @@ class Row:
         # A hung nameservice, once it runs again, must not drop the members it did not hear.
         spurious = fault.name == "stop-nameservice" and self.expired != 0
         return (
-            lost_ok
+            self.caught is not False  # the phase it is about was hit
+            and lost_ok
             and self.mismatched == 0
             and healthy
             and self.leaked_blocks == 0
@@ -142,6 +159,7 @@ class Traffic:
         self.url, self.model_id, self.reference = url, model_id, reference
         self.max_tokens = max_tokens
         self.row: Row | None = None  # the phase outcomes are counted into
+        self._long = itertools.cycle(LONG_PROMPTS)
 
     async def run(self, clients: int, stop: asyncio.Event) -> None:
         timeout = aiohttp.ClientTimeout(total=120, sock_connect=2)
@@ -151,7 +169,8 @@ class Traffic:
     async def _client(self, http: aiohttp.ClientSession, i: int, stop: asyncio.Event) -> None:
         turn = i
         while not stop.is_set():
-            prompt = PROMPTS[turn % len(PROMPTS)]
+            n = turn % (len(PROMPTS) + 1)
+            prompt = PROMPTS[n] if n < len(PROMPTS) else next(self._long)
             turn += 1
             row = self.row
             try:
@@ -344,11 +363,16 @@ async def run_fault(
     pid = view.pids(fault.process)[0]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         missed_before = await view.heartbeats_missed(http)
-    victim = _member_of(pid, await view.members() or [])
+    members = await view.members() or []
+    victim = _member_of(pid, members)
     if victim is None and fault.process in MEMBERS:
         row.errors.append(f"{fault.process} pid {pid} is no registered member")
-    if fault.busy and victim is not None:
-        await _until_busy(view, victim)
+    if fault.phase and victim is not None:
+        # Whichever of the role's workers is first seen in the phase is the victim.
+        candidates = [(p, _member_of(p, members)) for p in view.pids(fault.process)]
+        found = await _until_in(view, [(p, m) for p, m in candidates if m], fault.phase)
+        row.caught = found is not None
+        pid, victim = found or (pid, victim)
     started = time.monotonic()
     if fault.stop:
         os.kill(pid, signal.SIGSTOP)
@@ -381,13 +405,27 @@ async def run_fault(
     return row
 
 
-async def _until_busy(view: View, victim: ns.Member, timeout: float = 10.0) -> None:
+async def _until_in(
+    view: View, candidates: list[tuple[int, ns.Member]], phase: str, timeout: float = 20.0
+) -> tuple[int, ns.Member] | None:
+    """The first of the candidate workers (pid, member) seen in `phase` ("busy",
+    "transfer") within `timeout`, or None."""
+
+    def inside(stats: worker_pb2.WorkerStats | None) -> bool:
+        if stats is None:
+            return False
+        if phase == "busy":
+            return stats.num_running + stats.num_waiting > 0
+        return stats.kv_transfers_in_flight > 0
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = await view.worker_stats(victim)
-        if stats is not None and stats.num_running > 0:
-            return
-        await asyncio.sleep(0.02)
+        seen = await asyncio.gather(*(view.worker_stats(m) for _, m in candidates))
+        for candidate, stats in zip(candidates, seen, strict=True):
+            if inside(stats):
+                return candidate
+        await asyncio.sleep(0.002)  # a prefill or a transfer lasts milliseconds here
+    return None
 
 
 async def _until_gone(view: View, victim: ns.Member | None, deadline: float) -> None:
@@ -429,8 +467,8 @@ def offline_reference(model: str, max_tokens: int) -> dict[str, str]:
 
     llm = LLM(model, num_kv_blocks=256)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    texts = {p: out.text for p, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True)}
-    return texts
+    prompts = PROMPTS + LONG_PROMPTS
+    return {p: out.text for p, out in zip(prompts, llm.generate(prompts, params), strict=True)}
 
 
 def topology_flags(topology: str) -> list[str]:
@@ -503,7 +541,7 @@ async def _until_whole(view: View, timeout: float = RECOVERY_TIMEOUT_S) -> None:
 
 def table(rows: list[Row]) -> str:
     head = f"{'fault':<16} {'requests':>8} {'failed':>6} {'wrong':>5} {'recovery':>9} "
-    head += f"{'leaked':>6} {'index':>5} {'expired':>7}  pass"
+    head += f"{'leaked':>6} {'index':>5} {'expired':>7} {'caught':>6}  pass"
     lines = [head]
     for r in rows:
         rec = f"{r.recovery_s:.2f} s" if r.recovery_s is not None else "never"
@@ -511,7 +549,8 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"{r.fault:<16} {r.requests:>8} {r.failed:>6} {r.mismatched:>5} {rec:>9} "
             f"{r.leaked_blocks:>6} {'ok' if r.index_ok else 'NO':>5} "
-            f"{'-' if r.expired is None else r.expired:>7}  {ok}"
+            f"{'-' if r.expired is None else r.expired:>7} "
+            f"{'-' if r.caught is None else 'yes' if r.caught else 'no':>6}  {ok}"
         )
         lines += [f"    {e}" for e in r.errors]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ Whatever ends the call (finish, error, the caller going away) releases the reque
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -144,6 +145,7 @@ class DecodeServicer(WorkerServicer):
         )
         call = None
         spans: list[trace.Span] = []  # kv_transfer, decode: ended however the call ends
+        transfer = contextlib.ExitStack()  # the KV transfer under way, in the metrics
         try:
             reserved = await anext(outputs)
             assert reserved.waiting_for_kv
@@ -168,6 +170,7 @@ class DecodeServicer(WorkerServicer):
                 if msg.HasField("first"):
                     first = msg.first
                     spans.append(tracing.tracer.start_span("kv_transfer"))  # blocks follow
+                    transfer.enter_context(self.metrics.transferring(RECEIVED))
                     transfer_started = time.perf_counter()
                     # The caller sees the first token before any KV has moved.
                     yield worker_pb2.GenerateResponse(
@@ -179,6 +182,7 @@ class DecodeServicer(WorkerServicer):
                 else:
                     self.metrics.kv_transfer(RECEIVED, msg.block.ByteSize())
                     blocks.append(msg.block)
+            transfer.close()
             if first is None or not first.token_ids:
                 raise PeerUnavailableError(
                     "prefill worker sent no first token", request.prefill_address
@@ -212,6 +216,7 @@ class DecodeServicer(WorkerServicer):
                 request.prefill_address,
             ) from exc
         finally:
+            transfer.close()
             for span in spans:
                 if span.is_recording():  # not ended yet
                     span.end()

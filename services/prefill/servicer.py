@@ -84,9 +84,10 @@ class PrefillServicer(WorkerServicer):
             )
         )
         blocks = split_blocks(final.prompt_kv, self.block_size, hashes)
-        for block in blocks:
-            self.metrics.kv_transfer(SENT, block.ByteSize())
-            yield worker_pb2.PrefillResponse(block=block)
+        with self.metrics.transferring(SENT):
+            for block in blocks:
+                self.metrics.kv_transfer(SENT, block.ByteSize())
+                yield worker_pb2.PrefillResponse(block=block)
         log.debug(
             "prefill %s: %d device + %d remote blocks",
             request.request_id,

@@ -3,6 +3,9 @@ speculative decoding, LoRA adapters."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from engine.host_tier import HostTierStats
@@ -87,6 +90,13 @@ class WorkerFamilies:
         self.kv_transfer_blocks = Counter(
             PREFIX + "kv_transfer_blocks",
             "KV blocks moved between prefill and decode workers.",
+            [*w, "direction"],
+            registry=registry,
+        )
+        self.kv_transfers_in_flight = Gauge(
+            PREFIX + "kv_transfers_in_flight",
+            "Prompt KV transfers between prefill and decode workers under way: blocks being "
+            "sent (prefill) or received (decode) for a request.",
             [*w, "direction"],
             registry=registry,
         )
@@ -191,6 +201,7 @@ class WorkerMetrics:
         "_host_seen",
         "_spec_seen",
         "_lora_seen",
+        "transfers_in_flight",
     )
 
     def __init__(self, families: WorkerFamilies, role: str, model_name: str) -> None:
@@ -206,6 +217,7 @@ class WorkerMetrics:
         self._host_seen = (0, 0)  # the host tier's cumulative (hits, misses) already counted
         self._spec_seen: SpecCounts | None = None  # the counts already exported
         self._lora_seen = LoraStats((), (), 0, 0, 0)
+        self.transfers_in_flight = 0  # KV transfers under way, either direction (Stats)
 
     def kv_capacity(self, num_blocks: int, block_size: int) -> None:
         self.capacity.set(num_blocks * block_size)
@@ -287,6 +299,18 @@ class WorkerMetrics:
 
     def kv_integrity_failures(self, blocks: int) -> None:
         self.families.kv_integrity_failures.labels(self.role, self.model_name).inc(blocks)
+
+    @contextlib.contextmanager
+    def transferring(self, direction: str) -> Iterator[None]:
+        """One KV transfer under way, for as long as the block lasts."""
+        gauge = self.families.kv_transfers_in_flight.labels(self.role, self.model_name, direction)
+        gauge.inc()
+        self.transfers_in_flight += 1
+        try:
+            yield
+        finally:
+            self.transfers_in_flight -= 1
+            gauge.dec()
 
     def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
         labels = (self.role, self.model_name, direction)

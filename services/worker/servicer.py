@@ -15,6 +15,7 @@ from services.common.naming import NameClient
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.drain import Drain
 from services.worker.kv_events import KVEventFeed
+from services.worker.metrics import WorkerMetrics
 from services.worker.tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.drain = Drain()  # a role's streaming RPCs go through drain.guard
         self._feed: KVEventFeed | None = None
         self.tiers: Tiers | None = None  # the KV tiers below the pool, for roles that read them
+        self.metrics: WorkerMetrics | None = None  # a role's, once it has made them
 
     def serve_snapshots(self, feed: KVEventFeed) -> None:
         """Answer Snapshot from `feed` (the member id it carries exists only after the
@@ -83,6 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             attention_backend=self.llm.attention_backend,
             loras=stats.loras.known if stats.loras else (),
             resident_loras=stats.loras.resident if stats.loras else (),
+            kv_transfers_in_flight=self.metrics.transfers_in_flight if self.metrics else 0,
         )
 
     async def LoadLoraAdapter(

@@ -100,7 +100,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size", "queued_tokens", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "dtype", "weight_dtype", "kv_dtype", "cpu_isa", "linear_kernels", "loras", "resident_loras", "attention_backend")
+    __slots__ = ("num_waiting", "num_running", "free_blocks", "total_blocks", "held_blocks", "integrity_ok", "integrity_error", "block_size", "queued_tokens", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "dtype", "weight_dtype", "kv_dtype", "cpu_isa", "linear_kernels", "loras", "resident_loras", "attention_backend", "kv_transfers_in_flight")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class WorkerStats(_message.Message):
     LORAS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_LORAS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_blocks: int
@@ -143,7 +144,8 @@ class WorkerStats(_message.Message):
     loras: _containers.RepeatedScalarFieldContainer[str]
     resident_loras: _containers.RepeatedScalarFieldContainer[str]
     attention_backend: str
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., linear_kernels: _Optional[str] = ..., loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    kv_transfers_in_flight: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., block_size: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., linear_kernels: _Optional[str] = ..., loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., kv_transfers_in_flight: _Optional[int] = ...) -> None: ...
 
 class KVSnapshotRequest(_message.Message):
     __slots__ = ()
