@@ -82,12 +82,14 @@ def mooncake_requests(
     max_output_len: int | None = None,
     time_scale: float = 1.0,
     seed: int = 0,
+    skip: int = 0,
 ) -> list[SampleRequest]:
-    """The first num_requests lines of a Mooncake trace, scaled down for a small model.
+    """num_requests lines of a Mooncake trace after its first `skip`, scaled down for a
+    small model.
 
     Each 512-token block becomes `block_len` tokens and every length is scaled by
     block_len / 512 (at least 1); then the caps cut prompts and outputs. Arrivals are the
-    trace's timestamps from its first line, times `time_scale` (0.1: ten times faster).
+    trace's timestamps from the first line taken, times `time_scale` (0.1: ten times faster).
 
         hash_ids   [ 7        | 8        | 9   ]        input_length 1100, block_len 16
         prompt     [ blk(7)16 | blk(8)16 | 3 of blk(9) ]  ceil(1100 * 16 / 512) = 35 tokens
@@ -96,7 +98,8 @@ def mooncake_requests(
     out: list[SampleRequest] = []
     t0 = None
     with open(path) as f:
-        for lineno, line in enumerate(itertools.islice(f, num_requests), 1):
+        stop = None if num_requests is None else skip + num_requests
+        for lineno, line in enumerate(itertools.islice(f, skip, stop), skip + 1):
             row = json.loads(line)
             t0 = row["timestamp"] if t0 is None else t0
             n_in = max(1, math.ceil(row["input_length"] * scale))

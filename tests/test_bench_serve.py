@@ -123,6 +123,19 @@ def test_mooncake_times_from_the_first_line_scaled(tmp_path):
     assert [r.arrival_s for r in fast] == pytest.approx([0, 0.05, 0.3, 0.8])
 
 
+def test_mooncake_skip_starts_later_with_times_from_there(tmp_path):
+    path = _trace(tmp_path, ROWS)
+    full = workload.mooncake_requests(path, 500, block_len=16)
+    later = workload.mooncake_requests(path, 500, block_len=16, num_requests=2, skip=1)
+    assert [r.prompt for r in later] == [r.prompt for r in full[1:3]]
+    assert [r.arrival_s for r in later] == [0, 2.5]
+    with pytest.raises(ValueError, match="trace.jsonl:2"):  # line numbers count what was skipped
+        bad = ROWS[:1] + [
+            {"timestamp": 9, "input_length": 600, "output_length": 1, "hash_ids": [1]}
+        ]
+        workload.mooncake_requests(_trace(tmp_path, bad), 500, skip=1)
+
+
 def test_mooncake_refuses_a_line_longer_than_its_blocks(tmp_path):
     bad = [{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}]
     with pytest.raises(ValueError, match="trace.jsonl:1"):
