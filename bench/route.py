@@ -18,7 +18,9 @@ metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's m
 T3 Redis; and the mean of actual minus predicted time to first token (ms) over the
 requests the master predicted (rtp:ttft_prediction_error_seconds), with a bound on the
 median absolute error (the smallest histogram bucket bound b with half of them within
-+-b), since errors of both signs cancel in the mean. "tiers off" is
++-b), since errors of both signs cancel in the mean. A second table gives the CPU seconds
+each kind of process used during the replay (/proc/PID/stat), so a policy or tier that
+costs more CPU than it saves shows where. "tiers off" is
 `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import shlex
 import sys
 import tempfile
@@ -142,6 +145,20 @@ def prediction_error(frontend: str) -> tuple[float, float]:
     return total / count, within
 
 
+def cpu_seconds(pids: Sequence[dict]) -> dict[str, float]:
+    """User + system CPU seconds each launched process has used so far, summed by its name
+    (fused, prefill, decode, cache, master, frontend, nats, redis, ...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for p in pids:
+        try:  # /proc/PID/stat: utime and stime are the 14th and 15th fields
+            fields = Path(f"/proc/{p['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[p["name"]] = out.get(p["name"], 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _metrics_addresses(nameservice: str) -> list[str]:
     from services.common import grpc_util
     from services.common.pb import nameservice_pb2 as ns
@@ -172,7 +189,9 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
     from services.launcher.process import launch
 
     with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *run.flags(args)) as c:
+        before = cpu_seconds(c.info["pids"])
         results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
+        after = cpu_seconds(c.info["pids"])
         hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
         error, within = prediction_error(c.url)
     out = summarize(results, duration, (50, 95, 99))
@@ -181,6 +200,7 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
         "hits": hits,
         "prediction_error_s": error,
         "prediction_abs_p50_s": within,
+        "cpu_s": {name: after[name] - before.get(name, 0.0) for name in after},
     }
 
 
@@ -205,6 +225,12 @@ def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
             f"{reused:>7.1%} {share:>7.1%} {r['prediction_error_s'] * 1e3:>8.1f} "
             f"{'<=' + format(r['prediction_abs_p50_s'] * 1e3, 'g'):>8} {tiers}"
         )
+    names = sorted({n for r in rows.values() for n in r.get("cpu_s", {})})
+    lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<36} "
+                 + " ".join(f"{n[:10]:>10}" for n in names))  # fmt: skip
+    for run, r in rows.items():
+        cpu = r.get("cpu_s", {})
+        lines.append(f"{run.name:<36} " + " ".join(f"{cpu.get(n, 0.0):>10.1f}" for n in names))
     return "\n".join(lines)
 
 
