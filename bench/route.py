@@ -15,10 +15,10 @@ cached_tokens over the sum of prompt tokens); that reuse as a share of the ceili
 infinite cache shared by everyone would reuse, computed from the prompts: `ceiling_tokens`);
 and the prompt blocks each tier served, scraped from the workers' and cache service's
 metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's memory,
-T3 Redis; and the mean of actual minus predicted time to first token (ms) over the
-requests the master predicted (rtp:ttft_prediction_error_seconds), with a bound on the
-median absolute error (the smallest histogram bucket bound b with half of them within
-+-b), since errors of both signs cancel in the mean. A second table gives the CPU seconds
+T3 Redis; and how well the master predicted the time to first token, over the requests it
+predicted: the mean absolute error in ms (rtp:ttft_prediction_abs_error_seconds) and the
+share it predicted too low ("late": actual above predicted, from the signed
+rtp:ttft_prediction_error_seconds). A second table gives the CPU seconds
 each kind of process used during the replay (/proc/PID/stat), so a policy or tier that
 costs more CPU than it saves shows where. "tiers off" is
 `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
@@ -119,30 +119,23 @@ def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
 
 
 def prediction_error(frontend: str) -> tuple[float, float]:
-    """(mean of actual minus predicted time to first token, the smallest histogram bound b
-    with at least half of the requests within +-b: a bound on the median absolute error),
-    seconds; nan for both when none was predicted. The mean alone lets errors of both signs
-    cancel."""
+    """(mean absolute error of the predicted time to first token, seconds; the share of
+    predictions that were too low, actual above predicted), over the requests the master
+    predicted; nan for both when none was. From rtp:ttft_prediction_abs_error_seconds (its
+    _sum) and the signed rtp:ttft_prediction_error_seconds (its bucket at 0)."""
     text = httpx.get(f"{frontend}/metrics", timeout=10).text
-    total = count = 0.0
-    below: dict[float, float] = {}  # bucket bound -> requests with an error <= it
+    abs_sum = count = not_late = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "rtp:ttft_prediction_error_seconds_sum":
-                total += s.value
-            elif s.name == "rtp:ttft_prediction_error_seconds_count":
+            if s.name == "rtp:ttft_prediction_abs_error_seconds_sum":
+                abs_sum += s.value
+            elif s.name == "rtp:ttft_prediction_abs_error_seconds_count":
                 count += s.value
-            elif s.name == "rtp:ttft_prediction_error_seconds_bucket":
-                bound = float(s.labels["le"])
-                below[bound] = below.get(bound, 0.0) + s.value
+            elif s.name == "rtp:ttft_prediction_error_seconds_bucket" and s.labels["le"] == "0.0":
+                not_late += s.value
     if not count:
         return math.nan, math.nan
-    within = math.inf
-    for b in sorted(b for b in below if 0 < b < math.inf and -b in below):
-        if below[b] - below[-b] >= count / 2:
-            within = b
-            break
-    return total / count, within
+    return abs_sum / count, 1 - not_late / count
 
 
 def cpu_seconds(pids: Sequence[dict]) -> dict[str, float]:
@@ -193,13 +186,13 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
         results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
         after = cpu_seconds(c.info["pids"])
         hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
-        error, within = prediction_error(c.url)
+        abs_error, late = prediction_error(c.url)
     out = summarize(results, duration, (50, 95, 99))
     return out | {
         "cached_tokens": cached,
         "hits": hits,
-        "prediction_error_s": error,
-        "prediction_abs_p50_s": within,
+        "prediction_abs_error_s": abs_error,
+        "prediction_late": late,
         "cpu_s": {name: after[name] - before.get(name, 0.0) for name in after},
     }
 
@@ -207,7 +200,7 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
 def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
     head = (
         f"{'run':<36} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
-        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} {'pred err':>8} {'|err|p50':>8} "
+        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} {'|err| ms':>8} {'late':>5} "
         + " ".join(f"{t:>6}" for t in TIERS)
     )
     lines = [head]
@@ -222,8 +215,8 @@ def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
         lines.append(
             f"{run.name:<36} {r['completed']:>5} {r['failed']:>4} {r['median_ttft_ms']:>9.1f} "
             f"{r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} {ratio:>8.2f} "
-            f"{reused:>7.1%} {share:>7.1%} {r['prediction_error_s'] * 1e3:>8.1f} "
-            f"{'<=' + format(r['prediction_abs_p50_s'] * 1e3, 'g'):>8} {tiers}"
+            f"{reused:>7.1%} {share:>7.1%} {r['prediction_abs_error_s'] * 1e3:>8.0f} "
+            f"{r['prediction_late']:>5.0%} {tiers}"
         )
     names = sorted({n for r in rows.values() for n in r.get("cpu_s", {})})
     lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<36} "

@@ -91,6 +91,30 @@ def test_sequence_timer_counts_each_token_once():
     assert value("rtp:prompt_tokens_total") == 7
 
 
+def test_prediction_errors_signed_and_absolute(monkeypatch):
+    """Two predicted sequences, one 0.2 s slower and one 0.1 s faster than predicted, one
+    unpredicted: the signed histogram splits them at 0 (and, having negative buckets,
+    exports no _sum), the absolute one sums to 0.3 s."""
+    registry = CollectorRegistry()
+    m = metrics.FrontendMetrics(metrics.FrontendFamilies(registry), "m")
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    for predicted, took in ((0.5, 0.7), (0.5, 0.4), (0.0, 0.3)):
+        timer = m.sequence()
+        timer.routed(predicted)
+        now[0] += took
+        timer.tokens(1)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("rtp:ttft_prediction_error_seconds_count") == 2
+    assert value("rtp:ttft_prediction_error_seconds_bucket", le="0.0") == 1
+    assert value("rtp:ttft_prediction_error_seconds_sum") is None
+    assert value("rtp:ttft_prediction_abs_error_seconds_count") == 2
+    assert value("rtp:ttft_prediction_abs_error_seconds_sum") == pytest.approx(0.3)
+
+
 def test_cache_service_counts_a_get_per_tier(tmp_path):
     """memory holds b0 b1, Redis holds b2 (and b4), nobody b3: Get(b0..b4) answers b0 b1 b2."""
     hashes = block_hash_keys(list(range(5 * 16)), 16, salt=b"metrics")

@@ -40,6 +40,16 @@ class FrontendFamilies:
             buckets=PREDICTION_ERROR_BUCKETS,
             registry=registry,
         )
+        # The signed histogram has negative buckets, and a histogram with those exports no
+        # _sum: this one gives the mean absolute error (its _sum over its _count).
+        self.ttft_prediction_abs_error = Histogram(
+            PREFIX + "ttft_prediction_abs_error_seconds",
+            "How far the master's predicted time from routing to the first token was from "
+            "what it took, either way; requests it predicted only.",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
         self.inter_token_latency = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between consecutive output tokens (one observation per token after the "
@@ -146,7 +156,9 @@ class SequenceTimer:
             self.metrics.ttft.observe(now - self.arrival)
             if self.routed_at is not None and self.predicted_ttft_s > 0:
                 self.routed_ttft_s = now - self.routed_at
-                self.metrics.prediction_error.observe(self.routed_ttft_s - self.predicted_ttft_s)
+                error = self.routed_ttft_s - self.predicted_ttft_s
+                self.metrics.prediction_error.observe(error)
+                self.metrics.prediction_abs_error.observe(abs(error))
             self.last_token, n = now, n - 1
         gap = (now - self.last_token) / n if n else 0.0
         for _ in range(n):
@@ -178,6 +190,7 @@ class FrontendMetrics:
         "model_name",
         "ttft",
         "prediction_error",
+        "prediction_abs_error",
         "itl",
         "e2e",
         "queue_time",
@@ -192,6 +205,7 @@ class FrontendMetrics:
         self.model_name = model_name
         self.ttft = families.time_to_first_token.labels(model_name)
         self.prediction_error = families.ttft_prediction_error.labels(model_name)
+        self.prediction_abs_error = families.ttft_prediction_abs_error.labels(model_name)
         self.itl = families.inter_token_latency.labels(model_name)
         self.e2e = families.e2e_request_latency.labels(model_name)
         self.queue_time = families.request_queue_time.labels(model_name)
