@@ -256,6 +256,28 @@ def fitted(worker_id: str, token_ms=1.0, fixed_ms=0.0, row_ms=0.0, budget=0, **f
                 step_row_s=row_ms / 1e3, step_token_budget=budget, **fields)  # fmt: skip
 
 
+def test_a_busy_decode_worker_hands_short_prompts_to_an_idle_prefill_worker():
+    """100 tokens at 1 ms each; sending them costs 7 blocks at 1 ms. A decode worker with
+    500 tokens queued would answer in 600 ms, an idle prefill worker in 100 + 7: PD. Idle,
+    the decode worker answers in 100 ms against 107: it computes the prompt itself."""
+    idle_p = [fitted(p) for p in ("p1", "p2", "p3")]
+    busy = [fitted("d1", queued=500, free=90, **_transfer(1.0)),
+            fitted("d2", queued=500, free=50, **_transfer(1.0))]  # fmt: skip
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + busy))
+    assert plan.HasField("prefill") and plan.decode.id == "d1"
+    idle = [fitted("d1", free=90, **_transfer(1.0)), fitted("d2", free=50, **_transfer(1.0))]
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + idle))
+    assert not plan.HasField("prefill") and plan.decode.id == "d1"
+    assert plan.reason.endswith("predicted 100.0 ms here against 107.0 ms on p1 with the transfer")
+    assert plan.predicted_ttft_s == pytest.approx(0.1)
+    # Prefill workers without a fitted model (or no report): the size rule alone.
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=busy))
+    assert not plan.HasField("prefill")
+    # round_robin predicts nothing: the size rule alone.
+    plan = route(RoundRobin(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + busy))
+    assert not plan.HasField("prefill")
+
+
 def test_the_worker_that_answers_first_in_seconds_wins():
     # p2 holds 5 blocks (20 tokens left) but is slow (10 ms a token) and has 100 tokens
     # queued: 1.2 s. p1 holds 2 blocks (68 tokens) at 1 ms a token: 0.068 s.

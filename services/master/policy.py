@@ -197,15 +197,28 @@ class Policy(ABC):
         todo = uncached_tokens(view, decode.id, tokens, matched)
         if todo >= self.max_local_prefill_tokens:
             return None
+        local = self._stay_local(view, request, decode)
+        if local is None:
+            return None
+        predicted, why = local
         view.charge(decode.id, todo, blocks=math.ceil(tokens / _block_size(view, decode.id)))
         plan = master_pb2.RoutePlan(
             decode=decode,
             matched_blocks=matched,
             policy=self.name,
             reason=f"local prefill on {decode.id}: {todo} uncached tokens "
-            f"< {self.max_local_prefill_tokens} (prefix {matched} blocks)",
+            f"< {self.max_local_prefill_tokens} (prefix {matched} blocks){why}",
+            predicted_ttft_s=predicted,
         )
         return Decision(plan, RouteReason.LOCAL_PREFILL)
+
+    def _stay_local(
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
+    ) -> tuple[float, str] | None:
+        """A prompt short enough for its decode worker: whether that worker computes it
+        (predicted time to first token there, 0: none; and a note for the plan's reason),
+        or None to send it to a prefill worker after all."""
+        return 0.0, ""
 
     @abstractmethod
     def _choose_first(
@@ -338,6 +351,45 @@ class CacheAware(Policy):
         predicted = 0.0 if pred.in_tokens else pred.seconds
         return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why,
                       predicted, pred.computed_tokens)  # fmt: skip
+
+    def _stay_local(
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
+    ) -> tuple[float, str] | None:
+        """Short prompts stay on the decode worker unless a prefill worker would give the
+        first token sooner, its KV transfer included: a decode worker busy with its batch
+        and its own local prefills hands them to idle prefill workers rather than queue
+        them. Where the decode worker's or every prefill worker's step model is not fitted
+        yet, the size rule alone decides."""
+        first, _ = candidates(view, request.exclude)
+        first = [m for m in serving(view, first, request.lora_name) if view.load(m.id)]
+        report = view.load(decode.id)
+        if report is None or not first:
+            return 0.0, ""
+        first = with_room(view, first)
+        _, preds = self.predictions(view, request, [decode, *first])
+        here = preds.pop(decode.id)
+        if here.in_tokens or not cost.step_cost(report).fitted:
+            return 0.0, ""
+        matched = (
+            view.index.match_all(request.block_hashes, [decode.id])[decode.id]
+            if self.uses_cache
+            else 0
+        )
+        transfer = cost.decode_cost(
+            report, cost.step_cost(report), _running(view, decode.id) + 1,
+            request.num_prompt_tokens, _block_size(view, decode.id), matched,
+        ).transfer  # fmt: skip
+        fitted = {w: p for w, p in preds.items() if cost.step_cost(view.load(w)).fitted}
+        if not fitted:
+            return here.seconds, ""
+        away_id = min(fitted, key=lambda w: (fitted[w].seconds, w))
+        away = fitted[away_id].seconds + transfer
+        if away < here.seconds:
+            return None
+        return here.seconds, (
+            f", predicted {here.seconds * 1e3:.1f} ms here against {away * 1e3:.1f} ms "
+            f"on {away_id} with the transfer"
+        )
 
     def _choose_decode(
         self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
