@@ -26,7 +26,10 @@ lowest cost until the second token: the KV transfer of the blocks it lacks (the 
 worker sends only what follows its cached prefix) at its fitted receive rate, plus one
 decode step of its batch with this request in it (cost.decode_cost); then the most free KV
 blocks (less those routed to it since its report), then the request-id hash, skipping full
-queues the same way. Every
+queues the same way. With `max_local_prefill_tokens`, a prompt whose uncached part is
+shorter stays on the chosen decode worker (no prefill worker, no KV transfer); under the
+predicting policies only while that worker's predicted time to first token is no worse than
+the best prefill worker's plus the transfer. Every
 choice is charged to the view (`charge`) until the worker's next LoadReport, so a burst of
 requests spreads out instead of piling up.
 """
