@@ -270,8 +270,16 @@ def test_a_busy_decode_worker_hands_short_prompts_to_an_idle_prefill_worker():
     assert not plan.HasField("prefill") and plan.decode.id == "d1"
     assert plan.reason.endswith("predicted 100.0 ms here against 107.0 ms on p1 with the transfer")
     assert plan.predicted_ttft_s == pytest.approx(0.1)
-    # Prefill workers without a fitted model (or no report): the size rule alone.
+    # Prefill workers that have computed nothing yet borrow the decode workers' model.
+    unfitted_p = [load(p) for p in ("p1", "p2", "p3")]
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=unfitted_p + busy))
+    assert plan.HasField("prefill")
+    # Prefill workers without a load report, or a decode worker without a fitted model:
+    # the size rule alone.
     plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=busy))
+    assert not plan.HasField("prefill")
+    unfitted_d = [load("d1", queued=500, free=90), load("d2", queued=500, free=50)]
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + unfitted_d))
     assert not plan.HasField("prefill")
     # round_robin predicts nothing: the size rule alone.
     plan = route(RoundRobin(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + busy))

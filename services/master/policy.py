@@ -361,8 +361,8 @@ class CacheAware(Policy):
         """Short prompts stay on the decode worker unless a prefill worker would give the
         first token sooner, its KV transfer included: a decode worker busy with its batch
         and its own local prefills hands them to idle prefill workers rather than queue
-        them. Where the decode worker's or every prefill worker's step model is not fitted
-        yet, the size rule alone decides."""
+        them. Where the decode worker's step model is not fitted yet, the size rule alone
+        decides."""
         first, _ = candidates(view, request.exclude)
         first = [m for m in serving(view, first, request.lora_name) if view.load(m.id)]
         report = view.load(decode.id)
@@ -382,11 +382,10 @@ class CacheAware(Policy):
             report, cost.step_cost(report), _running(view, decode.id) + 1,
             request.num_prompt_tokens, _block_size(view, decode.id), matched,
         ).transfer  # fmt: skip
-        fitted = {w: p for w, p in preds.items() if cost.step_cost(view.load(w)).fitted}
-        if not fitted:
-            return here.seconds, ""
-        away_id = min(fitted, key=lambda w: (fitted[w].seconds, w))
-        away = fitted[away_id].seconds + transfer
+        # A prefill worker that has computed nothing yet predicts with the mean fitted model
+        # (the decode worker's among them): otherwise it never would get the work to fit one.
+        away_id = min(preds, key=lambda w: (preds[w].seconds, w))
+        away = preds[away_id].seconds + transfer
         if away < here.seconds:
             return None
         return here.seconds, (
