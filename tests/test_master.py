@@ -258,8 +258,9 @@ def fitted(worker_id: str, token_ms=1.0, fixed_ms=0.0, row_ms=0.0, budget=0, **f
 
 def test_a_busy_decode_worker_hands_short_prompts_to_an_idle_prefill_worker():
     """100 tokens at 1 ms each; sending them costs 7 blocks at 1 ms. A decode worker with
-    500 tokens queued would answer in 600 ms, an idle prefill worker in 100 + 7: PD. Idle,
-    the decode worker answers in 100 ms against 107: it computes the prompt itself."""
+    500 tokens queued would answer in 600 ms, an idle prefill worker (another host) in
+    100 + 7: PD. Idle, the decode worker answers in 100 ms against 107: it computes the
+    prompt itself."""
     idle_p = [fitted(p) for p in ("p1", "p2", "p3")]
     busy = [fitted("d1", queued=500, free=90, **_transfer(1.0)),
             fitted("d2", queued=500, free=50, **_transfer(1.0))]  # fmt: skip
@@ -280,6 +281,11 @@ def test_a_busy_decode_worker_hands_short_prompts_to_an_idle_prefill_worker():
     assert not plan.HasField("prefill")
     unfitted_d = [load("d1", queued=500, free=90), load("d2", queued=500, free=50)]
     plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + unfitted_d))
+    assert not plan.HasField("prefill")
+    # Prefill workers on the decode workers' host share its cores: moving there adds none.
+    one_host = [ns.Member(id=m.id, role=m.role, address=f"10.0.0.1:{5000 + i}")
+                for i, m in enumerate(PD3)]  # fmt: skip
+    plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*one_host, loads=idle_p + busy))
     assert not plan.HasField("prefill")
     # round_robin predicts nothing: the size rule alone.
     plan = route(RoundRobin(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + busy))

@@ -29,7 +29,7 @@ blocks (less those routed to it since its report), then the request-id hash, ski
 queues the same way. With `max_local_prefill_tokens`, a prompt whose uncached part is
 shorter stays on the chosen decode worker (no prefill worker, no KV transfer); under the
 predicting policies only while that worker's predicted time to first token is no worse than
-the best prefill worker's plus the transfer. Every
+the best prefill worker's on another host plus the transfer. Every
 choice is charged to the view (`charge`) until the worker's next LoadReport, so a burst of
 requests spreads out instead of piling up.
 """
@@ -236,6 +236,11 @@ class Policy(ABC):
         """Choose the PD decode worker (its reason is a suffix)."""
 
 
+def _host(member: Member) -> str:
+    """The host part of a member's address (host:port, [v6]:port)."""
+    return member.address.rpartition(":")[0]
+
+
 def _rotate(members: Sequence[Member], turn: Iterator[int]) -> Member:
     return members[next(turn) % len(members)]
 
@@ -361,10 +366,17 @@ class CacheAware(Policy):
         """Short prompts stay on the decode worker unless a prefill worker would give the
         first token sooner, its KV transfer included: a decode worker busy with its batch
         and its own local prefills hands them to idle prefill workers rather than queue
-        them. Where the decode worker's step model is not fitted yet, the size rule alone
+        them. Only prefill workers on other hosts count: workers on one host share its
+        cores, so moving a prompt there adds no compute, only the transfer (measured on a
+        2-core box, pd:2:1: handing prompts to the local prefill workers doubled TTFT).
+        Where the decode worker's step model is not fitted yet, the size rule alone
         decides."""
         first, _ = candidates(view, request.exclude)
-        first = [m for m in serving(view, first, request.lora_name) if view.load(m.id)]
+        first = [
+            m
+            for m in serving(view, first, request.lora_name)
+            if view.load(m.id) and _host(m) != _host(decode)
+        ]
         report = view.load(decode.id)
         if report is None or not first:
             return 0.0, ""
