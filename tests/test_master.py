@@ -286,7 +286,7 @@ def test_a_busy_decode_worker_hands_short_prompts_to_an_idle_prefill_worker():
     one_host = [ns.Member(id=m.id, role=m.role, address=f"10.0.0.1:{5000 + i}")
                 for i, m in enumerate(PD3)]  # fmt: skip
     plan = route(CacheAware(max_local_prefill_tokens=128), cluster(*one_host, loads=idle_p + busy))
-    assert not plan.HasField("prefill")
+    assert not plan.HasField("prefill") and plan.predicted_ttft_s == pytest.approx(0.6)
     # round_robin predicts nothing: the size rule alone.
     plan = route(RoundRobin(max_local_prefill_tokens=128), cluster(*PD3, loads=idle_p + busy))
     assert not plan.HasField("prefill")

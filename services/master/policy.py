@@ -371,20 +371,19 @@ class CacheAware(Policy):
         2-core box, pd:2:1: handing prompts to the local prefill workers doubled TTFT).
         Where the decode worker's step model is not fitted yet, the size rule alone
         decides."""
+        report = view.load(decode.id)
+        if report is None or not cost.step_cost(report).fitted:
+            return 0.0, ""
         first, _ = candidates(view, request.exclude)
         first = [
             m
             for m in serving(view, first, request.lora_name)
             if view.load(m.id) and _host(m) != _host(decode)
         ]
-        report = view.load(decode.id)
-        if report is None or not first:
-            return 0.0, ""
-        first = with_room(view, first)
-        _, preds = self.predictions(view, request, [decode, *first])
+        _, preds = self.predictions(view, request, [decode, *with_room(view, first)])
         here = preds.pop(decode.id)
-        if here.in_tokens or not cost.step_cost(report).fitted:
-            return 0.0, ""
+        if not preds:
+            return here.seconds, ""
         matched = (
             view.index.match_all(request.block_hashes, [decode.id])[decode.id]
             if self.uses_cache
