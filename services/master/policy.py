@@ -200,7 +200,7 @@ class Policy(ABC):
         todo = uncached_tokens(view, decode.id, tokens, matched)
         if todo >= self.max_local_prefill_tokens:
             return None
-        local = self._stay_local(view, request, decode)
+        local = self._stay_local(view, request, decode, matched)
         if local is None:
             return None
         predicted, why = local
@@ -216,9 +216,10 @@ class Policy(ABC):
         return Decision(plan, RouteReason.LOCAL_PREFILL)
 
     def _stay_local(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member, matched: int
     ) -> tuple[float, str] | None:
-        """A prompt short enough for its decode worker: whether that worker computes it
+        """A prompt short enough for its decode worker (`matched` of its blocks cached
+        there): whether that worker computes it
         (predicted time to first token there, 0: none; and a note for the plan's reason),
         or None to send it to a prefill worker after all."""
         return 0.0, ""
@@ -361,7 +362,7 @@ class CacheAware(Policy):
                       predicted, pred.computed_tokens)  # fmt: skip
 
     def _stay_local(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
+        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member, matched: int
     ) -> tuple[float, str] | None:
         """Short prompts stay on the decode worker unless a prefill worker would give the
         first token sooner, its KV transfer included: a decode worker busy with its batch
@@ -372,7 +373,8 @@ class CacheAware(Policy):
         Where the decode worker's step model is not fitted yet, the size rule alone
         decides."""
         report = view.load(decode.id)
-        if report is None or not cost.step_cost(report).fitted:
+        step = cost.step_cost(report)
+        if report is None or not step.fitted:
             return 0.0, ""
         first, _ = candidates(view, request.exclude)
         first = [
@@ -384,14 +386,9 @@ class CacheAware(Policy):
         here = preds.pop(decode.id)
         if not preds:
             return here.seconds, ""
-        matched = (
-            view.index.match_all(request.block_hashes, [decode.id])[decode.id]
-            if self.uses_cache
-            else 0
-        )
         transfer = cost.decode_cost(
-            report, cost.step_cost(report), _running(view, decode.id) + 1,
-            request.num_prompt_tokens, _block_size(view, decode.id), matched,
+            report, step, _running(view, decode.id) + 1, request.num_prompt_tokens,
+            _block_size(view, decode.id), matched if self.uses_cache else 0,
         ).transfer  # fmt: skip
         # A prefill worker that has computed nothing yet predicts with the mean fitted model
         # (the decode worker's among them): otherwise it never would get the work to fit one.
