@@ -19,6 +19,7 @@ Pure data and no torch import: setup.py reads it before torch is known to be the
 from __future__ import annotations
 
 SOURCES = (
+    "module.cpp",
     "paged_decode.cpp",
     "small_gemm.cpp",
     "rows_gemm.cpp",

@@ -6,8 +6,7 @@
 // starts the block at offset 0) and the run's largest |value|, requantizes the block's earlier
 // rows if the scale grew, and quantizes the run's rows. Runs of one step never share a block,
 // so tasks never touch the same bytes.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -82,7 +81,7 @@ void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
               "kv_write_int8: expected x [T, H, D], cache [S, H, D], scales [blocks, H]");
   TORCH_CHECK(slot_mapping.size(0) == x.size(0), "kv_write_int8: one slot per row");
   x = x.contiguous();
-  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kv_write_int8", [&] {
     write_kernel<scalar_t>(x, cache, scales, slot_mapping, block_size);
   });

@@ -14,8 +14,7 @@
 // (the torch path) read all of them and multiply every row by every adapter. Here rows that
 // share an adapter are taken together, so each adapter's A and B are read once, and only by
 // the rows that use them: the work is the rows' own updates and nothing else.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <map>

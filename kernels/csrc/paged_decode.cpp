@@ -8,9 +8,7 @@
 // stretch, serving every query head of each kv head's group (GQA). With enough sequences a
 // task takes all heads of one sequence, so rows are streamed whole; with few sequences
 // (batch 1) the heads are split so that every thread has work.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <torch/version.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -121,8 +119,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "one block table and one length per sequence");
   q = q.contiguous();
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  block_tables = block_tables.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()),
               "an int8 cache needs its K and V scales, and only it has them");
@@ -162,39 +160,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     }
   });
   return out;
-}
-
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                         c10::optional<torch::Tensor> residual);
-torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
-                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
-                            double scale, c10::optional<torch::Tensor> k_scale,
-                            c10::optional<torch::Tensor> v_scale);
-void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
-                   torch::Tensor slot_mapping, int64_t block_size);
-void lora_rows(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, torch::Tensor a,
-               torch::Tensor col_slot, torch::Tensor b, torch::Tensor b_off,
-               torch::Tensor b_col0, torch::Tensor b_len);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The loader refuses a module built against another torch (kernels/cpu.py).
-  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
-                            std::to_string(TORCH_VERSION_MINOR) + "." +
-                            std::to_string(TORCH_VERSION_PATCH);
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention over a cached prefix (CPU)",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
-        py::arg("ctx_len"), py::arg("block_size"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
-  m.def("kv_write_int8", &kv_write_int8, "rows into the int8 KV cache, adapting block scales");
-  m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
-  m.def("lora_rows", &lora_rows, "y += LoRA updates of rows, each with its own adapter (float32)");
-  m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }

@@ -10,8 +10,7 @@
 // score loop runs over the block's keys) and V to float once, and serves every query head
 // of the kv head's group for every row of the tile with it: an online softmax (running max,
 // running sum, rescaled accumulator) over the blocks, as flash attention does.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -213,7 +212,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     vs = v_scale->data_ptr<float>();
   }
   q = q.contiguous();
-  block_table = block_table.to(torch::kInt64).contiguous();
+  block_table = block_table.to(at::kLong).contiguous();
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {

@@ -6,8 +6,7 @@
 //   bf16/fp16:  y = w * round(x * rsqrt(mean(x^2) + eps))   (statistics in float32)
 // the latter exactly as HF's LlamaRMSNorm does (normalise in float32, cast, then scale in
 // the model dtype); rows are split over threads only when there are enough of them.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <cmath>
 

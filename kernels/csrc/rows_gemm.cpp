@@ -16,8 +16,7 @@
 // are loaded: each weight row is read from memory once and from L1 once per group of rows,
 // with no buffer in between. A single row of x against float32 weights takes eight weight
 // rows at a time, more rows four.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstdint>

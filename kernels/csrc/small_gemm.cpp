@@ -4,8 +4,7 @@
 // how fast the weights stream from memory, not by arithmetic. This kernel reads w [K, N]
 // (row-major, the engine's [in, out] layout) exactly once: each thread streams a contiguous
 // run of rows into its own accumulators (N floats per row of x, in L1/L2).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <vector>

@@ -1,0 +1,47 @@
+// The Python module of the CPU kernels: binds each kernel (one source each, see
+// kernels/cpu_build.py) and records the torch it was built against. The only source that
+// includes pybind11 (torch/python.h); the kernels include the lighter tensor.h.
+#include <torch/python.h>
+#include <torch/version.h>
+
+#include <string>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens,
+                           int64_t block_size, double scale,
+                           c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                         c10::optional<torch::Tensor> residual);
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
+                            double scale, c10::optional<torch::Tensor> k_scale,
+                            c10::optional<torch::Tensor> v_scale);
+void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
+                   torch::Tensor slot_mapping, int64_t block_size);
+void lora_rows(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, torch::Tensor a,
+               torch::Tensor col_slot, torch::Tensor b, torch::Tensor b_off,
+               torch::Tensor b_col0, torch::Tensor b_len);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The loader refuses a module built against another torch (kernels/cpu.py).
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                            std::to_string(TORCH_VERSION_MINOR) + "." +
+                            std::to_string(TORCH_VERSION_PATCH);
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention over a cached prefix (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("ctx_len"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("kv_write_int8", &kv_write_int8, "rows into the int8 KV cache, adapting block scales");
+  m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
+  m.def("lora_rows", &lora_rows, "y += LoRA updates of rows, each with its own adapter (float32)");
+  m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
+}
