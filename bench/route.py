@@ -2,7 +2,7 @@
 under each routing policy, with the KV tiers on and off (the paper's Tables 2-3).
 
     python bench/route.py --num-requests 1000 --topologies fused:3,pd:2:1 \\
-        --policies round_robin,least_load,cache_aware --tiers off,on
+        --policies round_robin,least_load,cache_aware --tiers off,on [--reps 3]
 
 Scaling (printed with the results): every 512-token block of the trace becomes
 `--block-len` tokens built from its hash id (equal ids, equal tokens), output lengths are
@@ -31,6 +31,7 @@ import asyncio
 import math
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -197,32 +198,56 @@ def run_one(run: Run, model: str, requests, warm, args) -> dict:
     }
 
 
-def table(rows: dict[Run, dict], prompt_tokens: int, ceiling: int) -> str:
+def median_of(reps: Sequence[dict]) -> dict:
+    """One row from several runs of the same configuration: the median of each number
+    (per tier and per process for the nested ones); failures are summed."""
+
+    def med(values):
+        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
+        return statistics.median(values) if values else math.nan
+
+    out = {k: med([r[k] for r in reps]) for k in reps[0] if isinstance(reps[0][k], int | float)}
+    out["failed"] = sum(r["failed"] for r in reps)
+    for nested in ("hits", "cpu_s"):
+        keys = {k for r in reps for k in r.get(nested, {})}
+        out[nested] = {k: med([r.get(nested, {}).get(k, 0.0) for r in reps]) for k in keys}
+    return out
+
+
+def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
+    """The results, one line per configuration; with several repetitions, each number is
+    the median over them, and "p95 x rr" is the median of each repetition's ratio to the
+    round_robin run of the same repetition (runs are interleaved, so a pair shares the
+    machine's state), with its range."""
     head = (
-        f"{'run':<36} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
-        f"{'p95 x rr':>8} {'reused':>7} {'of ceil':>7} {'|err| ms':>8} {'late':>5} "
-        + " ".join(f"{t:>6}" for t in TIERS)
+        f"{'run':<36} {'reps':>4} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
+        f"{'p95 x rr':>8} {'range':>11} {'reused':>7} {'of ceil':>7} {'|err| ms':>8} "
+        f"{'late':>5} " + " ".join(f"{t:>6}" for t in TIERS)
     )
     lines = [head]
-    rr = {(r.topology, r.tiers): v["p95_ttft_ms"] for r, v in rows.items()
-          if r.policy == "round_robin"}  # fmt: skip
-    for run, r in rows.items():
-        base = rr.get((run.topology, run.tiers))
-        ratio = r["p95_ttft_ms"] / base if base else math.nan
+    rr = {(r.topology, r.tiers): v for r, v in rows.items() if r.policy == "round_robin"}
+    merged = {run: median_of(reps) for run, reps in rows.items()}
+    for run, reps in rows.items():
+        r = merged[run]
+        base = rr.get((run.topology, run.tiers), [])
+        ratios = [a["p95_ttft_ms"] / b["p95_ttft_ms"] for a, b in zip(reps, base, strict=False)
+                  if b["p95_ttft_ms"]]  # fmt: skip
+        ratio = statistics.median(ratios) if ratios else math.nan
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
         reused = r["cached_tokens"] / prompt_tokens if prompt_tokens else 0.0
         share = r["cached_tokens"] / ceiling if ceiling else math.nan
-        tiers = " ".join(f"{r['hits'][t]:>6}" for t in TIERS)
+        tiers = " ".join(f"{r['hits'].get(t, 0):>6.0f}" for t in TIERS)
         lines.append(
-            f"{run.name:<36} {r['completed']:>5} {r['failed']:>4} {r['median_ttft_ms']:>9.1f} "
-            f"{r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} {ratio:>8.2f} "
-            f"{reused:>7.1%} {share:>7.1%} {r['prediction_abs_error_s'] * 1e3:>8.0f} "
-            f"{r['prediction_late']:>5.0%} {tiers}"
+            f"{run.name:<36} {len(reps):>4} {r['completed']:>5.0f} {r['failed']:>4} "
+            f"{r['median_ttft_ms']:>9.1f} {r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} "
+            f"{ratio:>8.2f} {spread:>11} {reused:>7.1%} {share:>7.1%} "
+            f"{r['prediction_abs_error_s'] * 1e3:>8.0f} {r['prediction_late']:>5.0%} {tiers}"
         )
-    names = sorted({n for r in rows.values() for n in r.get("cpu_s", {})})
+    names = sorted({n for r in merged.values() for n in r["cpu_s"]})
     lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<36} "
                  + " ".join(f"{n[:10]:>10}" for n in names))  # fmt: skip
-    for run, r in rows.items():
-        cpu = r.get("cpu_s", {})
+    for run, r in merged.items():
+        cpu = r["cpu_s"]
         lines.append(f"{run.name:<36} " + " ".join(f"{cpu.get(n, 0.0):>10.1f}" for n in names))
     return "\n".join(lines)
 
@@ -249,10 +274,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--launcher-args", default="", help="more `rtp-serve up` flags, one string")
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--reps", type=int, default=1,
+        help="run every configuration this many times, interleaved (each repetition runs all "
+        "of them in turn); the table shows medians. One run on a shared 2-core box varies by 2x",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[Run, dict]:
+def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
     args = parse_args(argv)
     from engine.config import ModelConfig
     from engine.make_model import resolve_model
@@ -276,19 +306,23 @@ def main(argv: Sequence[str] | None = None) -> dict[Run, dict]:
           f"{prompt_tokens} prompt tokens; ceiling {ceiling} reusable "
           f"({ceiling / max(1, prompt_tokens):.1%}); T0 {args.kv_cache_mib} MiB/worker, "
           f"T1 {args.host_kv_cache_mib} MiB/worker with tiers on")  # fmt: skip
-    rows: dict[Run, dict] = {}
-    for topology in args.topologies.split(","):
-        for tiers in args.tiers.split(","):
-            for policy in args.policies.split(","):
-                run = Run(topology, tiers == "on", policy)
-                print(f"# {run.name}: running", file=sys.stderr, flush=True)
-                try:
-                    rows[run] = run_one(run, model, requests, warm, args)
-                except Exception as exc:  # one run that cannot start does not cost the others
-                    print(f"# {run.name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
-                for err in rows.get(run, {}).get("error_kinds", []):
-                    print(f"# {run.name}: failed: {err}", file=sys.stderr)
-                if run in rows:  # the table so far: a long sweep shows its progress
+    rows: dict[Run, list[dict]] = {}
+    for rep in range(args.reps):
+        for topology in args.topologies.split(","):
+            for tiers in args.tiers.split(","):
+                for policy in args.policies.split(","):
+                    run = Run(topology, tiers == "on", policy)
+                    label = f"{run.name} (repetition {rep + 1}/{args.reps})"
+                    print(f"# {label}: running", file=sys.stderr, flush=True)
+                    try:
+                        result = run_one(run, model, requests, warm, args)
+                    except Exception as exc:  # one run that cannot start does not cost the others
+                        print(f"# {label}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
+                        continue
+                    rows.setdefault(run, []).append(result)
+                    for err in result.get("error_kinds", []):
+                        print(f"# {label}: failed: {err}", file=sys.stderr)
+                    # the table so far: a long sweep shows its progress
                     print(table(rows, prompt_tokens, ceiling), file=sys.stderr, flush=True)
     print(table(rows, prompt_tokens, ceiling))
     return rows

@@ -207,3 +207,25 @@ def test_route_ceiling_counts_chained_full_blocks_of_earlier_prompts():
     ]
     assert ceiling_tokens(prompts, 4) == 8 + 4 + 8 + 0
     assert ceiling_tokens([], 4) == 0
+
+
+def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_own_baseline():
+    from bench.route import Run, median_of, table
+
+    def result(p95: float, cached: int, failed: int = 0) -> dict:
+        return {
+            "completed": 10, "failed": failed, "median_ttft_ms": p95 / 2, "p95_ttft_ms": p95,
+            "p99_ttft_ms": p95, "cached_tokens": cached, "prediction_abs_error_s": math.nan,
+            "prediction_late": math.nan, "hits": {"T0": cached}, "cpu_s": {"fused": 1.0},
+        }  # fmt: skip
+
+    rr, ca = Run("fused:3", False, "round_robin"), Run("fused:3", False, "cache_aware")
+    # repetition 2 ran on a machine twice as slow: both policies took twice as long
+    rows = {rr: [result(100, 10), result(200, 10), result(120, 10)],
+            ca: [result(50, 30, failed=1), result(100, 20), result(90, 40)]}  # fmt: skip
+    merged = median_of(rows[ca])
+    assert merged["p95_ttft_ms"] == 90 and merged["cached_tokens"] == 30
+    assert merged["failed"] == 1 and merged["hits"] == {"T0": 30}
+    line = next(x for x in table(rows, 100, 50).splitlines() if "cache_aware" in x)
+    # per-repetition ratios 0.5, 0.5, 0.75: median 0.50 (medians of each, 90 / 120, would be 0.75)
+    assert " 0.50 " in line and "0.50-0.75" in line and " 30.0% " in line and " 60.0% " in line
