@@ -12,6 +12,10 @@ the project are imported), as a worker starting up would be:
   hf     transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=float32)
   fst    ours with --load-format fastsafetensors (where that package is installed)
 
+  read   every file read front to back with plain reads and nothing else: the floor for
+         any loader (cold, the storage's own rate; no loader can beat it, so cold the
+         hf/ours ratio is bounded by hf/read)
+
 cold: the checkpoint's pages are dropped from the page cache first (posix_fadvise
 DONTNEED on every file: no root needed; the disk read is then real unless the storage has
 its own cache); warm: dropped and read once with plain reads just before. `--up`: seconds from `rtp-serve up` (the default
@@ -82,6 +86,8 @@ def warm_page_cache(model_dir: Path) -> None:
 
 def time_one(kind: str, model_dir: Path, cold: bool, threads: int) -> float:
     (drop_page_cache if cold else warm_page_cache)(model_dir)
+    if kind == "read":
+        return time_read(model_dir)
     out = subprocess.run(
         [sys.executable, "-c", _ONE, kind, str(model_dir), str(threads)],
         capture_output=True,
@@ -90,6 +96,20 @@ def time_one(kind: str, model_dir: Path, cold: bool, threads: int) -> float:
         cwd=_ROOT,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def time_read(model_dir: Path) -> float:
+    """Seconds to read every file of the checkpoint front to back with plain 64 MiB reads
+    into one buffer, and do nothing else: the floor for any loader (cold, the storage's
+    sequential rate; warm, a copy out of the page cache)."""
+    buf = bytearray(64 << 20)
+    start = time.perf_counter()
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+    return time.perf_counter() - start
 
 
 # `--up` cells: how the CPU kernels reach the workers. "installed" is ours (compiled by the
@@ -134,11 +154,12 @@ def main() -> int:
     from engine.make_model import resolve_model
 
     print(f"cpu: {cpu_isa().describe()}; load average {os.getloadavg()[0]:.1f}")
-    kinds = ["ours", "hf"]
+    kinds = ["read", "ours", "hf"]
     if importlib.util.find_spec("fastsafetensors") is not None:
         kinds.append("fastsafetensors")
     fst = "fastsafetensors" in kinds
-    print(f"{'model':12} {'size':>8} {'cache':>5} {'ours s':>8} {'hf s':>8} {'hf/ours':>8}"
+    print(f"{'model':12} {'size':>8} {'cache':>5} {'read s':>7} {'ours s':>8} {'hf s':>8} "
+          f"{'hf/ours':>8} {'ours/read':>9}"
           + (f" {'fst s':>8}" if fst else ""))  # fmt: skip
     for name in [] if args.skip_load else args.models.split(","):
         model_dir = Path(resolve_model(name))
@@ -150,8 +171,8 @@ def main() -> int:
                 runs = [time_one(kind, model_dir, cold, args.threads) for _ in range(args.trials)]
                 cells[kind] = statistics.median(runs)
             print(f"{name:12} {size / 2**30:>6.2f}Gi {'cold' if cold else 'warm':>5} "
-                  f"{cells['ours']:>8.2f} {cells['hf']:>8.2f} "
-                  f"{cells['hf'] / cells['ours']:>7.1f}x"
+                  f"{cells['read']:>7.2f} {cells['ours']:>8.2f} {cells['hf']:>8.2f} "
+                  f"{cells['hf'] / cells['ours']:>7.1f}x {cells['ours'] / cells['read']:>8.1f}x"
                   + (f" {cells['fastsafetensors']:>8.2f}" if fst else ""), flush=True)  # fmt: skip
     if args.up:
         print(f"rtp-serve up --model {args.up_model} (1 prefill, 1 decode) to ready, "
