@@ -15,7 +15,7 @@ import pytest
 from services.common import grpc_util, subjects
 from services.common.pb import events_pb2, master_pb2, master_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns
-from services.master.cluster import ClusterView
+from services.master.cluster import IN_TRANSIT_S, ClusterView, Pending
 from services.master.policy import (
     CacheAware,
     LeastLoad,
@@ -176,7 +176,15 @@ def test_burst_is_charged_until_the_next_load_report():
     # decode: a tie at first (broken by the request id's hash), then the one charged less
     assert [p.decode.id for p in plans] == ["d2", "d1", "d2", "d1", "d2", "d1"]
     assert view.pending("p2").tokens == 80 and view.pending("d1").blocks == 21
-    view.apply_load(load("p2"))  # the report includes what was routed there
+    # A report made as they were routed may not count them yet: they are still on their way
+    view.apply_load(load("p2"))
+    assert view.pending("p2").tokens == 80
+    now[0] = IN_TRANSIT_S + 0.01
+    view.charge("p2", tokens=7)  # one more, routed just before the next report: it is kept
+    view.apply_load(load("p2"))  # the report includes what was routed well before it
+    assert view.pending("p2") == Pending(requests=1, tokens=7, blocks=0)
+    now[0] = 2 * IN_TRANSIT_S + 0.02
+    view.apply_load(load("p2"))
     assert view.pending("p2").requests == 0
     assert route(policy, view).prefill.id == "p2"
     now[0] = 60.0  # no report ever came: charges expire

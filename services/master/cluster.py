@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,9 +49,14 @@ log = logging.getLogger(__name__)
 Member = nameservice_pb2.Member
 MembershipEvent = nameservice_pb2.MembershipEvent
 _MAX_DEPARTED = 4096  # ids remembered so late NATS events of a gone worker are ignored
-# Charged work is forgotten this long after it started piling up, even without a LoadReport
+# Charged work is forgotten this long after it was routed, even without a LoadReport
 # (without NATS none ever comes): by then the worker has it, or has finished it.
 PENDING_TTL_S = 2.0
+# A LoadReport counts only the requests that had reached the worker's engine when it was
+# made: one routed this recently may still be on its way (the frontend's call, the engine's
+# current step), so its charge outlives the report. One report interval: counting a request
+# twice for that long errs towards spreading a burst, forgetting it piles the burst up.
+IN_TRANSIT_S = 0.25
 # A load report stops counting after this long: 4 report intervals (workers report every
 # 0.25 s, services/worker/kv_events.py). Without reports a worker is unknown, not idle.
 LOAD_TTL_S = 1.0
@@ -75,13 +80,20 @@ class NameWatcher(Protocol):
 
 @dataclass(slots=True)
 class Pending:
-    """Work routed to a worker since its last LoadReport. Reports come a few times a second;
-    without this a burst of requests would all pile onto whichever worker looked idlest."""
+    """Work routed to a worker that its last LoadReport may not count yet. Reports come a few
+    times a second; without this a burst of requests would all pile onto whichever worker
+    looked idlest."""
 
-    since: float = 0.0  # clock() at the first charge
     requests: int = 0
     tokens: int = 0  # prompt tokens it must compute
     blocks: int = 0  # KV blocks it must hold
+
+
+@dataclass(frozen=True, slots=True)
+class _Charge:
+    at: float  # clock() when routed
+    tokens: int
+    blocks: int
 
 
 class ClusterView:
@@ -92,7 +104,7 @@ class ClusterView:
         self._load_ttl_s = load_ttl_s
         self._members: dict[str, Member] = {}
         self._loads: dict[str, tuple[events_pb2.LoadReport, float]] = {}  # report, arrival
-        self._pending: dict[str, Pending] = {}
+        self._pending: dict[str, deque[_Charge]] = {}  # oldest first
         self._unconfirmed: set[str] | None = None  # None: not inside a snapshot
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._started = False  # the first membership snapshot has ended
@@ -123,22 +135,23 @@ class ClusterView:
         return entry[0]
 
     def pending(self, worker_id: str) -> Pending:
-        pending = self._pending.get(worker_id)
-        if pending is None or self._clock() - pending.since > PENDING_TTL_S:
+        """What was routed to the worker and its last report may not count (expired charges
+        dropped)."""
+        charges = self._pending.get(worker_id)
+        if not charges:
             return Pending()
-        return pending
+        now = self._clock()
+        while charges and now - charges[0].at > PENDING_TTL_S:
+            charges.popleft()
+        return Pending(len(charges), sum(c.tokens for c in charges), sum(c.blocks for c in charges))
 
     def charge(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> None:
-        """Count a request just routed to `worker_id` until its next LoadReport."""
+        """Count a request just routed to `worker_id` until a LoadReport made after it
+        reached the worker (see IN_TRANSIT_S) or PENDING_TTL_S."""
         self._last_charged = self._clock()
         if worker_id not in self._members:
             return
-        pending = self.pending(worker_id)
-        if not pending.requests:
-            pending = self._pending[worker_id] = Pending(since=self._clock())
-        pending.requests += 1
-        pending.tokens += tokens
-        pending.blocks += blocks
+        self._pending.setdefault(worker_id, deque()).append(_Charge(self._clock(), tokens, blocks))
 
     @property
     def in_snapshot(self) -> bool:
@@ -221,7 +234,10 @@ class ClusterView:
         if not report.worker_id or report.worker_id in self._departed:
             return False
         self._loads[report.worker_id] = (report, self._clock())
-        self._pending.pop(report.worker_id, None)  # the report counts what we had routed
+        # The report counts what had reached the worker; what was routed since may not.
+        charges, now = self._pending.get(report.worker_id), self._clock()
+        while charges and now - charges[0].at > IN_TRANSIT_S:
+            charges.popleft()
         self.sync.load(report)
         return True
 
