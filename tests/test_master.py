@@ -189,6 +189,10 @@ def test_burst_is_charged_until_the_next_load_report():
     assert route(policy, view).prefill.id == "p2"
     now[0] = 60.0  # no report ever came: charges expire
     assert view.pending("p1").requests == 0 and route(policy, view).prefill.id == "p2"
+    for i in range(1000):  # a charge every second, never asked for, no report: none piles up
+        now[0] = 100.0 + i
+        view.charge("p3", 5)
+    assert len(view._pending["p3"]) <= 3
 
 
 def test_decode_fewest_running_then_most_free_blocks():

@@ -137,13 +137,16 @@ class ClusterView:
     def pending(self, worker_id: str) -> Pending:
         """What was routed to the worker and its last report may not count (expired charges
         dropped)."""
-        charges = self._pending.get(worker_id)
-        if not charges:
-            return Pending()
+        charges = self._expire(self._pending.get(worker_id, deque()))
+        return Pending(len(charges), sum(c.tokens for c in charges), sum(c.blocks for c in charges))
+
+    def _expire(self, charges: deque[_Charge]) -> deque[_Charge]:
+        """`charges` less those older than PENDING_TTL_S (also where nothing asks for them:
+        a policy that ignores load, a cluster without NATS)."""
         now = self._clock()
         while charges and now - charges[0].at > PENDING_TTL_S:
             charges.popleft()
-        return Pending(len(charges), sum(c.tokens for c in charges), sum(c.blocks for c in charges))
+        return charges
 
     def charge(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> None:
         """Count a request just routed to `worker_id` until a LoadReport made after it
@@ -151,7 +154,8 @@ class ClusterView:
         self._last_charged = self._clock()
         if worker_id not in self._members:
             return
-        self._pending.setdefault(worker_id, deque()).append(_Charge(self._clock(), tokens, blocks))
+        charges = self._expire(self._pending.setdefault(worker_id, deque()))
+        charges.append(_Charge(self._clock(), tokens, blocks))
 
     @property
     def in_snapshot(self) -> bool:
