@@ -140,11 +140,11 @@ class ClusterView:
         charges = self._expire(self._pending.get(worker_id, deque()))
         return Pending(len(charges), sum(c.tokens for c in charges), sum(c.blocks for c in charges))
 
-    def _expire(self, charges: deque[_Charge]) -> deque[_Charge]:
-        """`charges` less those older than PENDING_TTL_S (also where nothing asks for them:
-        a policy that ignores load, a cluster without NATS)."""
+    def _expire(self, charges: deque[_Charge], age_s: float = PENDING_TTL_S) -> deque[_Charge]:
+        """`charges` less those older than `age_s` (by default PENDING_TTL_S: also where
+        nothing asks for them, a policy that ignores load, a cluster without NATS)."""
         now = self._clock()
-        while charges and now - charges[0].at > PENDING_TTL_S:
+        while charges and now - charges[0].at > age_s:
             charges.popleft()
         return charges
 
@@ -239,9 +239,7 @@ class ClusterView:
             return False
         self._loads[report.worker_id] = (report, self._clock())
         # The report counts what had reached the worker; what was routed since may not.
-        charges, now = self._pending.get(report.worker_id), self._clock()
-        while charges and now - charges[0].at > IN_TRANSIT_S:
-            charges.popleft()
+        self._expire(self._pending.get(report.worker_id, deque()), IN_TRANSIT_S)
         self.sync.load(report)
         return True
 
