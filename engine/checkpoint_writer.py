@@ -14,9 +14,10 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch is imported where weights are written (not to resolve a cached model)
+    import torch
 
 _META = {"format": "pt"}
 
@@ -34,6 +35,8 @@ def save_weights(
     Tensors are consumed one by one and a shard is written as soon as it is full, so a
     converter holds at most one shard in memory. Shards are named once their count is known.
     """
+    from safetensors.torch import save_file
+
     written: list[tuple[Path, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
     size = total = 0

@@ -35,12 +35,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from engine.checkpoint_writer import atomic_dir, save_weights, write_json
 from engine.convert.wheel import PackagedModel
+
+if TYPE_CHECKING:  # imported where weights are made: resolving a cached model needs no torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +244,8 @@ def _config(p: Preset) -> dict[str, object]:
 
 def _weights(p: Preset) -> dict[str, torch.Tensor]:
     """Seeded random weights under HF tensor names, in model order."""
+    import torch
+
     gen = torch.Generator().manual_seed(p.seed)
 
     def normal(std: float, *shape: int) -> torch.Tensor:

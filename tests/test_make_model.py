@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,17 @@ def test_resolve_model(built: dict[str, Path], tmp_path: Path, monkeypatch) -> N
         make_model.ensure_model("gpt-17")
     with pytest.raises(ValueError, match="--from and --dtype"):
         make_model.build_model("tiny-llama", tmp_path / "x", dtype="bfloat16")
+
+
+def test_resolving_a_cached_model_imports_no_torch(tmp_path: Path, monkeypatch) -> None:
+    # The launcher resolves the model before it starts anything: torch (2 s of imports on
+    # these machines) there would delay every `rtp-serve up`.
+    monkeypatch.setenv("RTP_SERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    cached = make_model.ensure_model("tiny-llama")
+    code = (
+        "import sys, services.launcher.main; from engine.make_model import resolve_model; "
+        f"assert resolve_model('tiny-llama') == resolve_model({str(cached)!r}); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
