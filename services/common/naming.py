@@ -192,10 +192,12 @@ class NameClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _register_once(self) -> None:
+    async def _register_once(self, timeout: float | None = None) -> None:
         assert self._member is not None
         try:
-            reply = await self._stub().Register(self._member, timeout=self._rpc_timeout)
+            reply = await self._stub().Register(
+                self._member, timeout=self._rpc_timeout if timeout is None else timeout
+            )
         except grpc.aio.AioRpcError:
             self._reset_channel()
             raise
@@ -211,15 +213,17 @@ class NameClient:
         request = pb.HeartbeatRequest(id=self._member.id)
         while True:
             await asyncio.sleep(self._ttl / 3)
+            # No attempt outlasts one heartbeat interval: one stuck on a connection opened
+            # while the nameservice was starting must not hold back the next.
+            timeout = min(self._rpc_timeout, self._ttl / 3)
             try:
                 if self._registered:
-                    timeout = min(self._rpc_timeout, self._ttl / 3)
                     reply = await self._stub().Heartbeat(request, timeout=timeout)
                     if reply.known:
                         continue
                     log.warning("nameservice forgot %s; registering again", self._member.id)
                     self._registered = False
-                await self._register_once()
+                await self._register_once(timeout)
             except grpc.aio.AioRpcError as e:
                 self._reset_channel()
                 self._unreachable(e)

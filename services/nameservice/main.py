@@ -11,8 +11,10 @@ carries `rtp-snapshot-size`, so a client knows where the snapshot ends (see nami
 
 The registry lives in memory only. A restarted nameservice knows nobody until the members
 of the cluster, which heartbeat every TTL/3, learn that it forgot them and register again;
-so for one TTL after it starts (the rejoin window) it takes registrations and heartbeats but
-holds back the snapshot that opens a Watch. A watcher that lost its stream keeps the
+so for 1.5 TTLs after it starts (the rejoin window: a member notices within one heartbeat
+interval and its retries are as frequent, which needs 2/3 of a TTL; the rest absorbs a
+starved CPU) it takes registrations and heartbeats but holds back the snapshot that opens a
+Watch. A watcher that lost its stream keeps the
 membership it last knew meanwhile, and then gets the whole cluster, instead of an empty
 snapshot that would say everyone left. (List answers at once, with whoever is back.)
 """
@@ -43,6 +45,8 @@ SERVICE_NAME = "rtp.v1.NameService"
 
 # A watcher this far behind is cut off; its client reconnects and gets a fresh snapshot.
 WATCH_QUEUE_SIZE = 4096
+# The rejoin window, in TTLs (see the module docstring).
+REJOIN_TTLS = 1.5
 GRACE_S = 1.0
 
 
@@ -51,7 +55,9 @@ class NameService(pb_grpc.NameServiceServicer):
         self, registry: Registry, bus: Bus, namespace: str, rejoin_s: float | None = None
     ) -> None:
         self.registry = registry
-        self._rejoined_at = time.monotonic() + (registry.ttl if rejoin_s is None else rejoin_s)
+        self._rejoined_at = time.monotonic() + (
+            REJOIN_TTLS * registry.ttl if rejoin_s is None else rejoin_s
+        )
         self._bus = bus
         self._subject = subjects.membership(namespace)
         self._watchers: set[asyncio.Queue[Event | None]] = set()
@@ -95,7 +101,7 @@ class NameService(pb_grpc.NameServiceServicer):
             self._watchers.discard(queue)
 
     async def _rejoin_window(self) -> None:
-        """Until the members of the cluster have had one TTL to register again after a
+        """Until the members of the cluster have had the rejoin window to register again after a
         restart of this service (see the module docstring)."""
         left = self._rejoined_at - time.monotonic()
         if left > 0:
