@@ -9,14 +9,14 @@ dropped. Every join and leave goes to each `Watch` stream and to NATS
 A Watch stream starts with one KIND_SNAPSHOT event per current member. Its initial metadata
 carries `rtp-snapshot-size`, so a client knows where the snapshot ends (see naming.py).
 
-The registry lives in memory only. A restarted nameservice knows nobody until the members
-of the cluster, which heartbeat every TTL/3, learn that it forgot them and register again;
-so for 1.5 TTLs after it starts (the rejoin window: a member notices within one heartbeat
+The registry lives in memory only. A restarted nameservice knows nobody until the members of
+the cluster, which heartbeat every TTL/3, learn that it forgot them and register again; so
+for 1.5 TTLs after it starts (the rejoin window: a member notices within one heartbeat
 interval and its retries are as frequent, which needs 2/3 of a TTL; the rest absorbs a
 starved CPU) it takes registrations and heartbeats but holds back the snapshot that opens a
-Watch. A watcher that lost its stream keeps the
-membership it last knew meanwhile, and then gets the whole cluster, instead of an empty
-snapshot that would say everyone left. (List answers at once, with whoever is back.)
+Watch. A watcher that lost its stream keeps the membership it last knew meanwhile, and then
+gets the whole cluster, instead of an empty snapshot that would say everyone left. (List
+answers at once, with whoever is back.)
 """
 
 from __future__ import annotations
