@@ -185,7 +185,9 @@ def sent(cluster: Cluster) -> Sent:
     fixed = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
     out = Sent()
     start = time.monotonic()
-    for prompt in COMPLETIONS:
+    for i, prompt in enumerate(COMPLETIONS):
+        if prompt in COMPLETIONS[:i]:
+            _wait_for_index(cluster, blocks=max(out.usable_blocks()))
         reply = client.completions.create(model=model, prompt=prompt, **fixed)
         out.add(reply.usage, reply.choices[0].finish_reason)
     for prompt in STREAMED:
@@ -212,6 +214,17 @@ def sent(cluster: Cluster) -> Sent:
     assert bad.status_code == 400
     cluster.wait_idle()
     return out
+
+
+def _wait_for_index(cluster: Cluster, blocks: int) -> None:
+    """Until the master's index holds `blocks` of the prefill worker's: its KV events travel
+    over NATS, so a repeated prompt sent at once may be routed before they arrive."""
+    master = _member(cluster, ns_pb2.ROLE_MASTER).metrics_address
+    worker = _member(cluster, ns_pb2.ROLE_PREFILL).id
+    deadline = time.monotonic() + 10
+    while total(scrape(master), "rtp:index_blocks", worker=worker) < blocks:
+        assert time.monotonic() < deadline, f"the master's index never held {blocks} blocks"
+        time.sleep(0.02)
 
 
 def _member(cluster: Cluster, role: int) -> ns_pb2.Member:
