@@ -93,6 +93,9 @@ def test_load_report_and_stats_carry_the_wait_estimate(cluster):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
     for prompt in PROMPTS[:3]:  # some steps on every worker kind, so rates are measured
         client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8)
+    # Idle first: a step that ends after a worker's report would refit its cost model, and
+    # its stats below would no longer match that report.
+    cluster.wait_idle()
     reports: dict[str, events_pb2.LoadReport] = {}
     roles = {m.id: m.role for m in cluster.workers()}
 

@@ -166,7 +166,7 @@ class DecodeServicer(WorkerServicer):
             )
             first: worker_pb2.GenerateResponse | None = None
             blocks = []
-            async for msg in call:
+            async for msg in grpc_util.responses(call):
                 if msg.HasField("first"):
                     first = msg.first
                     spans.append(tracing.tracer.start_span("kv_transfer"))  # blocks follow
@@ -221,7 +221,7 @@ class DecodeServicer(WorkerServicer):
                 if span.is_recording():  # not ended yet
                     span.end()
             if call is not None:
-                call.cancel()
+                grpc_util.cancel(call)
             await outputs.aclose()  # aborts the request here unless it finished
 
 

@@ -223,7 +223,7 @@ class Generator:
             who = f"worker {route.decode.id or route.decode.address}"
             failed_peer = ""  # the worker's peer that failed, where the worker says so
             try:
-                async for msg in call:
+                async for msg in grpc_util.responses(call):
                     first = timer.last_token is None
                     timer.tokens(len(msg.token_ids))
                     if first and timer.routed_ttft_s is not None:
@@ -247,7 +247,7 @@ class Generator:
                 if exc.code() not in RETRYABLE:
                     raise last_error from exc
             finally:
-                call.cancel()  # no-op when done; else the worker aborts and frees the blocks
+                grpc_util.cancel(call)  # no-op when done; else the worker aborts, frees the blocks
             log.warning(
                 "request %s: %s (attempt %d, %d tokens so far)",
                 inp.request_id,

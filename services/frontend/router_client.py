@@ -173,7 +173,9 @@ class Router:
         stub = master_pb2_grpc.MasterStub(self.channel(address))
         own = timeout is not None and timeout < self._route_timeout  # the request's deadline
         try:
-            plan = await stub.Route(request, timeout=timeout if own else self._route_timeout)
+            plan = await grpc_util.unary(
+                stub.Route(request, timeout=timeout if own else self._route_timeout)
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in _FALLBACK_CODES:
                 raise from_rpc_error(exc, "master") from exc

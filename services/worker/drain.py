@@ -56,6 +56,11 @@ class Drain:
                 grpc.StatusCode.UNAVAILABLE, "worker is shutting down: not taking new requests"
             )
         with self._track():
+            # The caller's call is set up once it has our headers: sent now, not with the
+            # first token, a caller that gives up while we queue or prefill cancels a set-up
+            # call (grpcio leaks native memory for each call cancelled while it waits for them:
+            # `grpc_util.responses`).
+            await context.send_initial_metadata(())
             async with contextlib.aclosing(stream) as messages:  # type: ignore[type-var]
                 async for msg in messages:
                     yield msg
