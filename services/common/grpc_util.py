@@ -170,20 +170,40 @@ def _finished(task: asyncio.Future[Any]) -> None:
 # `responses`, end them with `cancel`, and await unary calls through `unary`.
 
 
-async def responses(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Any]:
-    """The messages of a server stream, as `async for msg in call` gives them; cancelling
-    the reader cancels the call (`cancel`) and lets the pending read end with it."""
-    while True:
-        read = asyncio.ensure_future(call.read())
+_END = object()
+
+
+async def responses(call: grpc.aio.UnaryStreamCall, depth: int = 8) -> AsyncIterator[Any]:
+    """The messages of a server stream, as `async for msg in call` gives them, errors
+    included. A task of its own reads the call, at most `depth` messages ahead; ending or
+    cancelling the iteration cancels the call (`cancel`), and the reader ends with it."""
+    queue: asyncio.Queue[Any] = asyncio.Queue(depth)
+    closed = False
+
+    async def read() -> None:
         try:
-            msg = await asyncio.shield(read)
-        except asyncio.CancelledError:
+            async for msg in call:
+                await queue.put(msg)
+                if closed:
+                    return
+        except BaseException as exc:  # the call's error or its cancellation: the reader's
+            if not closed:
+                await queue.put(exc)
+        else:
+            await queue.put(_END)
+
+    reader = _detach(read())
+    try:
+        while (item := await queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        closed = True
+        if not reader.done():
             cancel(call)
-            _detach(read)  # it ends with the call
-            raise
-        if msg is grpc.aio.EOF:
-            return
-        yield msg
+            while not queue.empty():  # a reader waiting to put sees `closed` and ends
+                queue.get_nowait()
 
 
 def cancel(call: grpc.aio.UnaryStreamCall) -> None:
