@@ -184,3 +184,19 @@ def test_a_cancelled_unary_caller_leaves_the_call_to_finish():
             assert server.ended == ["finished"]
 
     asyncio.run(main())
+
+
+def test_a_server_that_never_answers_has_its_call_cancelled_after_the_wait(monkeypatch):
+    monkeypatch.setattr(grpc_util, "CANCEL_WAIT_S", 0.2)
+
+    async def main():
+        async with served() as (server, channel):
+            call = _stream(channel, b"")  # no headers until `go`, which never comes
+            await server.taken.wait()
+            grpc_util.cancel(call)
+            await _until(call.done)
+            assert call.cancelled()
+            await _until(lambda: server.ended)
+            assert server.ended == ["cancelled"]
+
+    asyncio.run(main())

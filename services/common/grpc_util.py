@@ -8,7 +8,6 @@ TLS when configured, plaintext otherwise.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -171,6 +170,7 @@ def _finished(task: asyncio.Future[Any]) -> None:
 
 
 _END = object()
+CANCEL_WAIT_S = 5.0
 
 
 async def responses(call: grpc.aio.UnaryStreamCall, depth: int = 8) -> AsyncIterator[Any]:
@@ -187,6 +187,9 @@ async def responses(call: grpc.aio.UnaryStreamCall, depth: int = 8) -> AsyncIter
                 if closed:
                     return
         except BaseException as exc:  # the call's error or its cancellation: the reader's
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this task's own (the loop ends)
+                raise
             if not closed:
                 await queue.put(exc)
         else:
@@ -208,13 +211,14 @@ async def responses(call: grpc.aio.UnaryStreamCall, depth: int = 8) -> AsyncIter
 
 def cancel(call: grpc.aio.UnaryStreamCall) -> None:
     """End `call` (a no-op once it is done), once it is set up: the server sends its headers
-    as soon as it takes a call (`services.worker.drain`), so that is one round trip."""
+    as soon as it takes a call (`services.worker.drain`), so that is one round trip. A server
+    that has not answered in CANCEL_WAIT_S has its call cancelled anyway."""
     if call.done():
         return
 
     async def once_set_up() -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            await call.wait_for_connection()
+        set_up = _detach(call.wait_for_connection())
+        await asyncio.wait((set_up,), timeout=CANCEL_WAIT_S)
         call.cancel()
 
     _detach(once_set_up())

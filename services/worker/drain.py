@@ -56,10 +56,10 @@ class Drain:
                 grpc.StatusCode.UNAVAILABLE, "worker is shutting down: not taking new requests"
             )
         with self._track():
-            # The caller's call is set up once it has our headers: sent now, not with the
-            # first token, a caller that gives up while we queue or prefill cancels a set-up
-            # call (grpcio leaks native memory for each call cancelled while it waits for them:
-            # `grpc_util.responses`).
+            # Our headers now, not with the first token: the caller's call is set up once it
+            # has them, and `grpc_util.cancel` waits for that (grpcio leaks native memory for
+            # a call cancelled while it is set up), so a caller that gives up while we queue
+            # or prefill stops us at once.
             await context.send_initial_metadata(())
             async with contextlib.aclosing(stream) as messages:  # type: ignore[type-var]
                 async for msg in messages:
