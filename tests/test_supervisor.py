@@ -8,8 +8,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
-from services.launcher import supervisor
+from services.launcher import servers, supervisor
 from services.launcher.servers import start_nats
 from services.launcher.supervisor import Supervisor
 
@@ -89,5 +90,28 @@ def test_a_killed_server_comes_back_on_its_port(tmp_path):
         assert nats.pid != old and nats.running()
         with socket.create_connection(("127.0.0.1", nats.port), 2) as s:
             assert s.recv(8).startswith(b"INFO")  # the same URL serves again
+    finally:
+        nats.stop()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_nats_runs_with_a_tighter_go_gc_unless_told_otherwise(tmp_path, monkeypatch):
+    """The launcher's GOGC for nats-server, kept across a restart; the environment's wins."""
+    monkeypatch.delenv("GOGC", raising=False)
+    nats = start_nats(tmp_path / "default")
+    try:
+        assert _environ(nats.pid)["GOGC"] == servers.NATS_GOGC
+        assert nats.restart()
+        assert _environ(nats.pid)["GOGC"] == servers.NATS_GOGC
+    finally:
+        nats.stop()
+    monkeypatch.setenv("GOGC", "200")
+    nats = start_nats(tmp_path / "set")
+    try:
+        assert _environ(nats.pid)["GOGC"] == "200"
     finally:
         nats.stop()
