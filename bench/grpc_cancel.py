@@ -16,9 +16,9 @@ resident memory before and after (after a full collection) and the growth per 1,
   when it takes the call (`services.worker.drain`).
 
 Cases: `stream-whole` (nobody gives up: what reading costs, in the client's CPU time per
-call of 16 messages), `stream-set-up` (the server answers after 40 ms, so the client gives up before the
-call is set up), `stream-mid` (the client gives up mid-stream), `unary` (the client gives up
-while the server takes 40 ms to answer).
+call of 16 messages), `stream-set-up` (the server answers after 40 ms, so the client gives
+up before the call is set up), `stream-mid` (the client gives up mid-stream), `unary` (the
+client gives up while the server takes 40 ms to answer).
 """
 
 from __future__ import annotations
