@@ -87,6 +87,14 @@ def _stream(channel: grpc.aio.Channel, request: bytes) -> grpc.aio.UnaryStreamCa
     return channel.unary_stream("/t.Calls/Stream", _same, _same)(request, timeout=10)
 
 
+async def _ended_cancelled(server: Server, call: grpc.aio.UnaryStreamCall) -> None:
+    """Until the call is done, cancelled, and the server's handler saw it so."""
+    await _until(call.done)
+    assert call.cancelled()
+    await _until(lambda: server.ended)
+    assert server.ended == ["cancelled"]
+
+
 async def _until(condition, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
@@ -128,10 +136,7 @@ def test_a_reader_cancelled_before_the_first_message_cancels_the_call(headers):
                 await reader
             if not headers:  # set up only when the server answers: then cancelled
                 server.go.set()
-            await _until(call.done)
-            assert call.cancelled()
-            await _until(lambda: server.ended)
-            assert server.ended == ["cancelled"]
+            await _ended_cancelled(server, call)
 
     asyncio.run(main())
 
@@ -143,10 +148,7 @@ def test_leaving_or_cancelling_the_iteration_midstream_cancels_the_call():
             call = _stream(channel, b"")
             async for _ in grpc_util.responses(call, depth=1):
                 break  # the consumer leaves; the reader may be waiting to put the next
-            await _until(call.done)
-            assert call.cancelled()
-            await _until(lambda: server.ended)
-            assert server.ended == ["cancelled"]
+            await _ended_cancelled(server, call)
 
             server.ended.clear()
             call = _stream(channel, b"")
@@ -161,10 +163,7 @@ def test_leaving_or_cancelling_the_iteration_midstream_cancels_the_call():
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reader
-            await _until(call.done)
-            assert call.cancelled()
-            await _until(lambda: server.ended)
-            assert server.ended == ["cancelled"]
+            await _ended_cancelled(server, call)
 
     asyncio.run(main())
 
@@ -194,9 +193,6 @@ def test_a_server_that_never_answers_has_its_call_cancelled_after_the_wait(monke
             call = _stream(channel, b"")  # no headers until `go`, which never comes
             await server.taken.wait()
             grpc_util.cancel(call)
-            await _until(call.done)
-            assert call.cancelled()
-            await _until(lambda: server.ended)
-            assert server.ended == ["cancelled"]
+            await _ended_cancelled(server, call)
 
     asyncio.run(main())
