@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import shlex
@@ -179,21 +180,61 @@ async def _replay(url: str, requests: list[SampleRequest], warm: list[SampleRequ
     return results, duration, sum(cached)
 
 
+_FIRST_TOKEN = "first token: "
+
+
+def first_token_lines(log_text: str) -> list[dict[str, str]]:
+    """The frontend's --log-requests lines ("first token: key=value ..."), as dicts."""
+    out = []
+    for line in log_text.splitlines():
+        _, found, rest = line.partition(_FIRST_TOKEN)
+        if found:
+            out.append(dict(kv.split("=", 1) for kv in rest.split() if "=" in kv))
+    return out
+
+
+def prediction_terms(records: Sequence[dict[str, str]]) -> dict[str, float]:
+    """Mean seconds of each term of the master's prediction beside what it came to, over
+    the requests it predicted: the wait against the worker's queue (its prefix fetch
+    included), the prefill (and fetch) against the worker's prefill, and the hops (the
+    actual time to first token less the worker's queue and prefill: frontend to worker
+    and back, and the prefill worker to the decode worker in PD)."""
+    keys = ("predicted_s", "predicted_wait_s", "predicted_prefill_s", "predicted_fetch_s",
+            "actual_s", "queue_s", "prefill_s")  # fmt: skip
+    rows = [{k: float(r[k]) for k in keys} for r in records if float(r["predicted_s"]) > 0]
+    if not rows:
+        return {}
+    out = {k: statistics.fmean(r[k] for r in rows) for k in keys}
+    out["hops_s"] = statistics.fmean(r["actual_s"] - r["queue_s"] - r["prefill_s"] for r in rows)
+    out["predicted"] = len(rows)
+    return out
+
+
 def run_one(run: Run, model: str, requests, warm, args) -> dict:
     from services.launcher.process import launch
 
-    with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *run.flags(args)) as c:
-        before = cpu_seconds(c.info["pids"])
-        results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
-        after = cpu_seconds(c.info["pids"])
-        hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
-        abs_error, late = prediction_error(c.url)
+    flags = [*run.flags(args), "--log-requests"]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(Path(tmp) / "cluster.log", "w+") as log, launch(model, Path(tmp), *flags,
+                                                                   stderr=log) as c:  # fmt: skip
+            before = cpu_seconds(c.info["pids"])
+            results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
+            after = cpu_seconds(c.info["pids"])
+            hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
+            abs_error, late = prediction_error(c.url)
+        records = first_token_lines((Path(tmp) / "cluster.log").read_text(errors="replace"))
+    if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
+        name = run.name.replace(" ", "_").replace(":", "-").replace("=", "-")
+        with open(Path(args.dump) / f"{name}.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
     out = summarize(results, duration, (50, 95, 99))
     return out | {
         "cached_tokens": cached,
         "hits": hits,
         "prediction_abs_error_s": abs_error,
         "prediction_late": late,
+        "terms": prediction_terms(records),
         "cpu_s": {name: after[name] - before.get(name, 0.0) for name in after},
     }
 
@@ -208,7 +249,7 @@ def median_of(reps: Sequence[dict]) -> dict:
 
     out = {k: med([r[k] for r in reps]) for k in reps[0] if isinstance(reps[0][k], int | float)}
     out["failed"] = sum(r["failed"] for r in reps)
-    for nested in ("hits", "cpu_s"):
+    for nested in ("hits", "cpu_s", "terms"):
         keys = {k for r in reps for k in r.get(nested, {})}
         out[nested] = {k: med([r.get(nested, {}).get(k, 0.0) for r in reps]) for k in keys}
     return out
@@ -243,6 +284,20 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
             f"{ratio:>8.2f} {spread:>11} {reused:>7.1%} {share:>7.1%} "
             f"{r['prediction_abs_error_s'] * 1e3:>8.0f} {r['prediction_late']:>5.0%} {tiers}"
         )
+    lines.append(
+        "\nThe master's prediction term by term, mean ms over the requests it predicted: "
+        "predicted (wait + prefill + fetch) against actual (the worker's queue + its prefill "
+        f"+ hops)\n{'run':<36} {'n':>5} {'pred':>7} {'wait':>7} {'prefill':>7} {'fetch':>7} "
+        f"{'actual':>7} {'queue':>7} {'prefill':>7} {'hops':>7}"
+    )
+    for run, r in merged.items():
+        t = r.get("terms") or {}
+        if not t:
+            continue
+        ms = [t[k] * 1e3 for k in ("predicted_s", "predicted_wait_s", "predicted_prefill_s",
+                                   "predicted_fetch_s", "actual_s", "queue_s", "prefill_s",
+                                   "hops_s")]  # fmt: skip
+        lines.append(f"{run.name:<36} {t['predicted']:>5.0f} " + " ".join(f"{v:>7.1f}" for v in ms))
     names = sorted({n for r in merged.values() for n in r["cpu_s"]})
     lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<36} "
                  + " ".join(f"{n[:10]:>10}" for n in names))  # fmt: skip
@@ -272,6 +327,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-mib", default="64", help="T0 per worker (the launcher's flag)")
     ap.add_argument("--host-kv-cache-mib", type=int, default=256, help="T1 per worker, tiers on")
     ap.add_argument("--launcher-args", default="", help="more `rtp-serve up` flags, one string")
+    ap.add_argument(
+        "--dump",
+        default="",
+        help="a directory: each run's per-request lines "
+        "(worker, predicted and actual time to first token, term by term) as JSONL",
+    )
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -59,6 +60,7 @@ class _Add:
     request: Request
     stream: _Stream
     held: bool = False
+    tokens: int = 0  # its prompt tokens the engine will compute (none for remote prefill)
 
 
 @dataclass(slots=True)
@@ -106,6 +108,12 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stats = self.engine.stats()
+        # Requests (and their prompt tokens) given to the engine thread that it has not
+        # taken yet: it takes commands between steps, so what arrives during a step waits
+        # for it to end. Each counter has one writer (sent: the callers' loop, taken: the
+        # engine thread); stats() counts the difference as waiting.
+        self._sent = [0, 0]
+        self._taken = [0, 0]
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -150,7 +158,9 @@ class AsyncLLM:
             lora=lora,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(_Add(request, stream, held=prefetch is not None))
+        tokens = 0 if remote_prefill else request.num_prompt_tokens  # as stats() counts
+        self._sent = [self._sent[0] + 1, self._sent[1] + tokens]
+        self._inbox.put(_Add(request, stream, held=prefetch is not None, tokens=tokens))
         # Created after the _Add is queued, so the engine sees the release after the add.
         fetch = asyncio.create_task(self._prefetch(request_id, prefetch)) if prefetch else None
         try:
@@ -240,8 +250,16 @@ class AsyncLLM:
         return await self.call(lambda engine: engine.check())
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (no locking needed to read it)."""
-        return self._stats
+        """The snapshot taken after the latest step or command, with the requests sent
+        since and not taken yet counted as waiting (no locking needed to read it)."""
+        stats, (sent, sent_tokens), (taken, taken_tokens) = self._stats, self._sent, self._taken
+        if sent <= taken:  # (taken can pass a `sent` read just before it)
+            return stats
+        return dataclasses.replace(
+            stats,
+            num_waiting=stats.num_waiting + sent - taken,
+            num_queued_tokens=stats.num_queued_tokens + max(0, sent_tokens - taken_tokens),
+        )
 
     def step_cost(self) -> StepCost:
         """The step-time model fitted over the recent steps (an immutable snapshot)."""
@@ -296,6 +314,7 @@ class AsyncLLM:
 
     def _handle(self, cmd: _Add | _Release | _DeliverKV | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):
+            self._taken = [self._taken[0] + 1, self._taken[1] + cmd.tokens]
             try:
                 self.engine.add_request(cmd.request, cmd.held)
             except (ValueError, QueueFullError) as exc:

@@ -467,6 +467,10 @@ def _delta(
     logprobs = None
     if request.params.logprobs is not None:
         logprobs = [t.logprobs for t in tokens if t.logprobs is not None]
+    queue_s = prefill_s = None
+    if tokens and request.num_output_tokens == len(tokens) and request.scheduled_time:
+        queue_s = request.scheduled_time - request.arrival_time
+        prefill_s = time.monotonic() - request.scheduled_time
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=[t.token_id for t in tokens],
@@ -479,6 +483,8 @@ def _delta(
         stop_reason=request.stop_reason,
         prompt_kv=prompt_kv,
         waiting_for_kv=waiting_for_kv,
+        queue_s=queue_s,
+        prefill_s=prefill_s,
     )
 
 

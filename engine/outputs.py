@@ -79,6 +79,10 @@ class RequestOutput:
     # PD decode side: blocks are reserved (num_cached_tokens of them already hold this
     # prompt's KV) and the request waits for the rest of the prompt's KV from a prefill worker.
     waiting_for_kv: bool = False
+    # On the output with the first token only: seconds from its arrival to its first step
+    # (admitted), and from then to this output.
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

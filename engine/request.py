@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, block_hash_keys
@@ -64,6 +65,10 @@ class Request:
     lora: str = ""  # the LoRA adapter it runs under (engine/lora/); "" for the base model
     priority: int = 0  # lower runs first; FCFS within a level
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    # time.monotonic() when it arrived, and when it was first admitted to run (None until
+    # then): its time to first token here splits into the queue and the prefill.
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

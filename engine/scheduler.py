@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -256,6 +257,8 @@ class Scheduler:
         request.num_computed_tokens += num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         request.status = status
         self.running.append(request)
 

@@ -490,3 +490,50 @@ def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts,
         assert ran == [] and result.token_ids == greedy_ref[0]
     finally:
         llm.shutdown()
+
+
+def test_stats_count_requests_the_busy_engine_has_not_taken(llama_dir, prompts, greedy_ref):
+    """What reaches a worker during a step waits for that step to end: the load the master
+    routes by (stats) counts it as waiting from the moment it is sent, not from when the
+    engine takes it; and the first output splits its time to first token (queue, prefill)."""
+    llm = _async_llm(llama_dir)
+    try:
+
+        async def main():
+            inside, gate = threading.Event(), threading.Event()
+
+            def block(engine) -> None:
+                inside.set()
+                gate.wait(10)
+
+            blocker = asyncio.ensure_future(llm.call(block))  # a long step, as it were
+            assert await asyncio.to_thread(inside.wait, 10)
+            before = llm.stats()
+            run = asyncio.ensure_future(_first_and_all(llm, prompts[0]))
+            await asyncio.sleep(0.05)  # (sent: in the engine's inbox)
+            during = llm.stats()
+            gate.set()
+            await blocker
+            first, result = await asyncio.wait_for(run, 60)
+            return before, during, llm.stats(), first, result
+
+        before, during, after, first, result = asyncio.run(main())
+        assert (before.num_waiting, before.num_queued_tokens) == (0, 0)
+        assert (during.num_waiting, during.num_queued_tokens) == (1, len(prompts[0]))
+        assert (after.num_waiting, after.num_queued_tokens) == (0, 0)
+        assert result.token_ids == greedy_ref[0]
+        assert first.queue_s >= 0.05 and first.prefill_s > 0  # it waited behind the blocker
+    finally:
+        llm.shutdown()
+
+
+async def _first_and_all(llm: AsyncLLM, prompt):
+    """(the first output with a token, the whole output): later outputs carry no split."""
+    first, collector = None, OutputCollector("", [])
+    async for out in llm.generate(prompt, GREEDY):
+        collector.add(out)
+        if first is None and out.new_token_ids:
+            first = out
+        else:
+            assert out.queue_s is None and out.prefill_s is None
+    return first, collector.result()

@@ -60,6 +60,13 @@ E2E_LATENCY = "gen_ai.latency.e2e"
 # The master's predicted time from routing to the first token, and what it came to.
 PREDICTED_TTFT = "rtp.route.predicted_ttft_s"
 ROUTED_TTFT = "rtp.route.actual_ttft_s"
+# The prediction's terms (they add up to it), and the worker's own split of what happened:
+# its queue (the prefix fetch included) and its prefill; the rest of the actual is the hops.
+PREDICTED_WAIT = "rtp.route.predicted_wait_s"
+PREDICTED_PREFILL = "rtp.route.predicted_prefill_s"
+PREDICTED_FETCH = "rtp.route.predicted_fetch_s"
+WORKER_QUEUE = "rtp.worker.queue_s"
+WORKER_PREFILL = "rtp.worker.prefill_s"
 
 _provider: Any = None  # the SDK TracerProvider, once installed
 _pending: set[asyncio.Task[None]] = set()  # client spans waiting for their call's status

@@ -47,6 +47,8 @@ def _response(out: RequestOutput) -> worker_pb2.GenerateResponse:
     )
     if out.stop_reason is not None:
         msg.stop_reason = out.stop_reason
+    if out.queue_s is not None:
+        msg.queue_s, msg.prefill_s = out.queue_s, out.prefill_s or 0.0
     return msg
 
 
@@ -178,6 +180,8 @@ class DecodeServicer(WorkerServicer):
                         logprobs=first.logprobs,
                         num_prompt_tokens=len(prompt),
                         num_cached_tokens=first.num_cached_tokens,
+                        queue_s=first.queue_s,
+                        prefill_s=first.prefill_s,
                     )
                 else:
                     self.metrics.kv_transfer(RECEIVED, msg.block.ByteSize())

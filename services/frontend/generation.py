@@ -102,6 +102,7 @@ class Generator:
         limits: Limits | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         adapters: Adapters | None = None,
+        log_requests: bool = False,
     ) -> None:
         if max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
@@ -117,6 +118,34 @@ class Generator:
         self.max_token_chars = max_token_chars(tokenizer.id_to_token, model.vocab_size)
         self.token_text = TokenText(tokenizer, model.byte_level)
         self.metrics = metrics.frontend(model.served_name)
+        # One log line per request at its first token: where it went, predicted and actual.
+        self.log_requests = log_requests
+
+    def _first_token(
+        self, request_id: str, route: Route, msg: worker_pb2.GenerateResponse, actual: float
+    ) -> None:
+        """The master's prediction of this time to first token beside what it came to, term
+        by term: on the request's span, and with --log-requests one line per request."""
+        plan = route.plan or master_pb2.RoutePlan()
+        split = {
+            tracing.PREDICTED_TTFT: plan.predicted_ttft_s,
+            tracing.PREDICTED_WAIT: plan.predicted_wait_s,
+            tracing.PREDICTED_PREFILL: plan.predicted_prefill_s,
+            tracing.PREDICTED_FETCH: plan.predicted_fetch_s,
+            tracing.ROUTED_TTFT: actual,
+            tracing.WORKER_QUEUE: msg.queue_s,
+            tracing.WORKER_PREFILL: msg.prefill_s,
+        }
+        trace.get_current_span().set_attributes(split)
+        if self.log_requests:
+            log.info(
+                "first token: worker=%s prompt_tokens=%d cached_tokens=%d predicted_s=%.4f "
+                "predicted_wait_s=%.4f predicted_prefill_s=%.4f predicted_fetch_s=%.4f "
+                "actual_s=%.4f queue_s=%.4f prefill_s=%.4f",
+                route.decode.id or route.decode.address, msg.num_prompt_tokens,
+                msg.num_cached_tokens, *split.values(),
+                extra={"request_id": request_id},
+            )  # fmt: skip
 
     def resolve_model(self, model: str) -> str:
         """The LoRA adapter a request's `model` names ("" the base model); 404 otherwise."""
@@ -227,12 +256,7 @@ class Generator:
                     first = timer.last_token is None
                     timer.tokens(len(msg.token_ids))
                     if first and timer.routed_ttft_s is not None:
-                        trace.get_current_span().set_attributes(
-                            {
-                                tracing.PREDICTED_TTFT: timer.predicted_ttft_s,
-                                tracing.ROUTED_TTFT: timer.routed_ttft_s,
-                            }
-                        )
+                        self._first_token(inp.request_id, route, msg, timer.routed_ttft_s)
                     produced.extend(msg.token_ids)
                     yield msg
                     if msg.finished:

@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         default=env("master"),
         help="host:port of the master (default: the one the nameservice knows)",
     )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=env("log_requests", "") not in ("", "0", "false"),
+        help="log one line per request at its first token: the worker, the master's predicted "
+        "time to first token term by term, and the actual one with the worker's queue and prefill",
+    )
     add_lora_flags(p, max_loras=False)  # the workers' --lora: served as models, hashed alike
     add_limit_flags(p)
 
@@ -111,6 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
         limits=limits,
         max_migrations=args.max_migrations,
         adapters=adapters,
+        log_requests=args.log_requests,
     )
     keys = auth.from_args(args)
     runner = web.AppRunner(

@@ -40,7 +40,12 @@ class Route:
     decode: ns_pb2.Member  # the worker whose Generate stream we open (decode or fused)
     prefill: ns_pb2.Member | None  # PD mode: the worker that computes the prompt
     source: str  # "master" or "fallback"
-    predicted_ttft_s: float = 0.0  # the master's prediction, from routing to the first token
+    plan: master_pb2.RoutePlan | None = None  # the master's, with its prediction
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        """The master's prediction, from routing to the first token (0: none)."""
+        return self.plan.predicted_ttft_s if self.plan is not None else 0.0
 
     @property
     def prefill_address(self) -> str:
@@ -192,7 +197,7 @@ class Router:
             log.warning("master %s returned a plan without a worker: %s", address, plan)
             return None
         prefill = plan.prefill if plan.HasField("prefill") and plan.prefill.address else None
-        return Route(plan.decode, prefill, "master", plan.predicted_ttft_s)
+        return Route(plan.decode, prefill, "master", plan)
 
     async def _follow(self, watch: Watch) -> None:
         while True:  # the watch reconnects by itself; this guards against anything else

@@ -138,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     add_security_arguments(p)
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
+    p.add_argument("--log-requests", action="store_true",
+                   help="the frontend logs each request's route, predicted and actual time "
+                   "to first token")  # fmt: skip
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
@@ -317,6 +320,7 @@ def _start(cluster: Cluster, model: str) -> str:
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    keys += ["--log-requests"] if args.log_requests else []
     cluster.spawn("frontend", *common, *drain, "--model", model, *numerics, *keys, *loras,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"

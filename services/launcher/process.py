@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from services.launcher.servers import free_port
 
@@ -44,13 +45,18 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def launch(model: str, work_dir: Path, *flags: str) -> Iterator[LaunchedCluster]:
-    """The cluster, up and ready, for the body; stopped with SIGTERM afterwards."""
+def launch(
+    model: str, work_dir: Path, *flags: str, stderr: IO[str] | None = None
+) -> Iterator[LaunchedCluster]:
+    """The cluster, up and ready, for the body; stopped with SIGTERM afterwards. Every
+    service logs to `stderr` (default: this process's)."""
     port = free_port()
     info_file = work_dir / "cluster.json"
     argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(port),
             "--info-file", str(info_file), *flags]  # fmt: skip
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     cluster = None

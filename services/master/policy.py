@@ -74,8 +74,19 @@ class Choice:
     matched_blocks: int = 0
     reason: str = ""
     why: RouteReason = RouteReason.LEAST_LOADED
-    predicted_ttft_s: float = 0.0  # 0: no prediction in seconds
-    computed_tokens: int | None = None  # prompt tokens it will compute (None: all uncached)
+    prediction: cost.Prediction | None = None  # None: this policy predicts nothing
+
+
+def predicted(pred: cost.Prediction | None) -> dict[str, float]:
+    """A RoutePlan's prediction fields (all 0: no prediction in seconds)."""
+    if pred is None or pred.in_tokens:
+        return {}
+    return {
+        "predicted_ttft_s": pred.seconds,
+        "predicted_wait_s": pred.wait,
+        "predicted_prefill_s": pred.prefill,
+        "predicted_fetch_s": pred.fetch,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +184,9 @@ class Policy(ABC):
             matched_blocks=head.matched_blocks,
             policy=self.name,
             reason=head.reason,
-            predicted_ttft_s=head.predicted_ttft_s,
+            **predicted(head.prediction),
         )
-        todo = head.computed_tokens
+        todo = head.prediction.computed_tokens if head.prediction is not None else None
         if todo is None:
             todo = uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
         view.charge(head.member.id, todo)
@@ -203,7 +214,7 @@ class Policy(ABC):
         local = self._stay_local(view, request, decode, matched)
         if local is None:
             return None
-        predicted, why = local
+        prediction, why = local
         view.charge(decode.id, todo, blocks=math.ceil(tokens / _block_size(view, decode.id)))
         plan = master_pb2.RoutePlan(
             decode=decode,
@@ -211,18 +222,18 @@ class Policy(ABC):
             policy=self.name,
             reason=f"local prefill on {decode.id}: {todo} uncached tokens "
             f"< {self.max_local_prefill_tokens} (prefix {matched} blocks){why}",
-            predicted_ttft_s=predicted,
+            **predicted(prediction),
         )
         return Decision(plan, RouteReason.LOCAL_PREFILL)
 
     def _stay_local(
         self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member, matched: int
-    ) -> tuple[float, str] | None:
+    ) -> tuple[cost.Prediction | None, str] | None:
         """A prompt short enough for its decode worker (`matched` of its blocks cached
         there): whether that worker computes it
-        (predicted time to first token there, 0: none; and a note for the plan's reason),
-        or None to send it to a prefill worker after all."""
-        return 0.0, ""
+        (its predicted time to first token there, None: none; and a note for the plan's
+        reason), or None to send it to a prefill worker after all."""
+        return None, ""
 
     @abstractmethod
     def _choose_first(
@@ -357,13 +368,11 @@ class CacheAware(Policy):
             reason += f" (tie of {len(tied)} broken by {tie})"
         hit = self.uses_cache and (n or pred.fetched_blocks)
         why = RouteReason.PREFIX_HIT if hit else RouteReason.LEAST_LOADED
-        predicted = 0.0 if pred.in_tokens else pred.seconds
-        return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why,
-                      predicted, pred.computed_tokens)  # fmt: skip
+        return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why, pred)
 
     def _stay_local(
         self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member, matched: int
-    ) -> tuple[float, str] | None:
+    ) -> tuple[cost.Prediction | None, str] | None:
         """Short prompts stay on the decode worker unless a prefill worker would give the
         first token sooner, its KV transfer included: a decode worker busy with its batch
         and its own local prefills hands them to idle prefill workers rather than queue
@@ -375,7 +384,7 @@ class CacheAware(Policy):
         report = view.load(decode.id)
         step = cost.step_cost(report)
         if report is None or not step.fitted:
-            return 0.0, ""
+            return None, ""
         first, _ = candidates(view, request.exclude)
         first = [
             m
@@ -385,7 +394,7 @@ class CacheAware(Policy):
         _, preds = self.predictions(view, request, [decode, *with_room(view, first)])
         here = preds.pop(decode.id)
         if not preds:
-            return here.seconds, ""
+            return here, ""
         transfer = cost.decode_cost(
             report, step, _running(view, decode.id) + 1, request.num_prompt_tokens,
             _block_size(view, decode.id), matched if self.uses_cache else 0,
@@ -396,7 +405,7 @@ class CacheAware(Policy):
         away = preds[away_id].seconds + transfer
         if away < here.seconds:
             return None
-        return here.seconds, (
+        return here, (
             f", predicted {here.seconds * 1e3:.1f} ms here against {away * 1e3:.1f} ms "
             f"on {away_id} with the transfer"
         )

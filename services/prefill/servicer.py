@@ -81,6 +81,8 @@ class PrefillServicer(WorkerServicer):
                 logprobs=logprobs,
                 num_prompt_tokens=len(prompt),
                 num_cached_tokens=final.num_cached_tokens,
+                queue_s=final.queue_s or 0.0,
+                prefill_s=final.prefill_s or 0.0,
             )
         )
         blocks = split_blocks(final.prompt_kv, self.block_size, hashes)
