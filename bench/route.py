@@ -18,7 +18,11 @@ metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's m
 T3 Redis; and how well the master predicted the time to first token, over the requests it
 predicted: the mean absolute error in ms (rtp:ttft_prediction_abs_error_seconds) and the
 share it predicted too low ("late": actual above predicted, from the signed
-rtp:ttft_prediction_error_seconds). A second table gives the CPU seconds
+rtp:ttft_prediction_error_seconds). A second table splits the prediction into its terms
+beside what the worker measured (from the frontend's --log-requests lines: the master's
+predicted wait, prefill and fetch; the worker's queue and prefill, and the hops between),
+with the median of actual - predicted; `--dump DIR` keeps those lines per request, as JSONL.
+A third table gives the CPU seconds
 each kind of process used during the replay (/proc/PID/stat), so a policy or tier that
 costs more CPU than it saves shows where. "tiers off" is
 `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
@@ -184,9 +188,15 @@ _FIRST_TOKEN = "first token: "
 
 
 def first_token_lines(log_text: str) -> list[dict[str, str]]:
-    """The frontend's --log-requests lines ("first token: key=value ..."), as dicts."""
+    """The frontend's --log-requests lines ("first token: key=value ..."; text or JSON
+    log format), as dicts."""
     out = []
     for line in log_text.splitlines():
+        if line.startswith("{"):
+            try:
+                line = json.loads(line).get("msg", "")
+            except ValueError:
+                continue
         _, found, rest = line.partition(_FIRST_TOKEN)
         if found:
             out.append(dict(kv.split("=", 1) for kv in rest.split() if "=" in kv))
@@ -206,6 +216,7 @@ def prediction_terms(records: Sequence[dict[str, str]]) -> dict[str, float]:
         return {}
     out = {k: statistics.fmean(r[k] for r in rows) for k in keys}
     out["hops_s"] = statistics.fmean(r["actual_s"] - r["queue_s"] - r["prefill_s"] for r in rows)
+    out["median_error_s"] = statistics.median(r["actual_s"] - r["predicted_s"] for r in rows)
     out["predicted"] = len(rows)
     return out
 
@@ -287,8 +298,8 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
     lines.append(
         "\nThe master's prediction term by term, mean ms over the requests it predicted: "
         "predicted (wait + prefill + fetch) against actual (the worker's queue + its prefill "
-        f"+ hops)\n{'run':<36} {'n':>5} {'pred':>7} {'wait':>7} {'prefill':>7} {'fetch':>7} "
-        f"{'actual':>7} {'queue':>7} {'prefill':>7} {'hops':>7}"
+        f"+ hops), and the median of actual - predicted\n{'run':<36} {'n':>5} {'pred':>7} {'wait':>7} {'prefill':>7} {'fetch':>7} "
+        f"{'actual':>7} {'queue':>7} {'prefill':>7} {'hops':>7} {'err p50':>7}"
     )
     for run, r in merged.items():
         t = r.get("terms") or {}
@@ -296,7 +307,7 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
             continue
         ms = [t[k] * 1e3 for k in ("predicted_s", "predicted_wait_s", "predicted_prefill_s",
                                    "predicted_fetch_s", "actual_s", "queue_s", "prefill_s",
-                                   "hops_s")]  # fmt: skip
+                                   "hops_s", "median_error_s")]  # fmt: skip
         lines.append(f"{run.name:<36} {t['predicted']:>5.0f} " + " ".join(f"{v:>7.1f}" for v in ms))
     names = sorted({n for r in merged.values() for n in r["cpu_s"]})
     lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<36} "

@@ -51,6 +51,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         per_message: int = 1,
         blame_prefill: bool = False,
         logprob_by_seed: bool = False,
+        first_split: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """`per_message`: tokens sent together, as a speculating worker does.
         `blame_prefill`: a scripted failure names the request's prefill worker as the peer
@@ -58,6 +59,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         `logprob_by_seed`: every sampled token's logprob is -0.5 - (seed % 7) / 10, so
         sequences with different seeds rank differently."""
         self.blame_prefill = blame_prefill
+        self.first_split = first_split  # (queue_s, prefill_s) on the first message
         self.logprob_by_seed = logprob_by_seed
         self.script = list(script)
         self.per_message = per_message
@@ -95,6 +97,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         num_prompt_tokens=len(request.prompt_token_ids),
                         num_cached_tokens=CACHED,
                     )
+                    if i == 0:
+                        msg.queue_s, msg.prefill_s = self.first_split
                 msg.token_ids.append(token)
                 msg.finished, msg.finish_reason = bool(reason), reason
                 if reason == "stop":
@@ -125,7 +129,11 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
     """Answers with the first of `routes` ((decode id, prefill id or None)) whose decode
     worker is not excluded; the harness fills in `members`."""
 
-    def __init__(self, routes: Sequence[tuple[str, str | None]] = (), fail=None) -> None:
+    def __init__(
+        self, routes: Sequence[tuple[str, str | None]] = (), fail=None, **prediction: float
+    ) -> None:
+        """`prediction`: RoutePlan fields every plan carries (predicted_ttft_s, ...)."""
+        self.prediction = prediction
         self.routes = list(routes)
         self.fail = fail
         self.members: dict[str, ns_pb2.Member] = {}
@@ -142,7 +150,9 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
             await context.abort(self.fail, "scripted master failure")
         for decode, prefill in self.routes:
             if decode not in request.exclude and prefill not in request.exclude:
-                plan = master_pb2.RoutePlan(decode=self.members[decode], policy="fake")
+                plan = master_pb2.RoutePlan(
+                    decode=self.members[decode], policy="fake", **self.prediction
+                )
                 if prefill is not None:
                     plan.prefill.CopyFrom(self.members[prefill])
                 return plan

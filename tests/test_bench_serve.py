@@ -229,3 +229,32 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     line = next(x for x in table(rows, 100, 50).splitlines() if "cache_aware" in x)
     # per-repetition ratios 0.5, 0.5, 0.75: median 0.50 (medians of each, 90 / 120, would be 0.75)
     assert " 0.50 " in line and "0.50-0.75" in line and " 30.0% " in line and " 60.0% " in line
+
+
+def test_route_reads_the_frontends_request_lines_and_splits_the_prediction():
+    from bench.route import first_token_lines, prediction_terms
+
+    log = "\n".join([
+        "2026-12-03 08:00:00 INFO [frontend] services.frontend.generation first token: "
+        "worker=fused-a prompt_tokens=64 cached_tokens=16 predicted_s=0.3000 "
+        "predicted_wait_s=0.1000 predicted_prefill_s=0.1500 predicted_fetch_s=0.0500 "
+        "actual_s=0.4000 queue_s=0.1500 prefill_s=0.2200",
+        '{"level": "INFO", "msg": "first token: worker=fused-b prompt_tokens=8 cached_tokens=0 '
+        "predicted_s=0.1000 predicted_wait_s=0.0000 predicted_prefill_s=0.1000 "
+        'predicted_fetch_s=0.0000 actual_s=0.0600 queue_s=0.0000 prefill_s=0.0500"}',
+        "2026-12-03 08:00:01 INFO [fused] other line",
+        # the master predicted nothing (a fallback route): not counted in the terms
+        "x first token: worker=fused-a prompt_tokens=8 cached_tokens=0 predicted_s=0.0000 "
+        "predicted_wait_s=0 predicted_prefill_s=0 predicted_fetch_s=0 actual_s=9 queue_s=0 "
+        "prefill_s=9",
+    ])  # fmt: skip
+    records = first_token_lines(log)
+    assert [r["worker"] for r in records] == ["fused-a", "fused-b", "fused-a"]
+    assert records[1]["prefill_s"] == "0.0500"  # the JSON line's closing quote is not a value
+    terms = prediction_terms(records)
+    assert terms["predicted"] == 2
+    assert terms["predicted_s"] == pytest.approx(0.2) and terms["actual_s"] == pytest.approx(0.23)
+    assert terms["predicted_fetch_s"] == pytest.approx(0.025)
+    assert terms["hops_s"] == pytest.approx((0.03 + 0.01) / 2)
+    assert terms["median_error_s"] == pytest.approx((0.1 - 0.04) / 2)
+    assert prediction_terms([]) == {}

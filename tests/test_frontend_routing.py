@@ -45,6 +45,34 @@ def complete(tiny, workers, body: dict, master: FakeMaster | None = None, **kw):
     return run(go())
 
 
+def test_a_request_line_puts_the_prediction_beside_the_workers_split(tiny, script, caplog):
+    """--log-requests: one line per request at its first token, in the format the route
+    benchmark reads; the worker's split comes from its first message."""
+    from bench.route import first_token_lines
+
+    master = FakeMaster([("w1", None)], predicted_ttft_s=0.25, predicted_wait_s=0.1,
+                        predicted_prefill_s=0.12, predicted_fetch_s=0.03)  # fmt: skip
+    worker = FakeWorker(script, first_split=(0.02, 0.05))
+
+    async def go():
+        async with frontend(tiny, {"w1": (FUSED, worker)}, master) as h:
+            h.generator.log_requests = True
+            payload = {"model": "tiny-llama", "max_tokens": 6, "prompt": list(range(10, 50))}
+            async with h.client.post("/v1/completions", json=payload) as resp:
+                return resp.status
+
+    with caplog.at_level("INFO", logger="services.frontend.generation"):
+        assert run(go()) == 200
+    (line,) = first_token_lines(caplog.text)
+    assert line["worker"] == "w1" and line["prompt_tokens"] == "40"
+    assert {k: float(v) for k, v in line.items() if k.endswith("_s")} == pytest.approx({
+        "predicted_s": 0.25, "predicted_wait_s": 0.1, "predicted_prefill_s": 0.12,
+        "predicted_fetch_s": 0.03, "actual_s": float(line["actual_s"]), "queue_s": 0.02,
+        "prefill_s": 0.05,
+    })  # fmt: skip
+    assert 0 < float(line["actual_s"]) < 10
+
+
 def test_master_gets_the_workers_block_hashes(tiny, tok, script) -> None:
     master = FakeMaster([("w1", None)])
     prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16

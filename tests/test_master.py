@@ -329,6 +329,12 @@ def test_prediction_counts_chunks_and_the_running_batch():
     assert (
         "wait 112.0 + prefill 72.0 of 68 tokens" in plan.reason
     )  # 4 + 2 * 4 + 100 | 168 - 100 - 12 + 12
+    # The plan carries the terms, for the frontend to set beside what happened.
+    assert (plan.predicted_wait_s, plan.predicted_prefill_s, plan.predicted_fetch_s) == (
+        pytest.approx(0.112), pytest.approx(0.072), 0.0)  # fmt: skip
+    # round_robin predicts nothing, term by term too.
+    plan = route(RoundRobin(), view)
+    assert (plan.predicted_ttft_s, plan.predicted_wait_s, plan.predicted_prefill_s) == (0, 0, 0)
 
 
 def test_blocks_only_the_cache_instances_hold_are_fetched_not_computed():

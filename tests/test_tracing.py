@@ -148,6 +148,16 @@ def test_one_request_is_one_trace(cluster, receiver):
     assert root.attributes[tracing.CACHED_TOKENS] == usage["prompt_tokens_details"]["cached_tokens"]
     assert root.attributes[tracing.FINISH_REASONS] == [body["choices"][0]["finish_reason"]]
     assert 0 < root.attributes[tracing.TIME_TO_FIRST_TOKEN] <= root.duration_ms / 1e3
+    # From the route to the first token, and the prefill worker's split of it (no worker
+    # had a fitted model for the master to predict with yet: 0s).
+    routed = root.attributes[tracing.ROUTED_TTFT]
+    assert 0 < routed <= root.attributes[tracing.TIME_TO_FIRST_TOKEN]
+    queued, computing = (
+        root.attributes[tracing.WORKER_QUEUE],
+        root.attributes[tracing.WORKER_PREFILL],
+    )
+    assert queued >= 0 and computing > 0 and queued + computing < routed
+    assert root.attributes[tracing.PREDICTED_TTFT] == 0.0
     (route,) = [s for s in spans if (s.service, s.name) == ("master", "rtp.v1.Master/Route")]
     assert route.attributes["rtp.route.policy"] and route.attributes["rtp.route.decode"]
     (prefill,) = [s for s in spans if s.name == "prefill"]

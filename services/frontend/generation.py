@@ -122,10 +122,15 @@ class Generator:
         self.log_requests = log_requests
 
     def _first_token(
-        self, request_id: str, route: Route, msg: worker_pb2.GenerateResponse, actual: float
+        self,
+        request_id: str,
+        route: Route,
+        msg: worker_pb2.GenerateResponse,
+        actual: float,
     ) -> None:
-        """The master's prediction of this time to first token beside what it came to, term
-        by term: on the request's span, and with --log-requests one line per request."""
+        """The master's prediction of the time from routing to the first token (0s: it
+        predicted none) beside what it came to (`actual`), term by term: on the request's
+        span, and with --log-requests one line per request."""
         plan = route.plan or master_pb2.RoutePlan()
         split = {
             tracing.PREDICTED_TTFT: plan.predicted_ttft_s,

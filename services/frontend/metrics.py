@@ -133,7 +133,7 @@ class SequenceTimer:
     done: bool = False
     routed_at: float | None = None  # when the first route with a prediction was taken
     predicted_ttft_s: float = 0.0
-    routed_ttft_s: float | None = None  # what that prediction came to (set at the first token)
+    routed_ttft_s: float | None = None  # from that route to the first token
 
     def routed(self, predicted_ttft_s: float) -> None:
         """The first attempt was routed, with this prediction of its time to first token
@@ -154,8 +154,9 @@ class SequenceTimer:
         now = time.monotonic()
         if self.last_token is None:
             self.metrics.ttft.observe(now - self.arrival)
-            if self.routed_at is not None and self.predicted_ttft_s > 0:
+            if self.routed_at is not None:
                 self.routed_ttft_s = now - self.routed_at
+            if self.routed_ttft_s is not None and self.predicted_ttft_s > 0:
                 error = self.routed_ttft_s - self.predicted_ttft_s
                 self.metrics.prediction_error.observe(error)
                 self.metrics.prediction_abs_error.observe(abs(error))
