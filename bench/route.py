@@ -8,24 +8,26 @@ Scaling (printed with the results): every 512-token block of the trace becomes
 `--block-len` tokens built from its hash id (equal ids, equal tokens), output lengths are
 scaled the same way, prompts are cut at `--max-input-len`, and the arrival times are
 multiplied by `--time-scale`. Each run starts a fresh cluster (`rtp-serve up`), so no run
-sees another's cache.
+sees another's cache. With `--lead-requests N`, the N trace requests before the measured
+ones are replayed first, their arrivals continuous with the measured ones', and every
+number below leaves them out: the measured window starts warm (without it, the cold start
+of an empty cluster, where no policy can reuse anything, is most of a 500-request p95).
 
-Per run: TTFT p50/p95/p99; reused prompt tokens (the sum of usage.prompt_tokens_details.
-cached_tokens over the sum of prompt tokens); that reuse as a share of the ceiling (what one
-infinite cache shared by everyone would reuse, computed from the prompts: `ceiling_tokens`);
-and the prompt blocks each tier served, scraped from the workers' and cache service's
-metrics: T0 the worker's pool, T1 its host-memory tier, T2 the cache service's memory,
-T3 Redis; and how well the master predicted the time to first token, over the requests it
-predicted: the mean absolute error in ms (rtp:ttft_prediction_abs_error_seconds) and the
-share it predicted too low ("late": actual above predicted, from the signed
-rtp:ttft_prediction_error_seconds). A second table splits the prediction into its terms
-beside what the worker measured (from the frontend's --log-requests lines: the master's
-predicted wait, prefill and fetch; the worker's queue and prefill, and the hops between),
-with the median of actual - predicted; `--dump DIR` keeps those lines per request, as JSONL.
-A third table gives the CPU seconds
-each kind of process used during the replay (/proc/PID/stat), so a policy or tier that
-costs more CPU than it saves shows where. "tiers off" is
-`--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
+Per run, over the measured requests: TTFT p50/p95/p99; reused prompt tokens (the sum of
+usage.prompt_tokens_details.cached_tokens over the sum of prompt tokens); that reuse as a
+share of the ceiling (what one infinite cache shared by everyone would reuse, computed
+from the prompts, the lead-in's included: `ceiling_tokens`); the prompt blocks each tier
+served, scraped from the workers' and cache service's metrics: T0 the worker's pool, T1
+its host-memory tier, T2 the cache service's memory, T3 Redis; and how well the master
+predicted the time to first token, over the requests it predicted: the mean absolute
+error in ms and the share it predicted too low ("late"). Those come from the frontend's
+--log-requests lines (one per request, tagged by the X-Request-Id the benchmark sends),
+which also give a second table: the prediction's terms beside what the worker measured
+(the master's predicted wait, prefill and fetch; the worker's queue and prefill, and the
+hops between), with the median of actual - predicted; `--dump DIR` keeps those lines per
+request, as JSONL. A third table gives the CPU seconds each kind of process used
+(/proc/PID/stat), so a policy or tier that costs more CPU than it saves shows where.
+"tiers off" is `--no-cache --host-kv-cache-mib 0` (each worker's pool alone).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,26 +126,6 @@ def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
     return hits
 
 
-def prediction_error(frontend: str) -> tuple[float, float]:
-    """(mean absolute error of the predicted time to first token, seconds; the share of
-    predictions that were too low, actual above predicted), over the requests the master
-    predicted; nan for both when none was. From rtp:ttft_prediction_abs_error_seconds (its
-    _sum) and the signed rtp:ttft_prediction_error_seconds (its bucket at 0)."""
-    text = httpx.get(f"{frontend}/metrics", timeout=10).text
-    abs_sum = count = not_late = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "rtp:ttft_prediction_abs_error_seconds_sum":
-                abs_sum += s.value
-            elif s.name == "rtp:ttft_prediction_abs_error_seconds_count":
-                count += s.value
-            elif s.name == "rtp:ttft_prediction_error_seconds_bucket" and s.labels["le"] == "0.0":
-                not_late += s.value
-    if not count:
-        return math.nan, math.nan
-    return abs_sum / count, 1 - not_late / count
-
-
 def cpu_seconds(pids: Sequence[dict]) -> dict[str, float]:
     """User + system CPU seconds each launched process has used so far, summed by its name
     (fused, prefill, decode, cache, master, frontend, nats, redis, ...)."""
@@ -172,16 +154,43 @@ def _metrics_addresses(nameservice: str) -> list[str]:
     return [m.metrics_address for m in asyncio.run(members()) if m.role in roles]
 
 
-async def _replay(url: str, requests: list[SampleRequest], warm: list[SampleRequest]):
+MEASURED, LEAD = "req-", "lead-"  # X-Request-Id prefixes: measured, lead-in
+
+
+async def _replay(
+    url: str,
+    requests: list[SampleRequest],
+    warm: list[SampleRequest],
+    lead: int,
+    at_start: Callable[[], object],
+):
+    """Replays `requests` at their arrival times, each with its own X-Request-Id (LEAD and
+    its index for the first `lead` of them, MEASURED for the rest); `at_start` runs on
+    another thread as the first measured request is sent. Returns the measured requests'
+    results, the wall time, their usage's cached tokens summed, and what `at_start`
+    returned."""
     timeout = aiohttp.ClientTimeout(total=None)
+    cached = [0] * len(requests)
+    index = {id(r.prompt): i for i, r in enumerate(requests)}
+    started: list[asyncio.Future] = []
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async with session.get(f"{url}/v1/models") as reply:
             model = (await reply.json())["data"][0]["id"]
         await run_load(openai_stream(url, model, session), warm, [0.0] * len(warm))
-        cached: list[int] = []
-        stream = openai_stream(url, model, session, cached)
+
+        async def stream(prompt: list[int], max_tokens: int, tick) -> int:
+            i, box = index[id(prompt)], []
+            if i == lead:  # (not awaited here: the request goes out on time)
+                started.append(asyncio.get_running_loop().run_in_executor(None, at_start))
+            rid = f"{LEAD if i < lead else MEASURED}{i}"
+            one = openai_stream(url, model, session, box, headers={"X-Request-Id": rid})
+            n = await one(prompt, max_tokens, tick)
+            cached[i] = box[0] if box else 0
+            return n
+
         results, duration = await run_load(stream, requests, [r.arrival_s for r in requests])
-    return results, duration, sum(cached)
+        snapshot = await started[0] if started else None
+    return results[lead:], duration, sum(cached[lead:]), snapshot
 
 
 _FIRST_TOKEN = "first token: "
@@ -208,7 +217,9 @@ def prediction_terms(records: Sequence[dict[str, str]]) -> dict[str, float]:
     the requests it predicted: the wait against the worker's queue (its prefix fetch
     included), the prefill (and fetch) against the worker's prefill, and the hops (the
     actual time to first token less the worker's queue and prefill: frontend to worker
-    and back, and the prefill worker to the decode worker in PD)."""
+    and back, and the prefill worker to the decode worker in PD); and the error of the
+    whole: its mean absolute value, the share predicted too low ("late") and the median of
+    actual - predicted."""
     keys = ("predicted_s", "predicted_wait_s", "predicted_prefill_s", "predicted_fetch_s",
             "actual_s", "queue_s", "prefill_s")  # fmt: skip
     rows = [{k: float(r[k]) for k in keys} for r in records if float(r["predicted_s"]) > 0]
@@ -216,37 +227,45 @@ def prediction_terms(records: Sequence[dict[str, str]]) -> dict[str, float]:
         return {}
     out = {k: statistics.fmean(r[k] for r in rows) for k in keys}
     out["hops_s"] = statistics.fmean(r["actual_s"] - r["queue_s"] - r["prefill_s"] for r in rows)
-    out["median_error_s"] = statistics.median(r["actual_s"] - r["predicted_s"] for r in rows)
+    errors = [r["actual_s"] - r["predicted_s"] for r in rows]
+    out["median_error_s"] = statistics.median(errors)
+    out["abs_error_s"] = statistics.fmean(abs(e) for e in errors)
+    out["late"] = sum(e > 0 for e in errors) / len(errors)
     out["predicted"] = len(rows)
     return out
 
 
-def run_one(run: Run, model: str, requests, warm, args) -> dict:
+def run_one(run: Run, model: str, requests, warm, args, lead: int = 0) -> dict:
     from services.launcher.process import launch
 
     flags = [*run.flags(args), "--log-requests"]
     with tempfile.TemporaryDirectory() as tmp:
         with open(Path(tmp) / "cluster.log", "w+") as log, launch(model, Path(tmp), *flags,
                                                                    stderr=log) as c:  # fmt: skip
-            before = cpu_seconds(c.info["pids"])
-            results, duration, cached = asyncio.run(_replay(c.url, requests, warm))
-            after = cpu_seconds(c.info["pids"])
-            hits = tier_hits(_metrics_addresses(c.info["nameservice"]))
-            abs_error, late = prediction_error(c.url)
-        records = first_token_lines((Path(tmp) / "cluster.log").read_text(errors="replace"))
+            addresses = _metrics_addresses(c.info["nameservice"])
+
+            def counters() -> tuple[dict[str, float], dict[str, int]]:
+                return cpu_seconds(c.info["pids"]), tier_hits(addresses)
+
+            replay = _replay(c.url, requests, warm, lead, counters)
+            results, duration, cached, (cpu_before, hits_before) = asyncio.run(replay)
+            cpu_after, hits_after = counters()
+        lines = first_token_lines((Path(tmp) / "cluster.log").read_text(errors="replace"))
+        records = [r for r in lines if r.get("request", "").startswith(MEASURED)]
     if args.dump:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         name = run.name.replace(" ", "_").replace(":", "-").replace("=", "-")
         with open(Path(args.dump) / f"{name}.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
     out = summarize(results, duration, (50, 95, 99))
+    terms = prediction_terms(records)
     return out | {
         "cached_tokens": cached,
-        "hits": hits,
-        "prediction_abs_error_s": abs_error,
-        "prediction_late": late,
-        "terms": prediction_terms(records),
-        "cpu_s": {name: after[name] - before.get(name, 0.0) for name in after},
+        "hits": {t: hits_after[t] - hits_before.get(t, 0) for t in hits_after},
+        "prediction_abs_error_s": terms.get("abs_error_s", math.nan),
+        "prediction_late": terms.get("late", math.nan),
+        "terms": terms,
+        "cpu_s": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after},
     }
 
 
@@ -328,6 +347,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="start this many lines into the trace (its later part reuses more: the last "
         "1000 of its 3993 requests share 68%% of their blocks among themselves, the first 1000 17%%)",
     )  # fmt: skip
+    ap.add_argument(
+        "--lead-requests", type=int, default=0,
+        help="replay this many trace requests before the measured ones first, arrivals "
+        "continuous, and leave them out of every number: the measured window starts warm "
+        "(caches filled, cost models fitted, queues in their steady state), not cold",
+    )  # fmt: skip
     ap.add_argument("--block-len", type=int, default=16, help="tokens per 512-token trace block")
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=32)
@@ -361,18 +386,23 @@ def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
 
     model = str(resolve_model(args.model))
     vocab = min(args.vocab, ModelConfig.from_dir(model).vocab_size)
-    requests = mooncake_requests(
-        args.dataset_path, vocab, args.block_len, args.num_requests, args.max_input_len,
-        args.max_output_len, args.time_scale, args.seed, args.skip_requests,
+    lead = min(args.lead_requests, args.skip_requests)
+    replayed = mooncake_requests(
+        args.dataset_path, vocab, args.block_len, args.num_requests + lead, args.max_input_len,
+        args.max_output_len, args.time_scale, args.seed, args.skip_requests - lead,
     )  # fmt: skip
     warm = random_requests(2, 16, 4, vocab, args.seed + 1)
+    requests = replayed[lead:]
     prompt_tokens = sum(len(r.prompt) for r in requests)
     block_size = 16  # the engine's KV block (EngineConfig.block_size)
-    ceiling = ceiling_tokens([r.prompt for r in requests], block_size)
-    span = requests[-1].arrival_s if requests else 0.0
+    # What one infinite cache would give the measured requests, the lead-in's prompts seen.
+    prompts = [r.prompt for r in replayed]
+    ceiling = ceiling_tokens(prompts, block_size) - ceiling_tokens(prompts[:lead], block_size)
+    span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
     print(f"# CPU ISA: {cpu_info()['describe']}")
-    print(f"# model {model}; trace {args.dataset_path}: {len(requests)} requests after its first "
-          f"{args.skip_requests}, "
+    print(f"# model {model}; trace {args.dataset_path}: {len(requests)} requests measured after "
+          f"its first {args.skip_requests}, the {lead} before them replayed first as a lead-in "
+          f"(unmeasured, arrivals continuous), "
           f"512-token blocks -> {args.block_len} tokens, prompts cut at {args.max_input_len}, "
           f"outputs at {args.max_output_len}, arrivals x{args.time_scale} (over {span:.0f} s); "
           f"{prompt_tokens} prompt tokens; ceiling {ceiling} reusable "
@@ -387,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
                     label = f"{run.name} (repetition {rep + 1}/{args.reps})"
                     print(f"# {label}: running", file=sys.stderr, flush=True)
                     try:
-                        result = run_one(run, model, requests, warm, args)
+                        result = run_one(run, model, replayed, warm, args, lead)
                     except Exception as exc:  # one run that cannot start does not cost the others
                         print(f"# {label}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
                         continue

@@ -134,17 +134,22 @@ def summarize(
 
 # -- clients ---------------------------------------------------------------------------------
 def openai_stream(
-    url: str, model: str, session: aiohttp.ClientSession, cached: list[int] | None = None
+    url: str,
+    model: str,
+    session: aiohttp.ClientSession,
+    cached: list[int] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Stream:
     """Streams /v1/completions; each request's usage.prompt_tokens_details.cached_tokens is
-    appended to `cached` when given (a prefix-cache benchmark's reuse)."""
+    appended to `cached` when given (a prefix-cache benchmark's reuse); `headers` go with
+    every request."""
 
     async def stream(prompt: list[int], max_tokens: int, tick: Callable[[], None]) -> int:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         chunks, usage = 0, None
-        async with session.post(f"{url}/v1/completions", json=body) as reply:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
             async for raw in reply.content:

@@ -257,4 +257,5 @@ def test_route_reads_the_frontends_request_lines_and_splits_the_prediction():
     assert terms["predicted_fetch_s"] == pytest.approx(0.025)
     assert terms["hops_s"] == pytest.approx((0.03 + 0.01) / 2)
     assert terms["median_error_s"] == pytest.approx((0.1 - 0.04) / 2)
+    assert terms["abs_error_s"] == pytest.approx(0.07) and terms["late"] == 0.5
     assert prediction_terms([]) == {}

@@ -65,6 +65,7 @@ def test_a_request_line_puts_the_prediction_beside_the_workers_split(tiny, scrip
         assert run(go()) == 200
     (line,) = first_token_lines(caplog.text)
     assert line["worker"] == "w1" and line["prompt_tokens"] == "40"
+    assert line["request"].startswith("cmpl-")  # the request's id, as its response has it
     assert {k: float(v) for k, v in line.items() if k.endswith("_s")} == pytest.approx({
         "predicted_s": 0.25, "predicted_wait_s": 0.1, "predicted_prefill_s": 0.12,
         "predicted_fetch_s": 0.03, "actual_s": float(line["actual_s"]), "queue_s": 0.02,

@@ -210,6 +210,8 @@ class DecodeServicer(WorkerServicer):
                         continue
                     del msg.token_ids[:]
                     del msg.logprobs[:]
+                    msg.ClearField("queue_s")  # the first token's split went out with it
+                    msg.ClearField("prefill_s")
                 # The prompt's cache hit is the prefill side's, not this worker's.
                 msg.num_cached_tokens = first.num_cached_tokens
                 yield msg

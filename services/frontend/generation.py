@@ -144,10 +144,10 @@ class Generator:
         trace.get_current_span().set_attributes(split)
         if self.log_requests:
             log.info(
-                "first token: worker=%s prompt_tokens=%d cached_tokens=%d predicted_s=%.4f "
-                "predicted_wait_s=%.4f predicted_prefill_s=%.4f predicted_fetch_s=%.4f "
-                "actual_s=%.4f queue_s=%.4f prefill_s=%.4f",
-                route.decode.id or route.decode.address, msg.num_prompt_tokens,
+                "first token: request=%s worker=%s prompt_tokens=%d cached_tokens=%d "
+                "predicted_s=%.4f predicted_wait_s=%.4f predicted_prefill_s=%.4f "
+                "predicted_fetch_s=%.4f actual_s=%.4f queue_s=%.4f prefill_s=%.4f",
+                request_id, route.decode.id or route.decode.address, msg.num_prompt_tokens,
                 msg.num_cached_tokens, *split.values(),
                 extra={"request_id": request_id},
             )  # fmt: skip
