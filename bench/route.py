@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import math
 import os
@@ -173,6 +174,9 @@ async def _replay(
     cached = [0] * len(requests)
     index = {id(r.prompt): i for i, r in enumerate(requests)}
     started: list[asyncio.Future] = []
+    # A thread of its own: the loop's default executor also resolves the connections' hosts,
+    # and a snapshot queued behind a burst of those would count late.
+    own = concurrent.futures.ThreadPoolExecutor(1)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async with session.get(f"{url}/v1/models") as reply:
             model = (await reply.json())["data"][0]["id"]
@@ -181,7 +185,7 @@ async def _replay(
         async def stream(prompt: list[int], max_tokens: int, tick) -> int:
             i, box = index[id(prompt)], []
             if i == lead:  # (not awaited here: the request goes out on time)
-                started.append(asyncio.get_running_loop().run_in_executor(None, at_start))
+                started.append(asyncio.get_running_loop().run_in_executor(own, at_start))
             rid = f"{LEAD if i < lead else MEASURED}{i}"
             one = openai_stream(url, model, session, box, headers={"X-Request-Id": rid})
             n = await one(prompt, max_tokens, tick)
@@ -190,6 +194,7 @@ async def _replay(
 
         results, duration = await run_load(stream, requests, [r.arrival_s for r in requests])
         snapshot = await started[0] if started else None
+    own.shutdown()
     return results[lead:], duration, sum(cached[lead:]), snapshot
 
 
