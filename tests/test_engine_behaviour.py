@@ -459,6 +459,24 @@ def test_async_deltas_concatenate_to_the_offline_output(llama_dir, prompts):
     assert [d.finished for d in deltas] == [False] * 9 + [True]
 
 
+@contextlib.asynccontextmanager
+async def _engine_held(llm: AsyncLLM):
+    """The engine thread held inside a call (busy, as in a long step) until the block ends."""
+    inside, gate = threading.Event(), threading.Event()
+
+    def block(engine) -> None:
+        inside.set()
+        gate.wait(10)
+
+    blocker = asyncio.ensure_future(llm.call(block))
+    assert await asyncio.to_thread(inside.wait, 10)  # the engine thread is blocked
+    try:
+        yield
+    finally:
+        gate.set()
+        await blocker
+
+
 def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts, greedy_ref):
     """A caller cancelled while its call waits for the engine thread (a timed-out RPC, a
     shutdown) must not stop that thread: the call is skipped, later work is served."""
@@ -467,21 +485,12 @@ def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts,
     try:
 
         async def main():
-            inside, gate = threading.Event(), threading.Event()
-
-            def block(engine) -> None:
-                inside.set()
-                gate.wait(10)
-
-            blocker = asyncio.ensure_future(llm.call(block))
-            assert await asyncio.to_thread(inside.wait, 10)  # the engine thread is blocked
-            cancelled = asyncio.ensure_future(llm.call(lambda engine: ran.append("late")))
-            await asyncio.sleep(0)  # (it is in the engine's inbox)
-            cancelled.cancel()  # queued behind the blocker: cancelled before it runs
-            with pytest.raises(asyncio.CancelledError):
-                await cancelled  # once it is, so is the engine-side future it waited on
-            gate.set()
-            await blocker
+            async with _engine_held(llm):
+                cancelled = asyncio.ensure_future(llm.call(lambda engine: ran.append("late")))
+                await asyncio.sleep(0)  # (it is in the engine's inbox)
+                cancelled.cancel()  # queued behind the blocker: cancelled before it runs
+                with pytest.raises(asyncio.CancelledError):
+                    await cancelled  # once it is, so is the engine-side future it waited on
             # (a dead engine thread would never answer: fail instead of hanging)
             result, _ = await asyncio.wait_for(_collect(llm, prompts[0], GREEDY), 60)
             return result
@@ -500,21 +509,13 @@ def test_stats_count_requests_the_busy_engine_has_not_taken(llama_dir, prompts, 
     try:
 
         async def main():
-            inside, gate = threading.Event(), threading.Event()
-
-            def block(engine) -> None:
-                inside.set()
-                gate.wait(10)
-
-            blocker = asyncio.ensure_future(llm.call(block))  # a long step, as it were
-            assert await asyncio.to_thread(inside.wait, 10)
-            before = llm.stats()
-            run = asyncio.ensure_future(_first_and_all(llm, prompts[0]))
-            await asyncio.sleep(0.05)  # (sent: in the engine's inbox)
-            during = llm.stats()
-            gate.set()
-            await blocker
+            async with _engine_held(llm):  # a long step, as it were
+                before = llm.stats()
+                run = asyncio.ensure_future(_first_and_all(llm, prompts[0]))
+                await asyncio.sleep(0.05)  # (sent: in the engine's inbox)
+                during = llm.stats()
             first, result = await asyncio.wait_for(run, 60)
+            await llm.call(lambda engine: None)  # (the snapshot after its last step is taken)
             return before, during, llm.stats(), first, result
 
         before, during, after, first, result = asyncio.run(main())
