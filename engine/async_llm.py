@@ -112,8 +112,8 @@ class AsyncLLM:
         # taken yet: it takes commands between steps, so what arrives during a step waits
         # for it to end. Each counter has one writer (sent: the callers' loop, taken: the
         # engine thread); stats() counts the difference as waiting.
-        self._sent = [0, 0]
-        self._taken = [0, 0]
+        self._sent = (0, 0)  # (requests, tokens); replaced whole, so read whole
+        self._taken = (0, 0)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -159,7 +159,7 @@ class AsyncLLM:
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         tokens = 0 if remote_prefill else request.num_prompt_tokens  # as stats() counts
-        self._sent = [self._sent[0] + 1, self._sent[1] + tokens]
+        self._sent = (self._sent[0] + 1, self._sent[1] + tokens)
         self._inbox.put(_Add(request, stream, held=prefetch is not None, tokens=tokens))
         # Created after the _Add is queued, so the engine sees the release after the add.
         fetch = asyncio.create_task(self._prefetch(request_id, prefetch)) if prefetch else None
@@ -314,7 +314,7 @@ class AsyncLLM:
 
     def _handle(self, cmd: _Add | _Release | _DeliverKV | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):
-            self._taken = [self._taken[0] + 1, self._taken[1] + cmd.tokens]
+            self._taken = (self._taken[0] + 1, self._taken[1] + cmd.tokens)
             try:
                 self.engine.add_request(cmd.request, cmd.held)
             except (ValueError, QueueFullError) as exc:
