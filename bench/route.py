@@ -42,6 +42,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,16 +116,22 @@ class Run:
 
 
 def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
-    """Blocks served per tier, summed over the given metrics endpoints."""
+    """Blocks served per tier, summed over the given metrics endpoints, scraped all at once
+    (one after another, a busy worker's late answer would move the others' reading)."""
     hits = dict.fromkeys(TIERS, 0)
-    for address in addresses:
-        text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
+        texts = list(pool.map(_scrape, addresses))
+    for text in texts:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 tier = _TIER_SAMPLES.get((s.name, s.labels.get("tier", "")))
                 if tier is not None:
                     hits[tier] += int(s.value)
     return hits
+
+
+def _scrape(address: str) -> str:
+    return httpx.get(f"http://{address}/metrics", timeout=10).text
 
 
 def cpu_seconds(pids: Sequence[dict]) -> dict[str, float]:
@@ -249,12 +256,16 @@ def run_one(run: Run, model: str, requests, warm, args, lead: int = 0) -> dict:
                                                                    stderr=log) as c:  # fmt: skip
             addresses = _metrics_addresses(c.info["nameservice"])
 
-            def counters() -> tuple[dict[str, float], dict[str, int]]:
-                return cpu_seconds(c.info["pids"]), tier_hits(addresses)
+            def counters() -> tuple[dict[str, float], dict[str, int], float]:
+                """The counters, and the seconds their scrape took."""
+                started = time.perf_counter()
+                cpu, hits = cpu_seconds(c.info["pids"]), tier_hits(addresses)
+                return cpu, hits, time.perf_counter() - started
 
             replay = _replay(c.url, requests, warm, lead, counters)
-            results, duration, cached, (cpu_before, hits_before) = asyncio.run(replay)
-            cpu_after, hits_after = counters()
+            results, duration, cached, before = asyncio.run(replay)
+            cpu_before, hits_before, scrape_s = before or ({}, {}, 0.0)
+            cpu_after, hits_after, _ = counters()
         lines = first_token_lines((Path(tmp) / "cluster.log").read_text(errors="replace"))
         records = [r for r in lines if r.get("request", "").startswith(MEASURED)]
     if args.dump:
@@ -267,6 +278,7 @@ def run_one(run: Run, model: str, requests, warm, args, lead: int = 0) -> dict:
     return out | {
         "cached_tokens": cached,
         "hits": {t: hits_after[t] - hits_before.get(t, 0) for t in hits_after},
+        "snapshot_s": scrape_s,
         "prediction_abs_error_s": terms.get("abs_error_s", math.nan),
         "prediction_late": terms.get("late", math.nan),
         "terms": terms,
@@ -427,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
                         print(f"# {label}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
                         continue
                     rows.setdefault(run, []).append(result)
+                    print(f"# {label}: counters scraped at the first measured request in "
+                          f"{result['snapshot_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
                     for err in result.get("error_kinds", []):
                         print(f"# {label}: failed: {err}", file=sys.stderr)
                     # the table so far: a long sweep shows its progress
