@@ -17,8 +17,9 @@ Per run, over the measured requests: TTFT p50/p95/p99; reused prompt tokens (the
 usage.prompt_tokens_details.cached_tokens over the sum of prompt tokens); that reuse as a
 share of the ceiling (what one infinite cache shared by everyone would reuse, computed
 from the prompts, the lead-in's included: `ceiling_tokens`); the prompt blocks each tier
-served, scraped from the workers' and cache service's metrics: T0 the worker's pool, T1
-its host-memory tier, T2 the cache service's memory, T3 Redis; and how well the master
+served, scraped from the workers' and cache service's metrics: T0 the worker's pool (what
+requests reused when admitted), T1 its host-memory tier, T2 the cache service's memory, T3
+Redis; and how well the master
 predicted the time to first token, over the requests it predicted: the mean absolute
 error in ms and the share it predicted too low ("late"). Those come from the frontend's
 --log-requests lines (one per request, tagged by the X-Request-Id the benchmark sends),
@@ -127,6 +128,8 @@ def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
                 tier = _TIER_SAMPLES.get((s.name, s.labels.get("tier", "")))
                 if tier is not None:
                     hits[tier] += int(s.value)
+    # A worker's device hits include the blocks it copied up from its host tier.
+    hits["T0"] = max(0, hits["T0"] - hits["T1"])
     return hits
 
 

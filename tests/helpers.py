@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from engine.async_llm import AsyncLLM
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, OutputCollector, RequestOutput
@@ -112,3 +116,22 @@ def use_torch_attention(engine: LLMEngine) -> None:
 
     model = engine.runner.model
     model.attention = TorchAttention(model.attention.scale)
+
+
+@contextlib.asynccontextmanager
+async def engine_held(llm: AsyncLLM):
+    """The engine thread held inside a call (busy, as in a long step) until the block ends:
+    what is sent meanwhile waits in its inbox, to be taken all at once."""
+    inside, gate = threading.Event(), threading.Event()
+
+    def block(engine) -> None:
+        inside.set()
+        gate.wait(10)
+
+    blocker = asyncio.ensure_future(llm.call(block))
+    assert await asyncio.to_thread(inside.wait, 10)  # the engine thread is blocked
+    try:
+        yield
+    finally:
+        gate.set()
+        await blocker

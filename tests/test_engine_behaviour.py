@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from engine.request import RequestStatus
 from tests.helpers import (
     assert_pool_idle,
     drive,
+    engine_held,
     make_llm,
     poison_kv,
     step_checked,
@@ -503,24 +503,6 @@ def test_async_deltas_concatenate_to_the_offline_output(llama_dir, prompts):
     assert [d.finished for d in deltas] == [False] * 9 + [True]
 
 
-@contextlib.asynccontextmanager
-async def _engine_held(llm: AsyncLLM):
-    """The engine thread held inside a call (busy, as in a long step) until the block ends."""
-    inside, gate = threading.Event(), threading.Event()
-
-    def block(engine) -> None:
-        inside.set()
-        gate.wait(10)
-
-    blocker = asyncio.ensure_future(llm.call(block))
-    assert await asyncio.to_thread(inside.wait, 10)  # the engine thread is blocked
-    try:
-        yield
-    finally:
-        gate.set()
-        await blocker
-
-
 def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts, greedy_ref):
     """A caller cancelled while its call waits for the engine thread (a timed-out RPC, a
     shutdown) must not stop that thread: the call is skipped, later work is served."""
@@ -529,7 +511,7 @@ def test_a_cancelled_call_is_skipped_and_the_engine_lives_on(llama_dir, prompts,
     try:
 
         async def main():
-            async with _engine_held(llm):
+            async with engine_held(llm):
                 cancelled = asyncio.ensure_future(llm.call(lambda engine: ran.append("late")))
                 await asyncio.sleep(0)  # (it is in the engine's inbox)
                 cancelled.cancel()  # queued behind the blocker: cancelled before it runs
@@ -553,7 +535,7 @@ def test_stats_count_requests_the_busy_engine_has_not_taken(llama_dir, prompts, 
     try:
 
         async def main():
-            async with _engine_held(llm):  # a long step, as it were
+            async with engine_held(llm):  # a long step, as it were
                 before = llm.stats()
                 run = asyncio.ensure_future(_first_and_all(llm, prompts[0]))
                 await asyncio.sleep(0.05)  # (sent: in the engine's inbox)

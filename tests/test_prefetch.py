@@ -15,7 +15,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import PromptKV, StagedKV
-from tests.helpers import assert_pool_idle, drive, make_llm
+from tests.helpers import assert_pool_idle, drive, engine_held, make_llm
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BS = 16
@@ -116,3 +116,47 @@ def test_a_failed_fetch_is_a_miss(model_dir, corpus_ids):
     finally:
         llm.shutdown()
     assert (len(tokens), cached) == (GREEDY.max_tokens, 0)
+
+
+def test_device_hits_count_what_a_request_reused_when_admitted(model_dir, corpus_ids):
+    """Two requests for one prompt reach a worker during one step: both lookups miss, as
+    nothing of it is computed yet, but the second, admitted once the first is done
+    (max_num_seqs 1), reuses its four blocks, and the worker's device hits count them."""
+    from prometheus_client import CollectorRegistry
+
+    from engine.block_hash import block_hash_keys
+    from services.worker.metrics import WorkerFamilies, WorkerMetrics
+    from services.worker.tiers import Tiers
+
+    registry = CollectorRegistry()
+    config = EngineConfig(
+        model=str(model_dir("tiny-llama")), block_size=BS, num_kv_blocks=64, max_num_seqs=1
+    )
+    llm = AsyncLLM(config)
+    tiers = Tiers(llm, None, WorkerMetrics(WorkerFamilies(registry), "fused", "m"))
+    target = corpus_ids[:70]  # 4 full blocks before the last token
+    keys = block_hash_keys(target, BS, llm.engine.cache_salt)
+
+    async def one(request_id: str):
+        fetch = tiers.prefetch(target, keys)
+        async for out in llm.generate(
+            target, GREEDY, request_id, block_hashes=keys, prefetch=fetch
+        ):
+            fetch.admitted(out.num_cached_tokens)
+            cached = out.num_cached_tokens
+        return fetch.hits.device, cached
+
+    async def main():
+        async with engine_held(llm):
+            runs = [asyncio.ensure_future(one(rid)) for rid in ("a", "b")]
+            await asyncio.sleep(0.05)  # (both sent, both lookups in the engine's inbox)
+        return await asyncio.gather(*runs)
+
+    try:
+        looked_up, reused = zip(*asyncio.run(main()), strict=True)
+    finally:
+        llm.shutdown()
+    assert looked_up == (0, 0) and reused == (0, 64)
+    labels = {"role": "fused", "model_name": "m", "tier": "device"}
+    assert registry.get_sample_value("rtp:prefix_cache_hits_total", labels) == 4
+    assert registry.get_sample_value("rtp:prefix_cache_queries_total", labels) == 8

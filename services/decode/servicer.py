@@ -128,6 +128,7 @@ class DecodeServicer(WorkerServicer):
             lora=request.lora_name,
             prefetch=fetch,
         ):
+            fetch.admitted(out.num_cached_tokens)
             if out.prompt_kv is not None:
                 self.tiers.write_back_kv(out.prompt_kv, hashes, fetch.hits)
             yield _response(out)

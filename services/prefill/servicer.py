@@ -69,6 +69,7 @@ class PrefillServicer(WorkerServicer):
                     prefetch=fetch,
                 ):
                     final = out
+                    fetch.admitted(out.num_cached_tokens)
                 hits = fetch.hits
                 _trace_prefill(span, len(prompt), hits, final)
         except (ValueError, LookupError, RuntimeError) as exc:

@@ -71,7 +71,11 @@ class WorkerFamilies:
         )
         self.prefix_cache_hits = Counter(
             PREFIX + "prefix_cache_hits",
-            "Prompt blocks found in a prefix-cache tier.",
+            "Prompt blocks served by a prefix-cache tier. device: the blocks a request reused "
+            "from the worker's pool when admitted (after its queue: prompts computed ahead of "
+            "it count; blocks its remote fetch brought do not, those copied up from the host "
+            "tier do); host: the blocks copied up from it; remote: the blocks fetched from "
+            "the cache service.",
             [*w, "tier"],
             registry=registry,
         )
@@ -231,17 +235,20 @@ class WorkerMetrics:
         self.wait_estimate.set(queue_wait_s)
         self.prefill_rate.set(prefill_tokens_per_s)
 
-    def prefix_cache(
-        self, queried: int, device_hits: int, remote_queried: int = 0, remote_hits: int = 0
-    ) -> None:
-        """One prompt's lookup, in blocks: the device tier first, then the remote tier for
-        the blocks the device lacked."""
+    def prefix_lookup(self, queried: int, remote_queried: int = 0, remote_hits: int = 0) -> None:
+        """One prompt's lookup as it arrives, in blocks: the device tier's queries (its hits
+        are counted at admission, `prefix_reused`), then the remote tier for the blocks the
+        device lacked."""
         f, labels = self.families, (self.role, self.model_name)
         f.prefix_cache_queries.labels(*labels, TIER_DEVICE).inc(queried)
-        f.prefix_cache_hits.labels(*labels, TIER_DEVICE).inc(device_hits)
         if remote_queried:
             f.prefix_cache_queries.labels(*labels, TIER_REMOTE).inc(remote_queried)
             f.prefix_cache_hits.labels(*labels, TIER_REMOTE).inc(remote_hits)
+
+    def prefix_reused(self, device_hits: int) -> None:
+        """The blocks one request reused from the device pool when it was admitted."""
+        f, labels = self.families, (self.role, self.model_name)
+        f.prefix_cache_hits.labels(*labels, TIER_DEVICE).inc(device_hits)
 
     def host_tier(self, stats: HostTierStats | None) -> None:
         """The host tier's lookups since the last call, and its size."""

@@ -70,20 +70,32 @@ class TierHits:
 
 class Prefetch:
     """One prompt's lookup through the tiers (Algorithm 1): called by the engine while the
-    request is queued, it returns the remote blocks to import; `hits` says what was found."""
+    request is queued, it returns the remote blocks to import; `hits` says what was found.
+    The caller reports the request's admission (`admitted`), which counts what it reused."""
 
     def __init__(self, tiers: Tiers, prompt: list[int], hashes: list[BlockHash]) -> None:
         self.tiers = tiers
         # At least one prompt token is always computed: its logits give the next token.
         self.usable = hashes[: (len(prompt) - 1) // tiers.block_size]
         self.hits = TierHits(0, 0)  # until the lookup is done (or if it failed)
+        self._counted = False
 
     async def __call__(self) -> StagedKV | None:
         tiers = self.tiers
         self.hits, staged = await tiers.lookup(self.usable)
         queried = len(self.usable) - self.hits.device if tiers.cache is not None else 0
-        tiers.metrics.prefix_cache(len(self.usable), self.hits.device, queried, self.hits.remote)
+        tiers.metrics.prefix_lookup(len(self.usable), queried, self.hits.remote)
         return staged
+
+    def admitted(self, num_cached_tokens: int) -> None:
+        """The request's first output: count, once, the blocks it reused from the device
+        pool. Under load that is more than the lookup found: the prompts queued ahead of it
+        may share its prefix, and were computed meanwhile."""
+        if self._counted:
+            return
+        self._counted = True
+        reused = num_cached_tokens // self.tiers.block_size
+        self.tiers.metrics.prefix_reused(max(0, reused - self.hits.remote))
 
 
 class Tiers:
