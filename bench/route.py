@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import math
 import os
@@ -95,10 +96,12 @@ class Run:
     topology: str  # fused:K | pd:P:D
     tiers: bool
     policy: str
+    variant: str = ""  # more launcher flags (--variants)
 
     @property
     def name(self) -> str:
-        return f"{self.topology} tiers={'on' if self.tiers else 'off'} {self.policy}"
+        variant = f" [{self.variant}]" if self.variant else ""
+        return f"{self.topology} tiers={'on' if self.tiers else 'off'}{variant} {self.policy}"
 
     def flags(self, args: argparse.Namespace) -> list[str]:
         kind, *n = self.topology.split(":")
@@ -113,7 +116,7 @@ class Run:
             out += ["--host-kv-cache-mib", str(args.host_kv_cache_mib)]
         else:
             out += ["--no-cache", "--host-kv-cache-mib", "0"]
-        return out + shlex.split(args.launcher_args)
+        return out + shlex.split(args.launcher_args) + shlex.split(self.variant)
 
 
 def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
@@ -310,17 +313,19 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
     the median over them, and "p95 x rr" is the median of each repetition's ratio to the
     round_robin run of the same repetition (runs are interleaved, so a pair shares the
     machine's state), with its range."""
+    w = max([36, *(len(run.name) for run in rows)])  # the run column's width
     head = (
-        f"{'run':<36} {'reps':>4} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
+        f"{'run':<{w}} {'reps':>4} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
+        f"{'ITL p99':>8} "
         f"{'p95 x rr':>8} {'range':>11} {'reused':>7} {'of ceil':>7} {'|err| ms':>8} "
         f"{'late':>5} " + " ".join(f"{t:>6}" for t in TIERS)
     )
     lines = [head]
-    rr = {(r.topology, r.tiers): v for r, v in rows.items() if r.policy == "round_robin"}
+    rr = {(r.topology, r.tiers, r.variant): v for r, v in rows.items() if r.policy == "round_robin"}
     merged = {run: median_of(reps) for run, reps in rows.items()}
     for run, reps in rows.items():
         r = merged[run]
-        base = rr.get((run.topology, run.tiers), [])
+        base = rr.get((run.topology, run.tiers, run.variant), [])
         ratios = [a["p95_ttft_ms"] / b["p95_ttft_ms"] for a, b in zip(reps, base, strict=False)
                   if b["p95_ttft_ms"]]  # fmt: skip
         ratio = statistics.median(ratios) if ratios else math.nan
@@ -329,15 +334,16 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
         share = r["cached_tokens"] / ceiling if ceiling else math.nan
         tiers = " ".join(f"{r['hits'].get(t, 0):>6.0f}" for t in TIERS)
         lines.append(
-            f"{run.name:<36} {len(reps):>4} {r['completed']:>5.0f} {r['failed']:>4} "
+            f"{run.name:<{w}} {len(reps):>4} {r['completed']:>5.0f} {r['failed']:>4} "
             f"{r['median_ttft_ms']:>9.1f} {r['p95_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} "
+            f"{r['p99_itl_ms']:>8.1f} "
             f"{ratio:>8.2f} {spread:>11} {reused:>7.1%} {share:>7.1%} "
             f"{r['prediction_abs_error_s'] * 1e3:>8.0f} {r['prediction_late']:>5.0%} {tiers}"
         )
     lines.append(
         "\nThe master's prediction term by term, mean ms over the requests it predicted: "
         "predicted (wait + prefill + fetch) against actual (the worker's queue + its prefill "
-        f"+ hops), and the median of actual - predicted\n{'run':<36} {'n':>5} {'pred':>7} {'wait':>7} {'prefill':>7} {'fetch':>7} "
+        f"+ hops), and the median of actual - predicted\n{'run':<{w}} {'n':>5} {'pred':>7} {'wait':>7} {'prefill':>7} {'fetch':>7} "
         f"{'actual':>7} {'queue':>7} {'prefill':>7} {'hops':>7} {'err p50':>7}"
     )
     for run, r in merged.items():
@@ -347,13 +353,15 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
         ms = [t[k] * 1e3 for k in ("predicted_s", "predicted_wait_s", "predicted_prefill_s",
                                    "predicted_fetch_s", "actual_s", "queue_s", "prefill_s",
                                    "hops_s", "median_error_s")]  # fmt: skip
-        lines.append(f"{run.name:<36} {t['predicted']:>5.0f} " + " ".join(f"{v:>7.1f}" for v in ms))
+        lines.append(
+            f"{run.name:<{w}} {t['predicted']:>5.0f} " + " ".join(f"{v:>7.1f}" for v in ms)
+        )
     names = sorted({n for r in merged.values() for n in r["cpu_s"]})
-    lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<36} "
+    lines.append(f"\nCPU seconds used during the replay, by process\n{'run':<{w}} "
                  + " ".join(f"{n[:10]:>10}" for n in names))  # fmt: skip
     for run, r in merged.items():
         cpu = r["cpu_s"]
-        lines.append(f"{run.name:<36} " + " ".join(f"{cpu.get(n, 0.0):>10.1f}" for n in names))
+        lines.append(f"{run.name:<{w}} " + " ".join(f"{cpu.get(n, 0.0):>10.1f}" for n in names))
     return "\n".join(lines)
 
 
@@ -383,6 +391,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-mib", default="64", help="T0 per worker (the launcher's flag)")
     ap.add_argument("--host-kv-cache-mib", type=int, default=256, help="T1 per worker, tiers on")
     ap.add_argument("--launcher-args", default="", help="more `rtp-serve up` flags, one string")
+    ap.add_argument(
+        "--variants", default="",
+        help="';'-separated sets of more launcher flags to compare, each run with every "
+        "policy (an empty one: none), e.g. '; --max-step-ms 400'",
+    )  # fmt: skip
     ap.add_argument(
         "--dump",
         default="",
@@ -428,12 +441,13 @@ def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
           f"{prompt_tokens} prompt tokens; ceiling {ceiling} reusable "
           f"({ceiling / max(1, prompt_tokens):.1%}); T0 {args.kv_cache_mib} MiB/worker, "
           f"T1 {args.host_kv_cache_mib} MiB/worker with tiers on")  # fmt: skip
+    variants = [v.strip() for v in args.variants.split(";")]
     rows: dict[Run, list[dict]] = {}
     for rep in range(args.reps):
         for topology in args.topologies.split(","):
             for tiers in args.tiers.split(","):
-                for policy in args.policies.split(","):
-                    run = Run(topology, tiers == "on", policy)
+                for variant, policy in itertools.product(variants, args.policies.split(",")):
+                    run = Run(topology, tiers == "on", policy, variant)
                     label = f"{run.name} (repetition {rep + 1}/{args.reps})"
                     print(f"# {label}: running", file=sys.stderr, flush=True)
                     try:

@@ -215,7 +215,7 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     def result(p95: float, cached: int, failed: int = 0) -> dict:
         return {
             "completed": 10, "failed": failed, "median_ttft_ms": p95 / 2, "p95_ttft_ms": p95,
-            "p99_ttft_ms": p95, "cached_tokens": cached, "prediction_abs_error_s": math.nan,
+            "p99_ttft_ms": p95, "p99_itl_ms": 5.0, "cached_tokens": cached, "prediction_abs_error_s": math.nan,
             "prediction_late": math.nan, "hits": {"T0": cached}, "cpu_s": {"fused": 1.0},
         }  # fmt: skip
 
@@ -229,6 +229,12 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     line = next(x for x in table(rows, 100, 50).splitlines() if "cache_aware" in x)
     # per-repetition ratios 0.5, 0.5, 0.75: median 0.50 (medians of each, 90 / 120, would be 0.75)
     assert " 0.50 " in line and "0.50-0.75" in line and " 30.0% " in line and " 60.0% " in line
+    # A variant (more launcher flags) pairs with its own round_robin, named apart.
+    bounded = "--max-step-ms 400"
+    rows[Run("fused:3", False, "round_robin", bounded)] = [result(400, 10)]
+    rows[Run("fused:3", False, "cache_aware", bounded)] = [result(100, 30)]
+    line = next(x for x in table(rows, 100, 50).splitlines() if f"[{bounded}] cache_aware" in x)
+    assert " 0.25 " in line
 
 
 def test_route_reads_the_frontends_request_lines_and_splits_the_prediction():
