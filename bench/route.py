@@ -394,7 +394,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--variants", default="",
         help="';'-separated sets of more launcher flags to compare, each run with every "
-        "policy (an empty one: none), e.g. '; --max-step-ms 400'",
+        "policy (an empty one: none), e.g. '; --max-num-seqs 16'",
     )  # fmt: skip
     ap.add_argument(
         "--dump",

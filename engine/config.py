@@ -143,11 +143,6 @@ class EngineConfig:
     # (QueueFullError), so a caller can go elsewhere instead of queueing without bound.
     max_num_waiting: int = 256
     max_num_batched_tokens: int = 2048
-    # A step's time bound, in ms (0: none): once the step-time model is fitted, each step
-    # computes only the prompt tokens that fit in it beside the decoding requests (at least
-    # a block's worth), so a long prompt cannot stall every stream for seconds, and a
-    # request's first token does not wait for prompts that arrived after it.
-    max_step_ms: float = 0.0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # torch intra-op threads; None leaves torch's default. Workers sharing a machine set it.
@@ -180,8 +175,6 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.max_step_ms >= 0:  # (NaN too)
-            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

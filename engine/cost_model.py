@@ -9,10 +9,7 @@ samples):
 
 A request's time to first token then follows (`StepCost.prefill_s`): its prompt, and the
 prompt tokens queued before it, are computed in chunks of at most `token_budget` tokens,
-one chunk a step, while the running requests decode in every step. With a step time bound
-(`max_step_s`, the engine's max_step_ms) a chunk is also no more than the prompt tokens
-the model says fit in that time beside the decodes (`StepCost.chunk`): the engine chunks
-by that same formula, so what the master predicts is what the worker does.
+one chunk a step, while the running requests decode in every step.
 
 Workers publish the coefficients in their LoadReports and the master predicts with these
 same formulas (services/master/cost.py): every master replica, seeing the same reports,
@@ -31,8 +28,6 @@ from dataclasses import dataclass
 TIER_HOST, TIER_REMOTE = "host", "remote"
 # KV a PD decode worker receives from the prefill worker (timed like a fetch, per byte).
 TIER_TRANSFER = "transfer"
-# The fewest prompt tokens a time-bounded step computes (a block): a prompt always advances.
-MIN_CHUNK_TOKENS = 16
 HALF_LIFE = 64.0  # samples: one this many samples old weighs half as much as the newest
 _RIDGE = 1e-9  # on the unit-diagonal system: only degenerate directions feel it
 
@@ -125,7 +120,6 @@ class StepCost:
     token_s: float = 0.0
     row_s: float = 0.0
     token_budget: int = 0  # prompt tokens one step computes at most (0: no limit)
-    max_step_s: float = 0.0  # a step's time bound (0: none)
 
     @property
     def fitted(self) -> bool:
@@ -139,24 +133,12 @@ class StepCost:
         unfitted): what load reports and Stats publish."""
         return self.step_s(0, max(1, running)) if self.fitted else 0.0
 
-    def chunk(self, decode_rows: int = 0) -> int:
-        """Prompt tokens one step computes beside `decode_rows` decoding requests (0: no
-        limit): token_budget, and under max_step_s, once fitted, no more than fit in that
-        time (Sarathi-Serve's token budget, from the worker's own speed), but at least
-        MIN_CHUNK_TOKENS."""
-        if not self.max_step_s or not self.fitted or self.token_s <= 0:
-            return self.token_budget
-        spare = self.max_step_s - self.step_s(0, decode_rows)
-        timed = max(MIN_CHUNK_TOKENS, math.floor(spare / self.token_s + 1e-6))
-        return min(timed, self.token_budget) if self.token_budget else timed
-
     def prefill_s(self, tokens: int, decode_rows: int = 0) -> float:
-        """Seconds to compute `tokens` prompt tokens, a chunk a step, while `decode_rows`
-        requests decode in every one of those steps."""
+        """Seconds to compute `tokens` prompt tokens, a chunk of at most token_budget a
+        step, while `decode_rows` requests decode in every one of those steps."""
         if tokens <= 0:
             return 0.0
-        chunk = self.chunk(decode_rows)
-        steps = math.ceil(tokens / chunk) if chunk else 1
+        steps = math.ceil(tokens / self.token_budget) if self.token_budget else 1
         return steps * self.step_s(0, decode_rows) + self.token_s * tokens
 
     def first_token_s(self, queued_tokens: int, own_tokens: int, running: int) -> float:
@@ -176,7 +158,7 @@ class StepCost:
     @property
     def prefill_tokens_per_s(self) -> float:
         """Prompt throughput of full chunks with nothing decoding (0: unfitted)."""
-        chunk = self.chunk() or 512
+        chunk = self.token_budget or 512
         seconds = self.prefill_s(chunk)
         return chunk / seconds if self.fitted and seconds > 0 else 0.0
 
@@ -199,9 +181,8 @@ class FetchCost:
 class CostModel:
     """The engine's fits: one for its steps, one per tier it fetches KV from."""
 
-    def __init__(self, token_budget: int = 0, max_step_s: float = 0.0) -> None:
+    def __init__(self, token_budget: int = 0) -> None:
         self.token_budget = token_budget
-        self.max_step_s = max_step_s
         self._step = LinearFit(3)
         self._fetch: dict[str, LinearFit] = {}
         self._fetch_lock = threading.Lock()
@@ -219,7 +200,7 @@ class CostModel:
 
     def step(self) -> StepCost:
         fixed, token, row = self._step.coefficients()
-        return StepCost(fixed, token, row, self.token_budget, self.max_step_s)
+        return StepCost(fixed, token, row, self.token_budget)
 
     def fetch(self) -> dict[str, FetchCost]:
         with self._fetch_lock:

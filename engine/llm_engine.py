@@ -110,7 +110,7 @@ class LLMEngine:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
         )
         # Fitted step and fetch times: the wait estimate here, the master's predictions.
-        self.costs = CostModel(config.max_num_batched_tokens, config.max_step_ms / 1e3)
+        self.costs = CostModel(config.max_num_batched_tokens)
         # Structured outputs: specs compiled for this model's tokenizer, cached by spec.
         self.grammars = Grammars(
             Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
@@ -270,7 +270,7 @@ class LLMEngine:
         started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.costs.step())
-        sched = self.scheduler.schedule(self._step_token_budget())
+        sched = self.scheduler.schedule()
         outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
             return outputs
@@ -302,19 +302,6 @@ class LLMEngine:
         outputs += [_delta(r, tokens, exports.get(r.request_id)) for r, tokens in advanced]
         self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
-
-    def _step_token_budget(self) -> int | None:
-        """Under max_step_ms, the next step's tokens: the running requests' decode tokens
-        (drafts included) and the prompt chunk that fits beside them by the fitted step
-        model, the formula the master predicts with (None: no time bound)."""
-        if not self.config.max_step_ms:
-            return None
-        decode = [
-            1 + len(r.spec_token_ids)
-            for r in self.scheduler.running
-            if r.status == RequestStatus.RUNNING and r.num_computed_tokens >= r.num_prompt_tokens
-        ]
-        return sum(decode) + self.costs.step().chunk(len(decode))
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV:
         # The blocks were released by this very step, but nothing can reuse them before the

@@ -1,8 +1,7 @@
 """Continuous-batching scheduler in the vLLM-v1 style.
 
 There is no prefill or decode phase: every step each running request gets
-`len(token_ids) - num_computed_tokens` new tokens (capped by the step's token budget:
-max_num_batched_tokens, or less when the engine bounds the step's time), then
+`len(token_ids) - num_computed_tokens` new tokens (capped by the step's token budget), then
 waiting requests are admitted in (priority, arrival) order. Chunked prefill is the budget cap,
 a prefix hit starts `num_computed_tokens` above zero, and preemption resets it to zero
 (recompute). When blocks run out, the lowest-priority, newest running request is preempted.
@@ -180,13 +179,9 @@ class Scheduler:
         return request
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
-        """One step's work: at most `token_budget` tokens (None: max_num_batched_tokens;
-        never more than it)."""
+    def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if token_budget is not None:
-            budget = max(1, min(budget, token_budget))
         scheduled: dict[str, ScheduledRequest] = {}
 
         for request in list(self.running):

@@ -230,10 +230,10 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     # per-repetition ratios 0.5, 0.5, 0.75: median 0.50 (medians of each, 90 / 120, would be 0.75)
     assert " 0.50 " in line and "0.50-0.75" in line and " 30.0% " in line and " 60.0% " in line
     # A variant (more launcher flags) pairs with its own round_robin, named apart.
-    bounded = "--max-step-ms 400"
-    rows[Run("fused:3", False, "round_robin", bounded)] = [result(400, 10)]
-    rows[Run("fused:3", False, "cache_aware", bounded)] = [result(100, 30)]
-    line = next(x for x in table(rows, 100, 50).splitlines() if f"[{bounded}] cache_aware" in x)
+    variant = "--max-num-seqs 16"
+    rows[Run("fused:3", False, "round_robin", variant)] = [result(400, 10)]
+    rows[Run("fused:3", False, "cache_aware", variant)] = [result(100, 30)]
+    line = next(x for x in table(rows, 100, 50).splitlines() if f"[{variant}] cache_aware" in x)
     assert " 0.25 " in line
 
 

@@ -4,11 +4,10 @@ that generated the measurements, follow a change, and predict with the chunking 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
-from engine.cost_model import MIN_CHUNK_TOKENS, CostModel, FetchCost, LinearFit, StepCost
+from engine.cost_model import CostModel, FetchCost, LinearFit, StepCost
 
 
 def test_unfitted_models_predict_nothing():
@@ -84,19 +83,3 @@ def test_prefill_is_chunked_and_the_running_batch_rides_along():
     )
     assert c.queue_wait_s(150, running=4) == pytest.approx(0.004 + 2 * 0.004 + 0.015)
     assert c.prefill_tokens_per_s == pytest.approx(100 / (0.002 + 0.01))
-
-
-def test_a_time_bound_chunks_prompts_by_what_fits_beside_the_decodes():
-    c = StepCost(fixed_s=0.01, token_s=0.001, row_s=0.002, token_budget=2048, max_step_s=0.05)
-    # 50 ms: 10 fixed + 4 rows x 2 leave 32 ms, 32 tokens; alone, 40.
-    assert (c.chunk(decode_rows=4), c.chunk()) == (32, 40)
-    # The decodes alone overrun the bound: a block's worth still lets a prompt advance.
-    assert c.chunk(decode_rows=30) == MIN_CHUNK_TOKENS
-    # The configured budget still caps it; without a bound, it alone counts.
-    assert replace(c, token_budget=24).chunk() == 24
-    assert replace(c, max_step_s=0.0).chunk() == 2048
-    # Not fitted: no bound is known, the configured budget holds.
-    assert StepCost(token_budget=2048, max_step_s=0.05).chunk() == 2048
-    # The prediction chunks the same way: 100 tokens beside 4 decodes, 4 steps of 18 ms.
-    assert c.prefill_s(100, decode_rows=4) == pytest.approx(4 * 0.018 + 0.1)
-    assert c.prefill_tokens_per_s == pytest.approx(40 / 0.05)

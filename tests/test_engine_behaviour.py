@@ -97,50 +97,6 @@ def test_degenerate_sampling_equals_greedy(llm, prompts, greedy_ref):
     assert_pool_idle(llm.engine)
 
 
-def test_a_step_time_bound_chunks_prompts_by_the_fitted_step_model(llama_dir, prompts, greedy_ref):
-    """max_step_ms: each step computes only the prompt tokens that fit beside its decodes by
-    the fitted step model (a block at least), the chunk the cost model publishes, and the
-    output is the unbounded engine's."""
-    llm = make_llm(llama_dir, max_step_ms=30.5)
-    engine = llm.engine
-    # A fit frozen at 10 ms a step + 1 ms a prompt token + 2 ms a decoding row: 20 prompt
-    # tokens in 30.5 ms alone, 18 beside one decode, the floor of 16 beside two or more.
-    for p, d in [(0, 1), (100, 0), (0, 10), (50, 5), (200, 2)]:
-        engine.costs.observe_step(0.01 + 0.001 * p + 0.002 * d, p, d)
-    engine.costs.observe_step = lambda *_: None
-    steps: list[tuple[int, int]] = []  # (decoding rows, prompt tokens) per step
-    schedule = engine.scheduler.schedule
-
-    def recorded(token_budget=None):
-        out = schedule(token_budget)
-        rows = [
-            s for s in out.scheduled if s.request.num_computed_tokens >= s.request.num_prompt_tokens
-        ]
-        steps.append((len(rows), sum(s.num_new_tokens for s in out.scheduled) - len(rows)))
-        return out
-
-    engine.scheduler.schedule = recorded
-    outs = llm.generate([prompts[6], prompts[5], prompts[2]], GREEDY)
-    assert [o.token_ids for o in outs] == [greedy_ref[6], greedy_ref[5], greedy_ref[2]]
-    assert steps[0] == (0, 20)  # 58 tokens: a 20-token chunk first
-    assert all(prompt <= max(16, 20 - 2 * rows) for rows, prompt in steps), steps
-    assert engine.costs.step().chunk() == 20  # what the master predicts with
-    assert_pool_idle(engine)
-
-
-def test_an_unfitted_step_model_leaves_steps_unbounded(llama_dir, prompts, greedy_ref):
-    """Until the step model is fitted, the time bound is unknown: the token budget alone."""
-    llm = make_llm(llama_dir, max_step_ms=0.001)
-    engine = llm.engine
-    engine.costs.observe_step = lambda *_: None  # never fitted
-    engine.add_request(engine.make_request("a", prompts[6], GREEDY))
-    [out] = step_checked(engine)
-    assert engine.scheduler.requests["a"].num_computed_tokens == len(prompts[6])
-    assert out.new_token_ids == greedy_ref[6][:1]
-    engine.abort_request("a")
-    assert_pool_idle(engine)
-
-
 # -- stop conditions -----------------------------------------------------------------------
 def test_max_tokens_finishes_with_length(llm, prompts, greedy_ref):
     [out] = llm.generate([prompts[3]], SamplingParams(max_tokens=5, temperature=0.0))

@@ -81,20 +81,6 @@ def test_chunked_prefill_within_the_token_budget():
     assert_drained(s)
 
 
-def test_a_step_budget_below_the_configured_one_chunks_further():
-    s = make(budget=8)
-    a, b = req("a", 10, max_tokens=2), req("b", 3, first=50, max_tokens=1)
-    s.add_request(a)
-    s.add_request(b)
-    out = s.schedule(token_budget=4)
-    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 4)]
-    s.update_from_output(out, {})
-    # Above the configured budget, the configured one holds.
-    out = s.schedule(token_budget=100)
-    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 6), ("b", 2)]
-    s.check_integrity()
-
-
 def test_decodes_are_scheduled_before_waiting_prompts():
     s = make(budget=8)
     s.add_request(req("a", 4, max_tokens=3))

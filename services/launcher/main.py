@@ -124,13 +124,6 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--max-num-waiting", type=int, default=None, help="per worker (default: the worker's)"
     )
-    p.add_argument(
-        "--max-step-ms",
-        type=float,
-        default=None,
-        help="bound each worker's engine steps in time (see rtp-serve fused --help; default: "
-        "the worker's, none)",
-    )
     add_lora_flags(p)  # passed to every worker and the frontend
     add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
@@ -312,9 +305,7 @@ def _start(cluster: Cluster, model: str) -> str:
         from engine.make_model import resolve_model
 
         worker += ["--draft-model", str(resolve_model(args.draft_model))]
-    flags = ("max_num_seqs", "max_num_waiting", "max_step_ms", "num_speculative_tokens",
-             "draft_layers")  # fmt: skip
-    for flag in flags:
+    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
         if getattr(args, flag) is not None:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     loras = [f"--lora={name}={path}" for name, path in args.loras]

@@ -54,11 +54,7 @@ def step_cost(report: events_pb2.LoadReport | None) -> StepCost:
     if report is None:
         return StepCost()
     return StepCost(
-        report.step_fixed_s,
-        report.step_token_s,
-        report.step_row_s,
-        report.step_token_budget,
-        report.step_max_s,
+        report.step_fixed_s, report.step_token_s, report.step_row_s, report.step_token_budget
     )
 
 
@@ -80,7 +76,6 @@ def mean_cost(costs: Sequence[StepCost]) -> StepCost:
         sum(c.token_s for c in fitted) / n,
         sum(c.row_s for c in fitted) / n,
         max(c.token_budget for c in fitted),
-        max(c.max_step_s for c in fitted),
     )
 
 

@@ -106,13 +106,6 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", "2048"))
     )
     p.add_argument(
-        "--max-step-ms",
-        type=float,
-        default=float(env("max_step_ms", "0")),
-        help="bound each engine step's time (0: none): prompts are computed in chunks that "
-        "fit, by this worker's fitted step time, beside the decoding requests",
-    )
-    p.add_argument(
         "--threads",
         type=int,
         default=int(env("threads", "0")),
@@ -199,7 +192,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_step_ms=args.max_step_ms,
         num_threads=args.threads or None,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,

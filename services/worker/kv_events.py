@@ -114,7 +114,6 @@ def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_p
         step_token_s=cost.token_s,
         step_row_s=cost.row_s,
         step_token_budget=cost.token_budget,
-        step_max_s=cost.max_step_s,
         fetch_costs=[
             events_pb2.TierFetchCost(tier=tier, fixed_s=c.fixed_s, byte_s=c.byte_s)
             for tier, c in llm.costs.fetch().items()
