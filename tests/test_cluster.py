@@ -79,6 +79,12 @@ def _model_id(cluster) -> str:
     return _client(cluster).models.list().data[0].id
 
 
+def test_up_means_every_worker_is_registered(cluster):
+    """The launcher reports the cluster up only once the frontend knows every worker it
+    started (first in this module: nothing has waited since the launch)."""
+    assert len(cluster.workers()) == (3 if cluster.mode == "pd" else 2)
+
+
 def test_completions_match_engine(cluster, reference):
     client, model_id = _client(cluster), _model_id(cluster)
     for prompt in PROMPTS:

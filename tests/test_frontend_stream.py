@@ -166,9 +166,10 @@ def test_logprobs_formats(tiny, script) -> None:
 def test_ready_with_a_worker(tiny, script) -> None:
     async def go():
         async with frontend(tiny, {"w1": (FUSED, FakeWorker(script))}) as h:
-            return (await h.client.get("/ready")).status
+            reply = await h.client.get("/ready")
+            return reply.status, await reply.json()
 
-    assert run(go()) == 200
+    assert run(go()) == (200, {"status": "ready", "workers": 1})
 
 
 def test_admission_limit_and_client_disconnect(tiny, script) -> None:

@@ -33,6 +33,7 @@ REASON_LOST = "lost"
 DEFAULT_TTL_S = 3.0
 RPC_TIMEOUT_S = 1.0
 WATCH_BACKOFF_S = (0.1, 2.0)  # first and largest wait between Watch reconnects
+WORKER_ROLES = frozenset((pb.ROLE_PREFILL, pb.ROLE_DECODE, pb.ROLE_FUSED))
 
 
 def make_member(

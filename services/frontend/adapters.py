@@ -19,13 +19,13 @@ import grpc
 
 from engine.block_hash import salt_of
 from engine.lora.peft_config import AdapterError, LoraConfig, check_name
+from services.common.naming import WORKER_ROLES
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.frontend.errors import ErrorKind, FrontendError, invalid
 
 log = logging.getLogger(__name__)
 
-WORKER_ROLES = (ns_pb2.ROLE_PREFILL, ns_pb2.ROLE_DECODE, ns_pb2.ROLE_FUSED)
 ADMIN_TIMEOUT_S = 30.0
 
 
@@ -123,7 +123,7 @@ def not_found(name: str, param: str = "model") -> FrontendError:
 
 
 def _workers(router) -> list[ns_pb2.Member]:
-    members = [m for role in WORKER_ROLES for m in router.membership.with_role(role)]
+    members = [m for role in sorted(WORKER_ROLES) for m in router.membership.with_role(role)]
     if not members:
         raise FrontendError(
             ErrorKind.UNAVAILABLE, "no worker is registered to load the adapter on",

@@ -183,9 +183,11 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    if await request.app[GENERATOR].router.ready():
-        return web.json_response({"status": "ready"})
-    return web.json_response({"status": "no route to a worker"}, status=503)
+    router = request.app[GENERATOR].router
+    workers = router.num_workers()  # (a launcher waits for all it started)
+    if await router.ready():
+        return web.json_response({"status": "ready", "workers": workers})
+    return web.json_response({"status": "no route to a worker", "workers": workers}, status=503)
 
 
 async def _openapi(request: web.Request) -> web.Response:

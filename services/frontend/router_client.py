@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import grpc_util
-from services.common.naming import MemberSet
+from services.common.naming import WORKER_ROLES, MemberSet
 from services.common.pb import master_pb2, master_pb2_grpc
 from services.common.pb import nameservice_pb2 as ns_pb2
 from services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
@@ -58,6 +58,10 @@ class Membership(MemberSet):
     def __init__(self) -> None:
         super().__init__()
         self._turn = itertools.count()
+
+    def num_workers(self) -> int:
+        """Workers of any role known now."""
+        return sum(m.role in WORKER_ROLES for m in self.members.values())
 
     def has_route(self) -> bool:
         roles = {m.role for m in self.members.values()}
@@ -121,6 +125,10 @@ class Router:
             return self.master
         masters = self.membership.with_role(ns_pb2.ROLE_MASTER)
         return masters[0].address if masters else None
+
+    def num_workers(self) -> int:
+        """Workers known from the nameservice (0 without a membership view)."""
+        return self.membership.num_workers()
 
     async def ready(self) -> bool:
         """True when some request could be routed to a worker now."""

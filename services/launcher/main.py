@@ -2,7 +2,7 @@
 
 Starts NATS and Redis from the pip-installed binaries (or uses --nats-url/--redis-url), then
 nameservice, master, cache, the workers and the frontend; waits until the frontend is
-ready, writes its URL to stdout, and on SIGTERM/SIGINT stops everything it started. Children
+ready and knows every worker, writes its URL to stdout, and on SIGTERM/SIGINT stops everything it started. Children
 also get SIGKILL from the kernel if the launcher itself dies (PR_SET_PDEATHSIG): no orphans.
 
 Stopping drains: the frontend and the workers get SIGTERM first and together (they stop
@@ -335,11 +335,14 @@ def _write_info(cluster: Cluster) -> None:
         tmp.replace(path)
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, workers: int) -> bool:
+    """The frontend can route, and knows all `workers` started here (the first to register
+    makes it ready; "up" before the others would start a benchmark on part of the cluster)."""
     try:
         with urllib.request.urlopen(url + "/ready", timeout=1.0) as reply:
-            return reply.status == 200
-    except OSError:
+            body = json.loads(reply.read() or b"{}")
+            return reply.status == 200 and body.get("workers", workers) >= workers
+    except (OSError, ValueError):
         return False
 
 
@@ -352,7 +355,7 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             url = await asyncio.to_thread(_start, cluster, model)
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while not await asyncio.to_thread(_ready, url):
+            while not await asyncio.to_thread(_ready, url, _worker_count(args)):
                 dead = [(n, p.returncode) for n, p in cluster.procs if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"cluster process exited during start-up: {dead}")

@@ -33,6 +33,7 @@ import grpc
 
 from services.common import grpc_util, subjects
 from services.common.bus import Bus
+from services.common.naming import WORKER_ROLES
 from services.common.pb import (
     cache_pb2_grpc,
     events_pb2,
@@ -60,9 +61,6 @@ IN_TRANSIT_S = 0.25
 # A load report stops counting after this long: 4 report intervals (workers report every
 # 0.25 s, services/worker/kv_events.py). Without reports a worker is unknown, not idle.
 LOAD_TTL_S = 1.0
-WORKER_ROLES = frozenset(
-    (nameservice_pb2.ROLE_PREFILL, nameservice_pb2.ROLE_DECODE, nameservice_pb2.ROLE_FUSED)
-)
 # Members whose KV the prefix index follows: the workers, and the cache instances' T2.
 INDEXED_ROLES = WORKER_ROLES | {nameservice_pb2.ROLE_CACHE}
 SNAPSHOT_TIMEOUT_S = 5.0
