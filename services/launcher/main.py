@@ -2,8 +2,9 @@
 
 Starts NATS and Redis from the pip-installed binaries (or uses --nats-url/--redis-url), then
 nameservice, master, cache, the workers and the frontend; waits until the frontend is
-ready and knows every worker, writes its URL to stdout, and on SIGTERM/SIGINT stops everything it started. Children
-also get SIGKILL from the kernel if the launcher itself dies (PR_SET_PDEATHSIG): no orphans.
+ready and knows every worker, writes its URL to stdout, and on SIGTERM/SIGINT stops
+everything it started. Children also get SIGKILL from the kernel if the launcher itself
+dies (PR_SET_PDEATHSIG): no orphans.
 
 Stopping drains: the frontend and the workers get SIGTERM first and together (they stop
 taking requests and finish those in flight for up to --drain-timeout); then the master, the
