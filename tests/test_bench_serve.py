@@ -215,8 +215,9 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     def result(p95: float, cached: int, failed: int = 0) -> dict:
         return {
             "completed": 10, "failed": failed, "median_ttft_ms": p95 / 2, "p95_ttft_ms": p95,
-            "p99_ttft_ms": p95, "p99_itl_ms": 5.0, "cached_tokens": cached, "prediction_abs_error_s": math.nan,
-            "prediction_late": math.nan, "hits": {"T0": cached}, "cpu_s": {"fused": 1.0},
+            "p99_ttft_ms": p95, "p99_itl_ms": 5.0, "cached_tokens": cached,
+            "prediction_abs_error_s": math.nan, "prediction_late": math.nan,
+            "hits": {"T0": cached}, "cpu_s": {"fused": 1.0},
         }  # fmt: skip
 
     rr, ca = Run("fused:3", False, "round_robin"), Run("fused:3", False, "cache_aware")
