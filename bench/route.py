@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import math
@@ -308,6 +309,26 @@ def median_of(reps: Sequence[dict]) -> dict:
     return out
 
 
+def paired(rows: dict[Run, list[dict]]) -> list[str]:
+    """Each repetition's ratio to its pair (runs are interleaved, so a pair shares the
+    machine's state): TTFT p95 against round_robin's, and the tiers-on run's p50 speed-up
+    over tiers off (the issue's two targets; the table gives their medians)."""
+    out = []
+    for run, reps in rows.items():
+        pairs = []
+        if run.policy != "round_robin":
+            rr = rows.get(dataclasses.replace(run, policy="round_robin"), [])
+            pairs.append(("p95 x rr", [a["p95_ttft_ms"] / b["p95_ttft_ms"]
+                                       for a, b in zip(reps, rr, strict=False) if b["p95_ttft_ms"]]))  # fmt: skip
+        if run.tiers:
+            off = rows.get(dataclasses.replace(run, tiers=False), [])
+            pairs.append(("p50 off / on", [b["median_ttft_ms"] / a["median_ttft_ms"]
+                                           for a, b in zip(reps, off, strict=False) if a["median_ttft_ms"]]))  # fmt: skip
+        out += [f"{run.name}: {label} by repetition " + " ".join(f"{v:.2f}" for v in values)
+                for label, values in pairs if len(values) > 1]  # fmt: skip
+    return ["\nEach repetition against its pair", *out] if out else []
+
+
 def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
     """The results, one line per configuration; with several repetitions, each number is
     the median over them, and "p95 x rr" is the median of each repetition's ratio to the
@@ -340,6 +361,7 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
             f"{ratio:>8.2f} {spread:>11} {reused:>7.1%} {share:>7.1%} "
             f"{r['prediction_abs_error_s'] * 1e3:>8.0f} {r['prediction_late']:>5.0%} {tiers}"
         )
+    lines += paired(rows)
     lines.append(
         "\nThe master's prediction term by term, mean ms over the requests it predicted: "
         "predicted (wait + prefill + fetch) against actual (the worker's queue + its prefill "

@@ -236,6 +236,14 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     rows[Run("fused:3", False, "cache_aware", variant)] = [result(100, 30)]
     line = next(x for x in table(rows, 100, 50).splitlines() if f"[{variant}] cache_aware" in x)
     assert " 0.25 " in line
+    # Each repetition's ratios are listed, for p95 against round_robin and p50 tiers off / on.
+    on = Run("fused:3", True, "cache_aware")
+    rows[on] = [result(25, 30), result(80, 30), result(30, 30)]
+    text = table(rows, 100, 50)
+    assert "fused:3 tiers=off cache_aware: p95 x rr by repetition 0.50 0.50 0.75" in text
+    # tiers=on has no round_robin of its own; its p50s (half of p95) against tiers off's
+    assert "fused:3 tiers=on cache_aware: p50 off / on by repetition 2.00 1.25 3.00" in text
+    assert "tiers=on cache_aware: p95 x rr" not in text
 
 
 def test_route_reads_the_frontends_request_lines_and_splits_the_prediction():
