@@ -309,6 +309,11 @@ def median_of(reps: Sequence[dict]) -> dict:
     return out
 
 
+def ratios(reps: Sequence[dict], base: Sequence[dict], key: str) -> list[float]:
+    """Each repetition's `key` over the same repetition of its baseline."""
+    return [a[key] / b[key] for a, b in zip(reps, base, strict=False) if b[key]]
+
+
 def paired(rows: dict[Run, list[dict]]) -> list[str]:
     """Each repetition's ratio to its pair (runs are interleaved, so a pair shares the
     machine's state): TTFT p95 against round_robin's, and the tiers-on run's p50 speed-up
@@ -318,12 +323,12 @@ def paired(rows: dict[Run, list[dict]]) -> list[str]:
         pairs = []
         if run.policy != "round_robin":
             rr = rows.get(dataclasses.replace(run, policy="round_robin"), [])
-            pairs.append(("p95 x rr", [a["p95_ttft_ms"] / b["p95_ttft_ms"]
-                                       for a, b in zip(reps, rr, strict=False) if b["p95_ttft_ms"]]))  # fmt: skip
+            pairs.append(("p95 x rr", ratios(reps, rr, "p95_ttft_ms")))
         if run.tiers:
             off = rows.get(dataclasses.replace(run, tiers=False), [])
-            pairs.append(("p50 off / on", [b["median_ttft_ms"] / a["median_ttft_ms"]
-                                           for a, b in zip(reps, off, strict=False) if a["median_ttft_ms"]]))  # fmt: skip
+            pairs.append(
+                ("p50 off / on", [1 / x for x in ratios(reps, off, "median_ttft_ms") if x])
+            )
         out += [f"{run.name}: {label} by repetition " + " ".join(f"{v:.2f}" for v in values)
                 for label, values in pairs if len(values) > 1]  # fmt: skip
     return ["\nEach repetition against its pair", *out] if out else []
@@ -347,10 +352,9 @@ def table(rows: dict[Run, list[dict]], prompt_tokens: int, ceiling: int) -> str:
     for run, reps in rows.items():
         r = merged[run]
         base = rr.get((run.topology, run.tiers, run.variant), [])
-        ratios = [a["p95_ttft_ms"] / b["p95_ttft_ms"] for a, b in zip(reps, base, strict=False)
-                  if b["p95_ttft_ms"]]  # fmt: skip
-        ratio = statistics.median(ratios) if ratios else math.nan
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
+        p95s = ratios(reps, base, "p95_ttft_ms")
+        ratio = statistics.median(p95s) if p95s else math.nan
+        spread = f"{min(p95s):.2f}-{max(p95s):.2f}" if len(p95s) > 1 else ""
         reused = r["cached_tokens"] / prompt_tokens if prompt_tokens else 0.0
         share = r["cached_tokens"] / ceiling if ceiling else math.nan
         tiers = " ".join(f"{r['hits'].get(t, 0):>6.0f}" for t in TIERS)
