@@ -17,9 +17,9 @@ Per run, over the measured requests: TTFT p50/p95/p99; reused prompt tokens (the
 usage.prompt_tokens_details.cached_tokens over the sum of prompt tokens); that reuse as a
 share of the ceiling (what one infinite cache shared by everyone would reuse, computed
 from the prompts, the lead-in's included: `ceiling_tokens`); the prompt blocks each tier
-served, scraped from the workers' and cache service's metrics: T0 the worker's pool (what
-requests reused when admitted), T1 its host-memory tier, T2 the cache service's memory, T3
-Redis; and how well the master
+served, scraped from the workers' and cache service's metrics: T0 the pool of the worker
+that computes the prompt (fused or prefill; what requests reused when admitted), T1 its
+host-memory tier, T2 the cache service's memory, T3 Redis; and how well the master
 predicted the time to first token, over the requests it predicted: the mean absolute
 error in ms and the share it predicted too low ("late"). Those come from the frontend's
 --log-requests lines (one per request, tagged by the X-Request-Id the benchmark sends),
@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,17 +123,25 @@ class Run:
 def tier_hits(addresses: Sequence[str]) -> dict[str, int]:
     """Blocks served per tier, summed over the given metrics endpoints, scraped all at once
     (one after another, a busy worker's late answer would move the others' reading)."""
-    hits = dict.fromkeys(TIERS, 0)
     with concurrent.futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
-        texts = list(pool.map(_scrape, addresses))
+        return count_tier_hits(pool.map(_scrape, addresses))
+
+
+def count_tier_hits(texts: Iterable[str]) -> dict[str, int]:
+    """Blocks served per tier, from the endpoints' Prometheus texts. The worker tiers count
+    where a prompt is computed (fused and prefill workers): a PD decode worker's own copy-ups
+    from its host tier save KV transfer, not prefill, and are left out. A worker's device
+    hits include the blocks it copied up from its host tier: T0 is the rest."""
+    hits = dict.fromkeys(TIERS, 0)
     for text in texts:
+        mine = dict.fromkeys(TIERS, 0)
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 tier = _TIER_SAMPLES.get((s.name, s.labels.get("tier", "")))
-                if tier is not None:
-                    hits[tier] += int(s.value)
-    # A worker's device hits include the blocks it copied up from its host tier.
-    hits["T0"] = max(0, hits["T0"] - hits["T1"])
+                if tier is not None and s.labels.get("role") != "decode":
+                    mine[tier] += int(s.value)
+        mine["T0"] = max(0, mine["T0"] - mine["T1"])
+        hits = {t: hits[t] + mine[t] for t in TIERS}
     return hits
 
 

@@ -246,6 +246,24 @@ def test_route_repetitions_are_medians_and_ratios_pair_each_repetition_with_its_
     assert "tiers=on cache_aware: p95 x rr" not in text
 
 
+def test_route_tier_columns_count_where_prompts_are_computed():
+    from bench.route import count_tier_hits
+
+    def worker(role: str, device: int, host: int) -> str:
+        return "".join(
+            f'rtp:prefix_cache_hits_total{{role="{role}",model_name="m",tier="{tier}"}} {n}\n'
+            for tier, n in (("device", device), ("host", host), ("remote", 7))
+        )
+
+    cache = 'rtp:cache_service_hits_total{tier="memory"} 5\nrtp:cache_service_hits_total{tier="redis"} 2\n'
+    # Each worker's device hits include its host copy-ups; a PD decode worker's copy-ups
+    # (it already held part of a transferred prompt) are not prompt reuse, and one worker's
+    # copy-ups never lower another's T0.
+    texts = [worker("prefill", 10, 4), worker("prefill", 3, 0), worker("decode", 0, 9), cache]
+    assert count_tier_hits(texts) == {"T0": 9, "T1": 4, "T2": 5, "T3": 2}
+    assert count_tier_hits([worker("fused", 2, 2), worker("fused", 0, 0)])["T0"] == 0
+
+
 def test_route_reads_the_frontends_request_lines_and_splits_the_prediction():
     from bench.route import first_token_lines, prediction_terms
 
