@@ -261,7 +261,10 @@ def test_route_tier_columns_count_where_prompts_are_computed():
     # copy-ups never lower another's T0.
     texts = [worker("prefill", 10, 4), worker("prefill", 3, 0), worker("decode", 0, 9), cache]
     assert count_tier_hits(texts) == {"T0": 9, "T1": 4, "T2": 5, "T3": 2}
-    assert count_tier_hits([worker("fused", 2, 2), worker("fused", 0, 0)])["T0"] == 0
+    # A worker whose copy-ups outnumber its admitted hits (copied up at lookup, evicted
+    # again before admission) reads T0 0, and leaves the other's 5 whole (summed first: 2).
+    hits = count_tier_hits([worker("fused", 0, 3), worker("fused", 5, 0)])
+    assert (hits["T0"], hits["T1"]) == (5, 3)
 
 
 def test_route_reads_the_frontends_request_lines_and_splits_the_prediction():
