@@ -1,5 +1,6 @@
-"""Compiles the CPU kernels (kernels/csrc) into the package when it is built or installed,
-one module per build in kernels/cpu_build.py; kernels/cpu.py picks one by the CPU's flags.
+"""How the folders map onto the one import package, `rtp_serve`, and the CPU kernels
+(kernels/csrc) compiled into it when it is built or installed, one module per build in
+rtp_serve/kernels/cpu_build.py; rtp_serve/kernels/cpu.py picks one by the CPU's flags.
 
 Everything else about the package is in pyproject.toml. The install never fails on the
 kernels: without torch in the build environment, off x86-64, with RTP_SERVE_BUILD_KERNELS=0
@@ -14,10 +15,30 @@ import platform
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import cpu_build  # noqa: E402
+from rtp_serve.kernels import cpu_build  # noqa: E402
+
+# The design's top-level folders stay where they are and map into the namespace; the
+# packages without a folder of their own (core, models, the kernels' Python side) live
+# under rtp_serve/. kernels/ holds only sources, so `import kernels` from the repository
+# root still finds Hugging Face's package of that name.
+PACKAGE_DIRS = {
+    "rtp_serve": "rtp_serve",
+    "rtp_serve.engine": "engine",
+    "rtp_serve.services": "services",
+    "rtp_serve.kernels.triton": "kernels/triton",
+    "rtp_serve.kernels.csrc": "kernels/csrc",  # the C++ sources, for a compile on first use
+}
+
+
+def packages() -> list[str]:
+    return [
+        f"{package}.{sub}" if sub else package
+        for package, folder in PACKAGE_DIRS.items()
+        for sub in ["", *find_packages(folder)]
+    ]
 
 
 def _warn(why: str) -> None:
@@ -52,7 +73,7 @@ def kernel_modules() -> dict:
 
     modules = [
         CppExtension(
-            f"kernels.{cpu_build.module_name(build)}",
+            f"rtp_serve.kernels.{cpu_build.module_name(build)}",
             sources=[f"kernels/csrc/{source}" for source in cpu_build.SOURCES],
             extra_compile_args=cpu_build.flags(build),
             extra_link_args=list(cpu_build.LINK_FLAGS),
@@ -62,4 +83,9 @@ def kernel_modules() -> dict:
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildKernels}}
 
 
-setup(**kernel_modules())
+setup(
+    packages=packages(),
+    package_dir=PACKAGE_DIRS,
+    package_data={"rtp_serve.kernels.csrc": ["*.cpp", "*.h"]},
+    **kernel_modules(),
+)

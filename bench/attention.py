@@ -22,10 +22,10 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import torch  # noqa: E402
 
-from kernels import cpu  # noqa: E402
-from kernels.attention import LayerCache, paged_decode, paged_prefill, write_kv  # noqa: E402
-from kernels.isa import cpu_isa  # noqa: E402
-from kernels.kv_quant import write_int8  # noqa: E402
+from rtp_serve.kernels import cpu  # noqa: E402
+from rtp_serve.kernels.attention import LayerCache, paged_decode, paged_prefill, write_kv  # noqa: E402
+from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.kernels.kv_quant import write_int8  # noqa: E402
 
 BLOCK = 16
 

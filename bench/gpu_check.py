@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# `engine` package.
+# `rtp_serve.engine` package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
@@ -102,9 +102,8 @@ def measure_machine() -> Machine:
 
 def parity(model_dir: Path, n_tokens: int = 24) -> str:
     """'ok' if our greedy tokens equal HF's on CUDA in float32, else where they part."""
+    from rtp_serve.engine import LLM, SamplingParams
     from transformers import AutoModelForCausalLM
-
-    from engine import LLM, SamplingParams
 
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(40, 77)), [9] * 20]
     llm = LLM(str(model_dir), dtype="float32", device="cuda")
@@ -130,8 +129,9 @@ def parity(model_dir: Path, n_tokens: int = 24) -> str:
 def kernel_rows() -> list[Row]:
     """Triton vs the torch reference, ms, at decode and prefill shapes of llama-100m-like
     heads (12 q, 12 kv, D 64) and GQA (32 q, 8 kv, D 64), bf16, block size 16."""
-    from kernels import attention
-    from kernels.triton import paged_decode
+    from rtp_serve.kernels.triton import paged_decode
+
+    from rtp_serve.kernels import attention
 
     rows = []
     bs, d = 16, 64
@@ -153,8 +153,9 @@ def kernel_rows() -> list[Row]:
 
 
 def _prefill_kernel_row(hq: int, hkv: int, d: int, bs: int, n: int, ctx: int) -> Row:
-    from kernels import attention
-    from kernels.triton import paged_prefill
+    from rtp_serve.kernels.triton import paged_prefill
+
+    from rtp_serve.kernels import attention
 
     blocks = (n + ctx) // bs
     k = torch.randn(blocks * bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -173,9 +174,9 @@ def _prefill_kernel_row(hq: int, hkv: int, d: int, bs: int, n: int, ctx: int) ->
 
 
 def speed_rows(name: str, model_dir: Path, machine: Machine, quick: bool) -> list[Row]:
-    from engine import LLM, SamplingParams
-    from engine.config import ModelConfig
-    from engine.memory import kv_bytes_per_token
+    from rtp_serve.engine import LLM, SamplingParams
+    from rtp_serve.engine.config import ModelConfig
+    from rtp_serve.engine.memory import kv_bytes_per_token
 
     cfg = ModelConfig.from_dir(model_dir)
     rows = []
@@ -243,7 +244,7 @@ def _decode_time(llm, prompts, params) -> tuple[float, int]:
 
 
 def _prefill_time(llm, prompts) -> float:
-    from engine import SamplingParams
+    from rtp_serve.engine import SamplingParams
 
     llm.generate(prompts[:1], SamplingParams(max_tokens=1))  # warm at this length
     torch.cuda.synchronize()
@@ -258,7 +259,7 @@ def real_model(arg: str | None) -> Path | None:
     if where:
         return Path(where)
     try:
-        from engine.make_model import resolve_model
+        from rtp_serve.engine.make_model import resolve_model
 
         return Path(resolve_model("smollm2-135m"))
     except Exception:  # the wheel is not installed here (and cannot be downloaded)
@@ -273,8 +274,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device")
     import triton
-
-    from engine.make_model import build_model
+    from rtp_serve.engine.make_model import build_model
 
     props = torch.cuda.get_device_properties(0)
     rows = [Row("machine", "device", props.name),

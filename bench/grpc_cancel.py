@@ -12,8 +12,8 @@ resident memory before and after (after a full collection) and the growth per 1,
 
 - `grpc`: `async for msg in call` and `call.cancel()` in `finally`, unary calls awaited
   directly, the server sending its headers with its first message (grpcio's examples);
-- `ours`: `services.common.grpc_util.responses/cancel/unary`, the server sending its headers
-  when it takes the call (`services.worker.drain`).
+- `ours`: `rtp_serve.services.common.grpc_util.responses/cancel/unary`, the server sending its headers
+  when it takes the call (`rtp_serve.services.worker.drain`).
 
 Cases: `stream-whole` (nobody gives up: what reading costs, in the client's CPU time per
 call of 16 messages), `stream-set-up` (the server answers after 40 ms, so the client gives
@@ -36,9 +36,9 @@ _ROOT = Path(__file__).resolve().parent.parent  # run as a script: the repositor
 sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
 import grpc  # noqa: E402
+from rtp_serve.services.common import grpc_util  # noqa: E402
 
-from kernels.isa import cpu_isa  # noqa: E402
-from services.common import grpc_util  # noqa: E402
+from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 
 CASES = ("stream-whole", "stream-set-up", "stream-mid", "unary")
 STYLES = ("grpc", "ours")

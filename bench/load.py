@@ -40,7 +40,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent  # run as a script: the repository root first
 sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
-from kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 
 _ONE = """
 import json, sys, time
@@ -48,8 +48,8 @@ import torch
 kind, model = sys.argv[1], sys.argv[2]
 torch.set_num_threads(int(sys.argv[3]))
 if kind != "hf":
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from rtp_serve.engine.config import EngineConfig
+    from rtp_serve.engine.llm_engine import LLMEngine
     how = "auto" if kind == "ours" else kind
     start = time.perf_counter()
     LLMEngine(EngineConfig(model=model, num_kv_blocks=64, num_threads=int(sys.argv[3]),
@@ -125,7 +125,7 @@ UP_CELLS = {
 
 def time_up(model: str, cell: dict[str, str]) -> float:
     """Seconds from `rtp-serve up` (default PD layout) to ready, in a clean environment."""
-    from services.launcher.process import launch
+    from rtp_serve.services.launcher.process import launch
 
     saved = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="load-up-") as tmp:
@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--up-model", default="smollm2-135m", help="the model --up serves")
     ap.add_argument("--skip-load", action="store_true", help="only --up")
     args = ap.parse_args()
-    from engine.make_model import resolve_model
+    from rtp_serve.engine.make_model import resolve_model
 
     print(f"cpu: {cpu_isa().describe()}; load average {os.getloadavg()[0]:.1f}")
     kinds = ["read", "ours", "hf"]

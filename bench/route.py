@@ -164,9 +164,9 @@ def cpu_seconds(pids: Sequence[dict]) -> dict[str, float]:
 
 
 def _metrics_addresses(nameservice: str) -> list[str]:
-    from services.common import grpc_util
-    from services.common.pb import nameservice_pb2 as ns
-    from services.common.pb import nameservice_pb2_grpc
+    from rtp_serve.services.common import grpc_util
+    from rtp_serve.services.common.pb import nameservice_pb2 as ns
+    from rtp_serve.services.common.pb import nameservice_pb2_grpc
 
     async def members() -> list:
         async with grpc_util.channel(nameservice) as ch:
@@ -263,7 +263,7 @@ def prediction_terms(records: Sequence[dict[str, str]]) -> dict[str, float]:
 
 
 def run_one(run: Run, model: str, requests, warm, args, lead: int = 0) -> dict:
-    from services.launcher.process import launch
+    from rtp_serve.services.launcher.process import launch
 
     flags = [*run.flags(args), "--log-requests"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -448,8 +448,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
     args = parse_args(argv)
-    from engine.config import ModelConfig
-    from engine.make_model import resolve_model
+    from rtp_serve.engine.config import ModelConfig
+    from rtp_serve.engine.make_model import resolve_model
 
     model = str(resolve_model(args.model))
     vocab = min(args.vocab, ModelConfig.from_dir(model).vocab_size)

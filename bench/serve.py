@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path and bench/engine.py would
-# shadow the `engine` package: put the repository root there instead.
+# shadow the `rtp_serve.engine` package: put the repository root there instead.
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
@@ -173,7 +173,7 @@ def openai_stream(
 
 
 def engine_stream(llm) -> Stream:
-    from engine import SamplingParams
+    from rtp_serve.engine import SamplingParams
 
     async def stream(prompt: list[int], max_tokens: int, tick: Callable[[], None]) -> int:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -257,7 +257,7 @@ def engine_target(model: str, engine_args: list[str]) -> Target:
 
     @contextlib.asynccontextmanager
     async def open_() -> AsyncIterator[Stream]:
-        from services.worker.config import add_worker_arguments, build_llm
+        from rtp_serve.services.worker.config import add_worker_arguments, build_llm
 
         p = argparse.ArgumentParser()
         add_worker_arguments(p)
@@ -273,7 +273,7 @@ def engine_target(model: str, engine_args: list[str]) -> Target:
 def cluster_target(model: str, flags: list[str]) -> Target:
     @contextlib.asynccontextmanager
     async def open_() -> AsyncIterator[Stream]:
-        from services.launcher.process import launch
+        from rtp_serve.services.launcher.process import launch
 
         with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *flags) as cluster:
             async with url_target(cluster.url)() as stream:
@@ -298,7 +298,7 @@ def topology_target(spec: str, model: str, launcher_args: list[str], engine_args
 
 # -- the run ---------------------------------------------------------------------------------
 def cpu_info() -> dict:
-    from kernels.isa import cpu_isa
+    from rtp_serve.kernels.isa import cpu_isa
 
     isa = cpu_isa()
     return {"level": isa.level, "flags": list(isa.flags), "describe": isa.describe()}
@@ -443,8 +443,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     vocab = args.vocab
     model = None
     if args.compare:
-        from engine.config import ModelConfig
-        from engine.make_model import resolve_model
+        from rtp_serve.engine.config import ModelConfig
+        from rtp_serve.engine.make_model import resolve_model
 
         model = str(resolve_model(args.model or args.model_preset))
         vocab = min(vocab, ModelConfig.from_dir(model).vocab_size)

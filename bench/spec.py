@@ -31,17 +31,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# `engine` package.
+# `rtp_serve.engine` package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+from rtp_serve.engine import SamplingParams  # noqa: E402
+from rtp_serve.engine.config import EngineConfig  # noqa: E402
+from rtp_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from rtp_serve.engine.make_model import resolve_model  # noqa: E402
+from rtp_serve.engine.spec.stats import SpecCounts  # noqa: E402
 
-from engine import SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.make_model import resolve_model  # noqa: E402
-from engine.spec.stats import SpecCounts  # noqa: E402
-from kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 
 CODE = [
     '''def merge_intervals(intervals):

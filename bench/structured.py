@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# `engine` package.
+# `rtp_serve.engine` package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+from rtp_serve.engine import LLM, SamplingParams, StructuredOutputs  # noqa: E402
+from rtp_serve.engine.make_model import resolve_model  # noqa: E402
+from rtp_serve.engine.outputs import OutputCollector  # noqa: E402
 
-from engine import LLM, SamplingParams, StructuredOutputs  # noqa: E402
-from engine.make_model import resolve_model  # noqa: E402
-from engine.outputs import OutputCollector  # noqa: E402
-from kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 
 PERSON = {
     "type": "object",

@@ -1,7 +1,7 @@
 """Model execution shared by prefill, decode and fused workers.
 
 Names are resolved lazily (PEP 562) so that torch-free modules of this package, such as
-`engine.tokenizer`, can be imported by services that must not load torch.
+`rtp_serve.engine.tokenizer`, can be imported by services that must not load torch.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "AsyncLLM": "engine.async_llm",
-    "LLMEngine": "engine.llm_engine",
-    "EngineConfig": "engine.config",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "StructuredOutputs": "engine.structured",
+    "LLM": "rtp_serve.engine.llm",
+    "AsyncLLM": "rtp_serve.engine.async_llm",
+    "LLMEngine": "rtp_serve.engine.llm_engine",
+    "EngineConfig": "rtp_serve.engine.config",
+    "SamplingParams": "rtp_serve.engine.sampling_params",
+    "RequestOutput": "rtp_serve.engine.outputs",
+    "StructuredOutputs": "rtp_serve.engine.structured",
 }
 
 __all__ = [
@@ -30,17 +30,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
-    from engine.structured import StructuredOutputs
+    from rtp_serve.engine.async_llm import AsyncLLM
+    from rtp_serve.engine.config import EngineConfig
+    from rtp_serve.engine.llm import LLM
+    from rtp_serve.engine.llm_engine import LLMEngine
+    from rtp_serve.engine.outputs import RequestOutput
+    from rtp_serve.engine.sampling_params import SamplingParams
+    from rtp_serve.engine.structured import StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'rtp_serve.engine' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

@@ -24,17 +24,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.block_hash import BlockHash
-from engine.block_pool import KVEvent
-from engine.config import EngineConfig, KVLayout
-from engine.cost_model import CostModel, StepCost
-from engine.llm_engine import EngineCheck, EngineStats, LLMEngine
-from engine.lora.peft_config import LoraConfig
-from engine.lora.registry import LoraStats
-from engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError
+from rtp_serve.engine.block_hash import BlockHash
+from rtp_serve.engine.block_pool import KVEvent
+from rtp_serve.engine.config import EngineConfig, KVLayout
+from rtp_serve.engine.cost_model import CostModel, StepCost
+from rtp_serve.engine.llm_engine import EngineCheck, EngineStats, LLMEngine
+from rtp_serve.engine.lora.peft_config import LoraConfig
+from rtp_serve.engine.lora.registry import LoraStats
+from rtp_serve.engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
-from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
+from rtp_serve.engine.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
+from rtp_serve.engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 LOAD_FORMATS = ("auto", "mmap", "read", "fastsafetensors")

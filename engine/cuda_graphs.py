@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from rtp_serve.kernels.attention import AttentionMetadata
 
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from engine.spec.rejection import DraftRow
-from engine.structured import Guide, fill_bitmasks
+from rtp_serve.engine.spec.rejection import DraftRow
+from rtp_serve.engine.structured import Guide, fill_bitmasks
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from rtp_serve.engine.request import Request
 
 assert sys.byteorder == "little", "the grammar bitmask is read as bytes"
 # _BYTE_BIAS[b, i]: 0 where bit i of byte b is set (allowed), -inf where not. Token t is bit

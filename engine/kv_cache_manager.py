@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.block_pool import BlockPool, KVBlock
-from engine.request import Request
+from rtp_serve.engine.block_pool import BlockPool, KVBlock
+from rtp_serve.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

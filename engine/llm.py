@@ -5,18 +5,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
-from engine.dtypes import resolve_dtype
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, OutputCollector
-from engine.sampling_params import SamplingParams
+from rtp_serve.engine.config import EngineConfig
+from rtp_serve.engine.dtypes import resolve_dtype
+from rtp_serve.engine.llm_engine import LLMEngine
+from rtp_serve.engine.outputs import CompletionOutput, OutputCollector
+from rtp_serve.engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
         """`dtype` "auto" serves the checkpoint's own dtype (engine.dtypes.resolve_dtype)."""
         if model is None:
-            from engine.make_model import ensure_model
+            from rtp_serve.engine.make_model import ensure_model
 
             model = str(ensure_model())
         dtype = resolve_dtype(dtype, model)

@@ -10,29 +10,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from engine.block_hash import BlockHash, model_fingerprint, salt_of
-from engine.block_pool import BlockPool, KVBlock, KVEvent
-from engine.config import EngineConfig, KVLayout, ModelConfig
-from engine.cost_model import TIER_HOST, CostModel
-from engine.dtypes import kv_numerics
-from engine.host_tier import HostTier, HostTierStats
-from engine.kv_cache_manager import KVCacheManager
-from engine.lora.peft_config import LoraConfig
-from engine.lora.registry import LoraStats
-from engine.model_runner import ModelRunner, resolve_limits
-from engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.spec.draft_model import DraftModelProposer, TargetKV
-from engine.spec.ngram import NgramProposer
-from engine.spec.proposer import Proposer
-from engine.spec.speculator import Speculator
-from engine.spec.stats import SpecCounts
-from engine.structured import Grammars
-from engine.tokenizer import Tokenizer
-from engine.validation import (
+from rtp_serve.engine.block_hash import BlockHash, model_fingerprint, salt_of
+from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent
+from rtp_serve.engine.config import EngineConfig, KVLayout, ModelConfig
+from rtp_serve.engine.cost_model import TIER_HOST, CostModel
+from rtp_serve.engine.dtypes import kv_numerics
+from rtp_serve.engine.host_tier import HostTier, HostTierStats
+from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.lora.peft_config import LoraConfig
+from rtp_serve.engine.lora.registry import LoraStats
+from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
+from rtp_serve.engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
+from rtp_serve.engine.request import Request, RequestStatus
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.scheduler import Scheduler, SchedulerConfig
+from rtp_serve.engine.spec.draft_model import DraftModelProposer, TargetKV
+from rtp_serve.engine.spec.ngram import NgramProposer
+from rtp_serve.engine.spec.proposer import Proposer
+from rtp_serve.engine.spec.speculator import Speculator
+from rtp_serve.engine.spec.stats import SpecCounts
+from rtp_serve.engine.structured import Grammars
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.engine.validation import (
     InvalidRequestError,
     check_logit_bias,
     check_prompt,

@@ -15,8 +15,7 @@ touched (and copied): a batch without them costs one check per row.
 from __future__ import annotations
 
 import torch
-
-from engine.request import Request
+from rtp_serve.engine.request import Request
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

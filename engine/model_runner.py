@@ -8,30 +8,30 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from engine.config import EngineConfig, EngineLimits, ModelConfig
-from engine.cuda_graphs import DecodeGraphs, cuda_capture
-from engine.dtypes import torch_dtype
-from engine.grammar_masks import MaskWorker
-from engine.lora.batch import LoraBatch, lora_ops
-from engine.lora.registry import LoraRegistry
-from engine.memory import kv_bytes_per_block
-from engine.models.llama import (
+from rtp_serve.engine.config import EngineConfig, EngineLimits, ModelConfig
+from rtp_serve.engine.cuda_graphs import DecodeGraphs, cuda_capture
+from rtp_serve.engine.dtypes import torch_dtype
+from rtp_serve.engine.grammar_masks import MaskWorker
+from rtp_serve.engine.lora.batch import LoraBatch, lora_ops
+from rtp_serve.engine.lora.registry import LoraRegistry
+from rtp_serve.engine.memory import kv_bytes_per_block
+from rtp_serve.engine.models.llama import (
     LlamaModel,
     apply_rope,
     fused_groups,
     load_llama_weights,
     rms_norm,
 )
-from engine.outputs import PromptKV, SampledToken
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.spec.rejection import DraftRow, accept, rows_of
-from engine.weights import load_tensors
-from kernels import backends
-from kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
-from kernels.linear import cpu_kernels
+from rtp_serve.engine.outputs import PromptKV, SampledToken
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.sampler import Sampler
+from rtp_serve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from rtp_serve.engine.spec.rejection import DraftRow, accept, rows_of
+from rtp_serve.engine.weights import load_tensors
+
+from rtp_serve.kernels import backends
+from rtp_serve.kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
+from rtp_serve.kernels.linear import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class ModelRunner:
         norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
         rope = apply_rope
         if choice.name == "triton":  # its RMSNorm and rotary kernels come with it
-            from kernels.triton import rms_norm as triton_norm
-            from kernels.triton import rotary
+            from rtp_serve.kernels.triton import rms_norm as triton_norm
+            from rtp_serve.kernels.triton import rotary
 
             norm, rope = triton_norm.rms_norm, rotary.apply_rope
         self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm, rope)

@@ -21,11 +21,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, block_hash_keys
-from engine.outputs import StagedKV
-from engine.sampling_params import SamplingParams
-from engine.spec.adaptive import SpecState
-from engine.structured import Guide
+from rtp_serve.engine.block_hash import BlockHash, block_hash_keys
+from rtp_serve.engine.outputs import StagedKV
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.spec.adaptive import SpecState
+from rtp_serve.engine.structured import Guide
 
 
 class RequestStatus(enum.Enum):

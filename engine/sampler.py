@@ -19,16 +19,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
-from engine.grammar_masks import PendingMasks, entries_of
-from engine.grammar_masks import compute as compute_masks
-from engine.logits_processors import process_logits
-from engine.outputs import SampledToken, TokenLogprobs
-from engine.request import Request
-from engine.sampling_noise import draw
+from rtp_serve.engine.grammar_masks import PendingMasks, entries_of
+from rtp_serve.engine.grammar_masks import compute as compute_masks
+from rtp_serve.engine.logits_processors import process_logits
+from rtp_serve.engine.outputs import SampledToken, TokenLogprobs
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.sampling_noise import draw
 
 if TYPE_CHECKING:
-    from engine.spec.rejection import DraftRow
+    from rtp_serve.engine.spec.rejection import DraftRow
 
 
 class Sampler:

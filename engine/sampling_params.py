@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
-from engine.structured import StructuredOutputs
-from engine.validation import InvalidRequestError
+from rtp_serve.engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
+from rtp_serve.engine.structured import StructuredOutputs
+from rtp_serve.engine.validation import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)

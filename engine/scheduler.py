@@ -34,9 +34,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import SampledToken
-from engine.request import Request, RequestStatus
+from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.outputs import SampledToken
+from rtp_serve.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 

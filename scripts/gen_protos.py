@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
 DEFAULT_OUT = ROOT / "services" / "common" / "pb"
-PACKAGE = "services.common.pb"
+PACKAGE = "rtp_serve.services.common.pb"
 
 
 def generate(out: Path) -> list[Path]:

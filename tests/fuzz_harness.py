@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.pb import frontend_pb2_grpc
-from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend.grpc_api import FrontendServicer
-from services.frontend.limits import Limits
+from rtp_serve.services.common.pb import frontend_pb2_grpc
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend.grpc_api import FrontendServicer
+from rtp_serve.services.frontend.limits import Limits
+
 from tests.frontend_fakes import FakeWorker, Harness, frontend, serve_grpc
 
 START_TIMEOUT_S = 30.0

@@ -9,13 +9,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.llm import LLM
+from rtp_serve.engine.llm_engine import LLMEngine
+from rtp_serve.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
+from rtp_serve.engine.request import Request
 
-from engine.async_llm import AsyncLLM
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, OutputCollector, RequestOutput
-from engine.request import Request
-from kernels.attention import AttentionMetadata, PrefillChunk
+from rtp_serve.kernels.attention import AttentionMetadata, PrefillChunk
 
 PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
 # Greedy references are computed once for this many tokens; tests compare prefixes of them.
@@ -112,7 +112,7 @@ def poison_kv(engine: LLMEngine) -> None:
 
 def use_torch_attention(engine: LLMEngine) -> None:
     """Swap in the torch reference attention backend (used where no CPU kernel builds)."""
-    from kernels.attention import TorchAttention
+    from rtp_serve.kernels.attention import TorchAttention
 
     model = engine.runner.model
     model.attention = TorchAttention(model.attention.scale)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from services.common import grpc_util
-from services.common.pb import (
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import (
     cache_pb2,
     cache_pb2_grpc,
     master_pb2,
@@ -24,8 +23,8 @@ from services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.tls import TlsConfig
-from services.launcher.certs import CertFiles, issue_cluster_certs
+from rtp_serve.services.common.tls import TlsConfig
+from rtp_serve.services.launcher.certs import CertFiles, issue_cluster_certs
 
 
 def load(files: CertFiles) -> TlsConfig:

@@ -11,15 +11,15 @@ import sys
 import time
 from collections.abc import Iterator
 
-from services.common import grpc_util
-from services.common.tls import TlsConfig
-from services.launcher.servers import free_port
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.tls import TlsConfig
+from rtp_serve.services.launcher.servers import free_port
 
 START_TIMEOUT_S = 60.0
 
 
 def spawn(name: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "services.cli", name, *flags]
+    argv = [sys.executable, "-m", "rtp_serve.services.cli", name, *flags]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 

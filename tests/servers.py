@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-from services.launcher.servers import ManagedProcess, start_nats, start_redis
+from rtp_serve.services.launcher.servers import ManagedProcess, start_nats, start_redis
 
 
 @contextlib.contextmanager

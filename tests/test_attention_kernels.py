@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.attention import (
+from rtp_serve.kernels import cpu
+from rtp_serve.kernels.attention import (
     AttentionMetadata,
     CpuKernelAttention,
     LayerCache,

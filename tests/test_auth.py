@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from services.common.flags import env
-from services.frontend import auth
-from services.frontend.auth import ApiKeys
+from rtp_serve.services.common.flags import env
+from rtp_serve.services.frontend import auth
+from rtp_serve.services.frontend.auth import ApiKeys
 
 API = "/v1/completions"
 
@@ -87,7 +87,7 @@ def test_keys_from_flags_file_and_environment(tmp_path, monkeypatch, caplog):
 
     monkeypatch.delenv("RTP_API_KEY")
     monkeypatch.delenv("RTP_API_KEYS")
-    with caplog.at_level(logging.WARNING, logger="services.frontend.auth"):
+    with caplog.at_level(logging.WARNING, logger="rtp_serve.services.frontend.auth"):
         assert not auth.from_args(_args()).enabled
     assert "no API key configured" in caplog.text
 

@@ -7,8 +7,13 @@ import sys
 import pytest
 import torch
 
-from kernels import backends
-from kernels.attention import AttentionMetadata, PrefillChunk, StepSequences, TorchAttention
+from rtp_serve.kernels import backends
+from rtp_serve.kernels.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    StepSequences,
+    TorchAttention,
+)
 
 CUDA = torch.device("cuda")
 BF16, FP32, INT8 = torch.bfloat16, torch.float32, torch.int8
@@ -67,7 +72,7 @@ def test_cpu_uses_the_compiled_kernels_or_the_reference(monkeypatch):
 
 
 def test_build_makes_the_chosen_backend():
-    from kernels.triton.backend import TritonAttention
+    from rtp_serve.kernels.triton.backend import TritonAttention
 
     triton = backends.build(backends.BackendChoice("triton"), 0.125, CUDA)
     assert type(triton) is TritonAttention

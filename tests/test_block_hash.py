@@ -4,8 +4,7 @@ import subprocess
 import sys
 
 import pytest
-
-from engine.block_hash import block_hash_keys, hash_block, salt_of
+from rtp_serve.engine.block_hash import block_hash_keys, hash_block, salt_of
 
 BS = 4
 
@@ -91,7 +90,12 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.parametrize(
-    "module", ["engine.block_hash", "engine.tokenizer", "engine.sampling_params"]
+    "module",
+    [
+        "rtp_serve.engine.block_hash",
+        "rtp_serve.engine.tokenizer",
+        "rtp_serve.engine.sampling_params",
+    ],
 )
 def test_module_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
@@ -102,7 +106,7 @@ def test_module_imports_without_torch(module):
 def test_cache_salt_names_the_model_by_content_not_path(model_dir, tmp_path):
     import shutil
 
-    from engine.block_hash import cache_salt
+    from rtp_serve.engine.block_hash import cache_salt
 
     src = model_dir("tiny-llama")
     copy = shutil.copytree(src, tmp_path / "mounted" / "elsewhere")
@@ -124,7 +128,7 @@ def test_cache_salt_names_the_model_by_content_not_path(model_dir, tmp_path):
 
 
 def test_verify_first_key_catches_another_salt():
-    from engine.block_hash import verify_first_key
+    from rtp_serve.engine.block_hash import verify_first_key
 
     tokens = list(range(10))
     keys = block_hash_keys(tokens, BS, b"a")

@@ -1,8 +1,7 @@
 """Block pool: exact block ids, ref counts and eviction order after each scripted step."""
 
 import pytest
-
-from engine.block_pool import BlockPool, KVBlock, KVEvent, KVEventKind
+from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent, KVEventKind
 
 
 def key(i: int) -> bytes:

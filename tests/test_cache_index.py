@@ -11,17 +11,17 @@ import hashlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from rtp_serve.services.cache.kv_feed import CacheEventFeed
+from rtp_serve.services.cache.lru import ByteLRU
+from rtp_serve.services.cache.redis_keys import RedisKeys
+from rtp_serve.services.cache.redis_tier import RedisTier
+from rtp_serve.services.cache.servicer import CacheServicer
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
+from rtp_serve.services.common.pb import nameservice_pb2 as ns
+from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
 
-from services.cache.kv_feed import CacheEventFeed
-from services.cache.lru import ByteLRU
-from services.cache.redis_keys import RedisKeys
-from services.cache.redis_tier import RedisTier
-from services.cache.servicer import CacheServicer
-from services.common import grpc_util
-from services.common.bus import Bus
-from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
-from services.common.pb import nameservice_pb2 as ns
-from services.master.cluster import ClusterView, SnapshotClient
 from tests.servers import eventually
 
 Ev = ns.MembershipEvent

@@ -6,9 +6,8 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-
-from services.cache.client import CacheClient
-from services.cache.ring import HashRing
+from rtp_serve.services.cache.client import CacheClient
+from rtp_serve.services.cache.ring import HashRing
 
 KEYS = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest() for i in range(50_000)]
 # A share may stray this far from 1/N: with 160 virtual nodes the arcs' spread is ~8%.

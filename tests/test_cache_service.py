@@ -21,16 +21,16 @@ from typing import Any
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from rtp_serve.engine.block_hash import block_hash_keys
+from rtp_serve.services.cache.client import CacheClient
+from rtp_serve.services.cache.lru import ByteLRU, LRUStats
+from rtp_serve.services.cache.redis_tier import RedisTier
+from rtp_serve.services.cache.servicer import CacheServicer
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.naming import NameClient
+from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, nameservice_pb2
+from rtp_serve.services.launcher.servers import ManagedProcess, free_port
 
-from engine.block_hash import block_hash_keys
-from services.cache.client import CacheClient
-from services.cache.lru import ByteLRU, LRUStats
-from services.cache.redis_tier import RedisTier
-from services.cache.servicer import CacheServicer
-from services.common import grpc_util
-from services.common.naming import NameClient
-from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, nameservice_pb2
-from services.launcher.servers import ManagedProcess, free_port
 from tests import procs, servers
 
 BLOCK_BYTES = 2 * 16 * 2 * 4 * 4  # [layers=2, tokens=16, kv_heads=2, head_dim=4] float32
@@ -346,7 +346,5 @@ def test_cache_process_registers_serves_and_deregisters(redis_proc: ManagedProce
 
 
 def test_cache_main_does_not_import_torch() -> None:
-    code = (
-        "import sys, services.cache.main, services.cache.client; assert 'torch' not in sys.modules"
-    )
+    code = "import sys, rtp_serve.services.cache.main, rtp_serve.services.cache.client; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

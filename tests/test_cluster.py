@@ -15,10 +15,9 @@ import grpc
 import httpx
 import openai
 import pytest
-
-from engine import LLM, SamplingParams
-from services.common import grpc_util
-from services.common.pb import (
+from rtp_serve.engine import LLM, SamplingParams
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import (
     cache_pb2_grpc,
     master_pb2,
     master_pb2_grpc,
@@ -26,6 +25,7 @@ from services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
+
 from tests.cluster import launch
 
 PROMPTS = [
@@ -237,9 +237,9 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, referenc
     back to the cache service, and another fused worker imports them instead of computing."""
     if cluster.mode != "fused":
         pytest.skip("prefill workers' use of the tier is covered by the PD cluster's requests")
-    from engine.block_hash import block_hash_keys, cache_salt
-    from services.common.convert import params_to_pb
-    from services.common.pb import cache_pb2
+    from rtp_serve.engine.block_hash import block_hash_keys, cache_salt
+    from rtp_serve.services.common.convert import params_to_pb
+    from rtp_serve.services.common.pb import cache_pb2
 
     deadline = time.monotonic() + 30
     while len(workers := cluster.workers()) < 2:

@@ -5,11 +5,11 @@ does on a GPU), around the real model of the tiny preset."""
 from __future__ import annotations
 
 import torch
+from rtp_serve.engine.config import EngineConfig
+from rtp_serve.engine.cuda_graphs import DecodeGraphs, padded_size
+from rtp_serve.engine.llm_engine import LLMEngine
 
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, padded_size
-from engine.llm_engine import LLMEngine
-from kernels.attention import AttentionMetadata, PrefillChunk
+from rtp_serve.kernels.attention import AttentionMetadata, PrefillChunk
 
 
 def test_padded_size_is_the_next_captured_size():

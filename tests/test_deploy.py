@@ -30,9 +30,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
-from services.cli import build_parser
-from services.launcher.servers import free_port
+from rtp_serve.services.cli import build_parser
+from rtp_serve.services.launcher.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -259,7 +258,7 @@ def test_compose_gpu_profile_reserves_gpus_for_workers() -> None:
 
 
 def test_advertise_host_auto_is_this_machines_address(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.common.flags import advertised
+    from rtp_serve.services.common.flags import advertised
 
     args = _parse_cli(["rtp-serve", "master"], {"RTP_ADVERTISE_HOST": "auto"}, monkeypatch)
     expected = socket.gethostbyname(socket.gethostname())
@@ -383,16 +382,25 @@ def _closure(names: set[str]) -> set[str]:
 @pytest.mark.parametrize(
     ("image", "modules"),
     [
-        ("rtp-serve-slim", [f"services.{s}.main" for s in sorted(SLIM_COMMANDS)]),
+        ("rtp-serve-slim", [f"rtp_serve.services.{s}.main" for s in sorted(SLIM_COMMANDS)]),
         (
             "rtp-serve-worker",
-            ["services.prefill.main", "services.decode.main", "engine.make_model"],
+            [
+                "rtp_serve.services.prefill.main",
+                "rtp_serve.services.decode.main",
+                "rtp_serve.engine.make_model",
+            ],
         ),
     ],
 )
 def test_image_installs_what_its_services_import(image: str, modules: list[str]) -> None:
     # run_service loads uvloop, healthchecks load grpc_util: both run in every container.
-    modules = [*modules, "services.common.lifecycle", "services.common.grpc_util", "uvloop"]
+    modules = [
+        *modules,
+        "rtp_serve.services.common.lifecycle",
+        "rtp_serve.services.common.grpc_util",
+        "uvloop",
+    ]
     allowed = _closure(_requirements(REQUIREMENTS[image])) | {"rtp-serve"}
     run = subprocess.run(
         [sys.executable, "-c", _IMAGE_SNIPPET, json.dumps(sorted(allowed)), *modules],
@@ -484,8 +492,8 @@ def test_k8s_configmap_keys_are_all_read(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def _frontend_get_paths() -> set[str]:
-    from services.frontend.http_api import build_app
-    from services.frontend.limits import Limits
+    from rtp_serve.services.frontend.http_api import build_app
+    from rtp_serve.services.frontend.limits import Limits
 
     app = build_app(SimpleNamespace(limits=Limits()))  # routes only; no request is served
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
@@ -608,7 +616,7 @@ class LocalTopology:
         argv = [self.rewrite(name, a) for a in _argv(_services()[name])[1:]]
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv], env=self.env(name), cwd=self.workdir,
+            [sys.executable, "-m", "rtp_serve.services.cli", *argv], env=self.env(name), cwd=self.workdir,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
@@ -693,9 +701,9 @@ class LocalTopology:
 
     def members(self) -> list[tuple[str, str]]:
         """(role name, address) of everything registered with the nameservice, sorted."""
-        from services.common import grpc_util
-        from services.common.pb import nameservice_pb2 as pb
-        from services.common.pb import nameservice_pb2_grpc
+        from rtp_serve.services.common import grpc_util
+        from rtp_serve.services.common.pb import nameservice_pb2 as pb
+        from rtp_serve.services.common.pb import nameservice_pb2_grpc
 
         async def listed() -> list[pb.Member]:
             async with grpc_util.channel(f"127.0.0.1:{self.port('nameservice', '50051')}") as ch:

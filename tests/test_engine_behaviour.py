@@ -12,10 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rtp_serve.engine import LLM, AsyncLLM, EngineConfig, SamplingParams
+from rtp_serve.engine.outputs import OutputCollector
+from rtp_serve.engine.request import RequestStatus
 
-from engine import LLM, AsyncLLM, EngineConfig, SamplingParams
-from engine.outputs import OutputCollector
-from engine.request import RequestStatus
 from tests.helpers import (
     assert_pool_idle,
     drive,
@@ -340,7 +340,11 @@ async def _collect(llm: AsyncLLM, prompt, params, request_id=None):
 async def _idle_state(llm: AsyncLLM) -> tuple[bool, int, int]:
     def probe(engine):
         engine.check_integrity()
-        return engine.has_unfinished_requests(), engine.pool.num_free_blocks, engine.pool.num_blocks
+        return (
+            engine.has_unfinished_requests(),
+            engine.pool.num_free_blocks,
+            engine.pool.num_blocks,
+        )
 
     return await llm.call(probe)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine.tokenizer import Tokenizer
-from services.frontend.detokenizer import (
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.services.frontend.detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     TextStream,

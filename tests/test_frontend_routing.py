@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from rtp_serve.engine.block_hash import block_hash_keys, cache_salt
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend.grpc_api import FrontendServicer
+from rtp_serve.services.frontend.router_client import Membership
 
-from engine.block_hash import block_hash_keys, cache_salt
-from engine.tokenizer import Tokenizer
-from services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
-from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend.grpc_api import FrontendServicer
-from services.frontend.router_client import Membership
 from tests.frontend_fakes import FakeMaster, FakeWorker, frontend, run, serve_grpc, sse_events
 
 TEXT = "Routing tëst: ünïcode 🙂 and more words to stream along the way."
@@ -61,7 +61,7 @@ def test_a_request_line_puts_the_prediction_beside_the_workers_split(tiny, scrip
             async with h.client.post("/v1/completions", json=payload) as resp:
                 return resp.status
 
-    with caplog.at_level("INFO", logger="services.frontend.generation"):
+    with caplog.at_level("INFO", logger="rtp_serve.services.frontend.generation"):
         assert run(go()) == 200
     (line,) = first_token_lines(caplog.text)
     assert line["worker"] == "w1" and line["prompt_tokens"] == "40"

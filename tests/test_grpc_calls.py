@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-
-from services.common import grpc_util
+from rtp_serve.services.common import grpc_util
 
 MESSAGES = 5
 

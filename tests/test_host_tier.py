@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rtp_serve.engine import SamplingParams
+from rtp_serve.engine.host_tier import HostTier
+from rtp_serve.engine.outputs import PromptKV
 
-from engine import SamplingParams
-from engine.host_tier import HostTier
-from engine.outputs import PromptKV
 from tests.helpers import assert_pool_idle, make_llm
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -69,7 +69,7 @@ def test_evicted_blocks_come_back_from_the_host_tier(model_dir, corpus_ids, hf_g
 def test_a_lookup_copies_up_before_answering(model_dir, corpus_ids):
     """num_cached_prefix (what a prefill worker asks before going to the remote tier)
     counts blocks T1 holds, by copying them up."""
-    from engine.block_hash import block_hash_keys
+    from rtp_serve.engine.block_hash import block_hash_keys
 
     llm = make_llm(model_dir("tiny-llama"), num_kv_blocks=6, host_kv_cache_bytes=8 << 20)
     engine = llm.engine
@@ -104,9 +104,8 @@ def test_blocks_evicted_again_while_queued_are_copied_up_at_admission(model_dir,
 
 def test_worker_metrics_count_host_tier_lookups():
     from prometheus_client import CollectorRegistry
-
-    from engine.host_tier import HostTierStats
-    from services.worker.metrics import WorkerFamilies, WorkerMetrics
+    from rtp_serve.engine.host_tier import HostTierStats
+    from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
 
     registry = CollectorRegistry()
     metrics = WorkerMetrics(WorkerFamilies(registry), "fused", "m")

@@ -18,18 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.config import EngineConfig, ModelConfig
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.pb import nameservice_pb2 as ns
+from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
+from rtp_serve.services.launcher.servers import free_port, start_nats
+from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
+from rtp_serve.services.worker.kv_events import KVEventFeed, publish_events
+from rtp_serve.services.worker.servicer import WorkerServicer
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig, ModelConfig
-from engine.sampling_params import SamplingParams
-from services.common import grpc_util
-from services.common.bus import Bus
-from services.common.pb import nameservice_pb2 as ns
-from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.launcher.servers import free_port, start_nats
-from services.master.cluster import ClusterView, SnapshotClient
-from services.worker.kv_events import KVEventFeed, publish_events
-from services.worker.servicer import WorkerServicer
 from tests.servers import eventually
 
 NUM_KV_BLOCKS = 40  # 640 tokens: the traffic below evicts, so removals flow too

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import kernels.cpu as cpu
-from kernels import cpu_build
-from kernels.isa import cpu_isa
+import rtp_serve.kernels.cpu as cpu
+from rtp_serve.kernels import cpu_build
+from rtp_serve.kernels.isa import cpu_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = cpu_build.build_for(cpu_isa().level)
@@ -27,7 +27,7 @@ needs_kernels = pytest.mark.skipif(BUILD is None, reason="no compiled kernels on
 
 _LOAD = """
 import json
-from kernels import cpu
+from rtp_serve.kernels import cpu
 ops = cpu.load()
 print(json.dumps(None if ops is None else {"name": ops.__name__, "file": ops.__file__}))
 """
@@ -50,7 +50,7 @@ def _load_in_a_fresh_process(tmp_path: Path, **env: str) -> tuple[dict | None, l
 def test_the_module_built_at_install_is_loaded_and_nothing_is_compiled(tmp_path):
     got, built = _load_in_a_fresh_process(tmp_path)
     assert got is not None
-    assert got["name"] == f"kernels.{cpu_build.module_name(BUILD)}"
+    assert got["name"] == f"rtp_serve.kernels.{cpu_build.module_name(BUILD)}"
     assert Path(got["file"]).parent == Path(cpu.__file__).parent  # inside the package
     assert built == []  # torch's builder never ran
 
@@ -63,7 +63,7 @@ def test_forced_off_is_the_torch_reference(tmp_path):
 
 
 def test_every_level_above_scalar_has_a_build_with_flags():
-    from kernels.isa import LEVELS
+    from rtp_serve.kernels.isa import LEVELS
 
     for level in LEVELS:
         build = cpu_build.build_for(level)
@@ -75,7 +75,7 @@ def test_every_level_above_scalar_has_a_build_with_flags():
 
 @needs_kernels
 def test_an_installed_module_built_against_another_torch_is_not_loaded(monkeypatch):
-    name = f"kernels.{cpu_build.module_name(BUILD)}"
+    name = f"rtp_serve.kernels.{cpu_build.module_name(BUILD)}"
     try:
         module = importlib.import_module(name)
     except ImportError:

@@ -1,10 +1,10 @@
 """KV cache manager: exact block tables, ref counts and prefix hits per scripted step."""
 
-from engine.block_hash import block_hash_keys
-from engine.block_pool import BlockPool, KVEvent, KVEventKind
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from rtp_serve.engine.block_hash import block_hash_keys
+from rtp_serve.engine.block_pool import BlockPool, KVEvent, KVEventKind
+from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.sampling_params import SamplingParams
 
 BS = 4
 

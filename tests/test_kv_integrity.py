@@ -4,11 +4,10 @@ which changes a tag catches, keyed and not, and which prefix of a fetched list i
 from __future__ import annotations
 
 import torch
-
-from engine.outputs import PromptKV
-from services.cache.integrity import KVIntegrity
-from services.common.pb import common_pb2
-from services.worker.kv_wire import split_blocks
+from rtp_serve.engine.outputs import PromptKV
+from rtp_serve.services.cache.integrity import KVIntegrity
+from rtp_serve.services.common.pb import common_pb2
+from rtp_serve.services.worker.kv_wire import split_blocks
 
 KEYS = [bytes([i]) * 16 for i in range(3)]
 

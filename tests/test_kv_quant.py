@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kernels import cpu, kv_quant
+from rtp_serve.kernels import cpu, kv_quant
 
 HEADS, DIM, BS, BLOCKS = 3, 16, 8, 12
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.config import KVLayout
-from engine.outputs import PromptKV
-from services.worker.kv_wire import join_blocks, split_blocks
+from rtp_serve.engine.config import KVLayout
+from rtp_serve.engine.outputs import PromptKV
+from rtp_serve.services.worker.kv_wire import join_blocks, split_blocks
 
 LAYERS, HEADS, DIM, BS = 2, 3, 8, 4
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
-from kernels.isa import LEVELS, resolve
-from kernels.linear import (
+from rtp_serve.kernels import cpu
+from rtp_serve.kernels.isa import LEVELS, resolve
+from rtp_serve.kernels.linear import (
     PACKED_FROM,
     SMALL_M,
     Fp32Linear,
@@ -187,7 +187,7 @@ def test_isa_levels_cap_but_never_raise():
 @pytest.mark.parametrize("rows,h", [(1, 768), (3, 13), (300, 576)])
 def test_rms_norm_kernel_matches_the_reference(ops, dtype, rows, h):
     """float32: within 1e-5; bf16/fp16: HF's two roundings, so at most one ulp apart."""
-    from engine.models.llama import rms_norm
+    from rtp_serve.engine.models.llama import rms_norm
 
     g = torch.Generator().manual_seed(rows + h)
     x = (3 * torch.randn(rows, h, generator=g)).to(dtype)

@@ -11,12 +11,11 @@ import time
 
 import grpc
 import pytest
-
-from services.common import grpc_util, subjects
-from services.common.pb import events_pb2, master_pb2, master_pb2_grpc
-from services.common.pb import nameservice_pb2 as ns
-from services.master.cluster import IN_TRANSIT_S, ClusterView, Pending
-from services.master.policy import (
+from rtp_serve.services.common import grpc_util, subjects
+from rtp_serve.services.common.pb import events_pb2, master_pb2, master_pb2_grpc
+from rtp_serve.services.common.pb import nameservice_pb2 as ns
+from rtp_serve.services.master.cluster import IN_TRANSIT_S, ClusterView, Pending
+from rtp_serve.services.master.policy import (
     CacheAware,
     LeastLoad,
     NoWorkersError,
@@ -24,7 +23,7 @@ from services.master.policy import (
     make_policy,
     session_slot,
 )
-from services.master.prefix_index import PrefixIndex
+from rtp_serve.services.master.prefix_index import PrefixIndex
 
 H = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(16)]
 Ev = ns.MembershipEvent
@@ -487,7 +486,7 @@ def test_left_and_expired_members_never_chosen():
 
 # -- service -----------------------------------------------------------------------------
 def test_import_is_torch_free():
-    code = "import sys, services.master.main; assert 'torch' not in sys.modules"
+    code = "import sys, rtp_serve.services.master.main; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -496,11 +495,11 @@ def test_master_service_routes_by_nats_events(nats_server: str):
     NS = "master-test"  # the NATS server is shared by the session
     import argparse
 
-    from services.common.bus import Bus
-    from services.common.naming import NameClient
-    from services.launcher.servers import free_port
-    from services.master import main as master_main
-    from services.nameservice import main as ns_main
+    from rtp_serve.services.common.bus import Bus
+    from rtp_serve.services.common.naming import NameClient
+    from rtp_serve.services.launcher.servers import free_port
+    from rtp_serve.services.master import main as master_main
+    from rtp_serve.services.nameservice import main as ns_main
 
     def args_for(module, *argv: str) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
@@ -607,7 +606,7 @@ def test_lora_requests_go_to_workers_serving_the_adapter_resident_first():
 
 # -- request-id leases -----------------------------------------------------------------------
 def test_request_id_leases():
-    from services.master.leases import RequestLeases
+    from rtp_serve.services.master.leases import RequestLeases
 
     now = [0.0]
     leases = RequestLeases(clock=lambda: now[0], ttl_s=10.0, max_leases=2)
@@ -625,7 +624,8 @@ def test_request_id_leases():
 
 
 def test_the_master_refuses_an_id_in_flight_through_another_frontend():
-    from services.master.servicer import MasterServicer
+    from rtp_serve.services.master.servicer import MasterServicer
+
     from tests.frontend_fakes import serve_grpc
 
     async def main() -> None:

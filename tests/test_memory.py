@@ -7,8 +7,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from rtp_serve.engine.memory import MIN_KV_BYTES, available_memory_bytes, kv_budget, weights_bytes
 
-from engine.memory import MIN_KV_BYTES, available_memory_bytes, kv_budget, weights_bytes
 from tests.procs import grpc_service
 
 GIB = 1 << 30
@@ -64,8 +64,8 @@ def test_budget_splits_the_fraction_among_workers_less_weights(model_dir):
 
 
 def test_a_worker_sizes_its_cache_from_the_machine(model_dir):
-    from services.common import grpc_util
-    from services.common.pb import worker_pb2, worker_pb2_grpc
+    from rtp_serve.services.common import grpc_util
+    from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
 
     tiny = model_dir("tiny-llama")
     flags = ("--model", str(tiny), "--threads", "1", "--kv-cache-mib", "auto")

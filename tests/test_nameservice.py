@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
+from rtp_serve.services.common import subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.naming import NameClient, make_member
+from rtp_serve.services.common.pb import nameservice_pb2 as pb
+from rtp_serve.services.launcher.servers import free_port
+from rtp_serve.services.nameservice.registry import Registry
 
-from services.common import subjects
-from services.common.bus import Bus
-from services.common.naming import NameClient, make_member
-from services.common.pb import nameservice_pb2 as pb
-from services.launcher.servers import free_port
-from services.nameservice.registry import Registry
 from tests.procs import spawn, stop, wait_grpc
 from tests.servers import eventually
 
@@ -230,8 +230,8 @@ def test_client_outlives_a_dead_nameservice() -> None:
 
 def test_service_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, services.nameservice.main, services.common.naming, "
-        "services.common.bus, services.launcher.servers; "
+        "import sys, rtp_serve.services.nameservice.main, rtp_serve.services.common.naming, "
+        "rtp_serve.services.common.bus, rtp_serve.services.launcher.servers; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

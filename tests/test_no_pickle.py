@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 from google.protobuf.descriptor import FieldDescriptor
-
-from engine.outputs import PromptKV
-from services.common.pb import common_pb2
-from services.worker.kv_wire import split_blocks
+from rtp_serve.engine.outputs import PromptKV
+from rtp_serve.services.common.pb import common_pb2
+from rtp_serve.services.worker.kv_wire import split_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("services", "engine", "kernels")
+SCANNED = ("services", "engine", "rtp_serve", "kernels")
 # Modules whose loads run code from the data: pickle and everything built on it.
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "dill", "cloudpickle", "shelve",
                   "joblib", "jsonpickle"}  # fmt: skip

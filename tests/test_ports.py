@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import socket
 
-from services.launcher import servers
-from services.launcher.servers import free_port
+from rtp_serve.services.launcher import servers
+from rtp_serve.services.launcher.servers import free_port
 
 
 def test_picked_ports_lie_below_the_ephemeral_range_that_port_0_binds_draw_from():

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from rtp_serve.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.helpers import PRESETS, REF_TOKENS, assert_pool_idle, make_llm, prompt_logits
 
 _README = Path(__file__).resolve().parent.parent / "README.md"
@@ -56,7 +56,7 @@ def test_bfloat16_first_token_matches_hf_bfloat16(preset, model_dir, hf_model, p
 
 
 def test_int8_weights_against_bfloat16_on_a_trained_model(smollm2):
-    from engine.tokenizer import Tokenizer
+    from rtp_serve.engine.tokenizer import Tokenizer
 
     ids = Tokenizer(smollm2).encode(_README.read_text())[:256]
     logits = {
@@ -75,7 +75,7 @@ def test_int8_weights_against_bfloat16_on_a_trained_model(smollm2):
 
 
 def test_int8_kv_against_bfloat16_kv_on_a_trained_model(smollm2):
-    from engine.tokenizer import Tokenizer
+    from rtp_serve.engine.tokenizer import Tokenizer
 
     ids = Tokenizer(smollm2).encode(_README.read_text())[:256]
     logits = {
@@ -162,7 +162,7 @@ def test_int8_kv_holds_twice_the_tokens_of_bfloat16(model_dir, prompts, hf_greed
 
 
 def test_the_salt_separates_every_numerics():
-    from engine.dtypes import kv_numerics
+    from rtp_serve.engine.dtypes import kv_numerics
 
     assert kv_numerics("float32") == "float32"  # unchanged for the plain case
     assert kv_numerics("bfloat16", "auto", "bfloat16") == "bfloat16"
@@ -182,9 +182,10 @@ def test_a_worker_reports_its_numerics_and_cpu(model_dir):
     it found, and its fixed KV budget holds twice the tokens of float32 KV."""
     import asyncio
 
-    from kernels.isa import cpu_isa
-    from services.common import grpc_util
-    from services.common.pb import worker_pb2, worker_pb2_grpc
+    from rtp_serve.services.common import grpc_util
+    from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
+
+    from rtp_serve.kernels.isa import cpu_isa
     from tests.procs import grpc_service
 
     async def stats(address: str) -> worker_pb2.WorkerStats:

@@ -3,8 +3,7 @@
 import dataclasses
 
 import pytest
-
-from engine.sampling_params import SamplingParams
+from rtp_serve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

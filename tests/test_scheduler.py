@@ -3,13 +3,12 @@
 from typing import NamedTuple
 
 import pytest
-
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import SampledToken
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from rtp_serve.engine.block_pool import BlockPool
+from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.outputs import SampledToken
+from rtp_serve.engine.request import Request, RequestStatus
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 BS = 4
 EOS = 0

@@ -23,12 +23,11 @@ import openai
 import pytest
 import redis as redis_py
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine import LLM, SamplingParams
-from engine.block_hash import block_hash_keys, cache_salt
-from services.common import grpc_util
-from services.common.convert import params_to_pb
-from services.common.pb import (
+from rtp_serve.engine import LLM, SamplingParams
+from rtp_serve.engine.block_hash import block_hash_keys, cache_salt
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.convert import params_to_pb
+from rtp_serve.services.common.pb import (
     cache_pb2,
     cache_pb2_grpc,
     frontend_pb2,
@@ -38,7 +37,8 @@ from services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.tls import TlsConfig
+from rtp_serve.services.common.tls import TlsConfig
+
 from tests.cluster import launch
 from tests.mtls import assert_members_only, issue
 

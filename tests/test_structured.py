@@ -12,14 +12,19 @@ import json
 import re
 
 import pytest
+from rtp_serve.engine import SamplingParams, StructuredOutputs
+from rtp_serve.engine.outputs import CompletionOutput
+from rtp_serve.engine.structured import Grammars
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.engine.validation import InvalidRequestError
+from rtp_serve.services.frontend.errors import FrontendError
+from rtp_serve.services.frontend.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    openapi,
+    parse,
+)
 
-from engine import SamplingParams, StructuredOutputs
-from engine.outputs import CompletionOutput
-from engine.structured import Grammars
-from engine.tokenizer import Tokenizer
-from engine.validation import InvalidRequestError
-from services.frontend.errors import FrontendError
-from services.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, openapi, parse
 from tests import helpers
 from tests.structured_schemas import SCHEMAS
 

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.launcher import servers, supervisor
-from services.launcher.servers import start_nats
-from services.launcher.supervisor import Supervisor
+from rtp_serve.services.launcher import servers, supervisor
+from rtp_serve.services.launcher.servers import start_nats
+from rtp_serve.services.launcher.supervisor import Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 

@@ -11,15 +11,14 @@ import random
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
-
-from engine.structured import Grammars, StructuredOutputs
-from engine.tokenizer import Tokenizer
-from services.frontend.errors import FrontendError
-from services.frontend.generation import Delta
-from services.frontend.openai_responses import Choice, ResponseBuilder
-from services.frontend.openai_schema import ChatCompletionRequest, parse
-from services.frontend.tool_calls import ToolCallParser, grammar, parse_all
-from services.frontend.tool_prompt import inline_tools
+from rtp_serve.engine.structured import Grammars, StructuredOutputs
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.services.frontend.errors import FrontendError
+from rtp_serve.services.frontend.generation import Delta
+from rtp_serve.services.frontend.openai_responses import Choice, ResponseBuilder
+from rtp_serve.services.frontend.openai_schema import ChatCompletionRequest, parse
+from rtp_serve.services.frontend.tool_calls import ToolCallParser, grammar, parse_all
+from rtp_serve.services.frontend.tool_prompt import inline_tools
 
 NAMES = frozenset({"get_weather", "get_time"})
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}\n</tool_call>'

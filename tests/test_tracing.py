@@ -24,12 +24,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
+from rtp_serve.services.common import grpc_util, subjects, tracing
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.lifecycle import JsonFormatter
+from rtp_serve.services.common.pb import events_pb2
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 
-from services.common import grpc_util, subjects, tracing
-from services.common.bus import Bus
-from services.common.lifecycle import JsonFormatter
-from services.common.pb import events_pb2
-from services.common.pb import nameservice_pb2 as ns_pb2
 from tests import procs
 from tests.cluster import launch
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -216,7 +216,7 @@ def test_tracing_off_installs_nothing():
         """
         import sys
         from opentelemetry import trace
-        from services.common import grpc_util, tracing
+        from rtp_serve.services.common import grpc_util, tracing
         assert not tracing.setup_tracing("master", "m-1")
         assert not tracing.enabled()
         assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"
@@ -236,7 +236,7 @@ def test_tracing_on_sets_the_resource():
     script = textwrap.dedent(
         """
         from opentelemetry import trace
-        from services.common import tracing
+        from rtp_serve.services.common import tracing
         assert tracing.setup_tracing("decode", "host-42")
         attrs = trace.get_tracer_provider().resource.attributes
         assert attrs["service.name"] == "decode", attrs

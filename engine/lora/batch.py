@@ -20,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from engine.lora.stacked import RowsKernel, Stacked, StackedRows
-from engine.lora.weights import LoraWeights, MatMul
+from rtp_serve.engine.lora.stacked import RowsKernel, Stacked, StackedRows
+from rtp_serve.engine.lora.weights import LoraWeights, MatMul
 
 # Up to this many decode rows, their update runs over the stacked adapters (stacked.py):
 # a GEMM launch per adapter costs more than the masked columns there.

@@ -15,11 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-
-from engine.config import ModelConfig
-from engine.lora.peft_config import LoraConfig, UnknownAdapterError
-from engine.lora.stacked import Stacked
-from engine.lora.weights import LoraWeights, load_lora_weights
+from rtp_serve.engine.config import ModelConfig
+from rtp_serve.engine.lora.peft_config import LoraConfig, UnknownAdapterError
+from rtp_serve.engine.lora.stacked import Stacked
+from rtp_serve.engine.lora.weights import LoraWeights, load_lora_weights
 
 log = logging.getLogger(__name__)
 

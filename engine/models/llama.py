@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from rtp_serve.engine.config import ModelConfig, RopeScaling
+from rtp_serve.engine.lora.batch import LoraBatch
+from rtp_serve.engine.lora.weights import DOWN, GATE_UP, OUT, QKV
+from rtp_serve.engine.weights import back_to_back, joined
 
-from engine.config import ModelConfig, RopeScaling
-from engine.lora.batch import LoraBatch
-from engine.lora.weights import DOWN, GATE_UP, OUT, QKV
-from engine.weights import back_to_back, joined
-from kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
-from kernels.linear import Kernels, LinearOp, PartsLinear, RowsLinear, make_linear
+from rtp_serve.kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
+from rtp_serve.kernels.linear import Kernels, LinearOp, PartsLinear, RowsLinear, make_linear
 
 
 @dataclass(slots=True)

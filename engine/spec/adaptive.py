@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.cost_model import StepCost
+from rtp_serve.engine.cost_model import StepCost
 
 MAX_SPECULATIVE_TOKENS = 16  # per request and per server
 _DECAY = 0.8  # weight of the past in a request's acceptance estimate

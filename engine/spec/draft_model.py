@@ -40,16 +40,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, EngineLimits, ModelConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.memory import kv_bytes_per_block
-from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.spec.proposer import PassTimer
+from rtp_serve.engine.block_pool import BlockPool
+from rtp_serve.engine.config import EngineConfig, EngineLimits, ModelConfig
+from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.memory import kv_bytes_per_block
+from rtp_serve.engine.model_runner import ModelRunner
+from rtp_serve.engine.request import Request, RequestStatus
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from rtp_serve.engine.spec.proposer import PassTimer
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from engine.request import Request
-from engine.spec.adaptive import SpecState
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.spec.adaptive import SpecState
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.request import Request
+from rtp_serve.engine.request import Request
 
 
 class Proposer(Protocol):

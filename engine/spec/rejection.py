@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.outputs import SampledToken
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.structured import Guide
+from rtp_serve.engine.outputs import SampledToken
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.structured import Guide
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from engine.cost_model import StepCost
-from engine.request import Request, RequestStatus
-from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, draft_row_cost
-from engine.spec.proposer import Proposer
-from engine.spec.stats import SpecCounts, SpecStats
+from rtp_serve.engine.cost_model import StepCost
+from rtp_serve.engine.request import Request, RequestStatus
+from rtp_serve.engine.spec.adaptive import MAX_SPECULATIVE_TOKENS, SpecState, draft_row_cost
+from rtp_serve.engine.spec.proposer import Proposer
+from rtp_serve.engine.spec.stats import SpecCounts, SpecStats
 
 _PASS_DECAY = 0.7  # weight of the past in the proposer's time per pass
 

@@ -30,12 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-
-from services.cache import MAX_KEYS
-from services.cache.integrity import KVIntegrity
-from services.cache.ring import HashRing
-from services.common import grpc_util
-from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
+from rtp_serve.services.cache import MAX_KEYS
+from rtp_serve.services.cache.integrity import KVIntegrity
+from rtp_serve.services.cache.ring import HashRing
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
 
 T = TypeVar("T")
 

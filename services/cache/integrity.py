@@ -22,7 +22,7 @@ import hmac
 import struct
 from collections.abc import Iterable
 
-from services.common.pb import common_pb2
+from rtp_serve.services.common.pb import common_pb2
 
 _DOMAIN = b"rtp-kv/1"
 

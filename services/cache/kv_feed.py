@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.cache.lru import ByteLRU
-from services.cache.redis_keys import RedisKeys
-from services.common import subjects
-from services.common.bus import Bus
-from services.common.pb import events_pb2, worker_pb2
+from rtp_serve.services.cache.lru import ByteLRU
+from rtp_serve.services.cache.redis_keys import RedisKeys
+from rtp_serve.services.common import subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.pb import events_pb2, worker_pb2
 
 EVENT_INTERVAL_S = 0.05  # as workers: at most 20 batches a second
 

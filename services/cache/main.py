@@ -9,16 +9,16 @@ import argparse
 import asyncio
 import logging
 
-from services.cache import metrics as cache_metrics
-from services.cache.kv_feed import CacheEventFeed
-from services.cache.lru import ByteLRU
-from services.cache.redis_keys import RedisKeys
-from services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
-from services.cache.servicer import CacheServicer
-from services.common import grpc_util, metrics
-from services.common.bus import Bus
-from services.common.flags import add_common_flags, advertised, env, redact
-from services.common.pb import cache_pb2, cache_pb2_grpc
+from rtp_serve.services.cache import metrics as cache_metrics
+from rtp_serve.services.cache.kv_feed import CacheEventFeed
+from rtp_serve.services.cache.lru import ByteLRU
+from rtp_serve.services.cache.redis_keys import RedisKeys
+from rtp_serve.services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
+from rtp_serve.services.cache.servicer import CacheServicer
+from rtp_serve.services.common import grpc_util, metrics
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.flags import add_common_flags, advertised, env, redact
+from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ async def serve(args: argparse.Namespace) -> None:
         )
         if args.nameservice:
             # Imported here: the nameservice is optional, and so is its client module.
-            from services.common.naming import NameClient, make_member
-            from services.common.pb import nameservice_pb2
+            from rtp_serve.services.common.naming import NameClient, make_member
+            from rtp_serve.services.common.pb import nameservice_pb2
 
             names = NameClient(args.nameservice)
             member = make_member(

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.cache.redis_tier import RedisTier
+from rtp_serve.services.cache.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 

@@ -16,15 +16,14 @@ from collections.abc import Iterable
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
-
-from services.cache import MAX_KEYS, metrics
-from services.cache.kv_feed import CacheEventFeed
-from services.cache.lru import ByteLRU
-from services.cache.redis_keys import RedisKeys
-from services.cache.redis_tier import RedisTier
-from services.common.grpc_util import MAX_MESSAGE_BYTES
-from services.common.metrics import TIER_MEMORY, TIER_REDIS
-from services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
+from rtp_serve.services.cache import MAX_KEYS, metrics
+from rtp_serve.services.cache.kv_feed import CacheEventFeed
+from rtp_serve.services.cache.lru import ByteLRU
+from rtp_serve.services.cache.redis_keys import RedisKeys
+from rtp_serve.services.cache.redis_tier import RedisTier
+from rtp_serve.services.common.grpc_util import MAX_MESSAGE_BYTES
+from rtp_serve.services.common.metrics import TIER_MEMORY, TIER_REDIS
+from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ degrade a service, never break it:
   subscriptions again (the master resyncs its prefix index there).
 
 A token (`--nats-token`) or user:password in the URL authenticates the connection; neither
-is ever logged. Subject names come from `services.common.subjects` only. A message published inside a
+is ever logged. Subject names come from `rtp_serve.services.common.subjects` only. A message published inside a
 trace carries its W3C context in NATS headers, and the subscriber's handler runs in it.
 """
 
@@ -28,9 +28,8 @@ from typing import Generic, TypeVar
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-
-from services.common import tracing
-from services.common.flags import redact
+from rtp_serve.services.common import tracing
+from rtp_serve.services.common.flags import redact
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,9 @@ def add_common_flags(
             default=env("nats_token"),
             help="NATS auth token (or put user:password in --nats-url)",
         )
-    from services.common.tls import add_tls_flags  # here: tls imports env() from this module
+    from rtp_serve.services.common.tls import (
+        add_tls_flags,  # here: tls imports env() from this module
+    )
 
     add_tls_flags(p)
 
@@ -113,7 +115,7 @@ def redact(url: str) -> str:
 
 
 def _lora_flag(value: str) -> tuple[str, str]:
-    from engine.lora.peft_config import AdapterError, parse_lora_flag
+    from rtp_serve.engine.lora.peft_config import AdapterError, parse_lora_flag
 
     try:
         return parse_lora_flag(value)

@@ -13,11 +13,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from services.common import tls as tls_config
-from services.common import tracing
-from services.common.grpc_malformed import MalformedRequests
-from services.common.tls import TlsConfig
+from rtp_serve.services.common import tls as tls_config
+from rtp_serve.services.common import tracing
+from rtp_serve.services.common.grpc_malformed import MalformedRequests
+from rtp_serve.services.common.tls import TlsConfig
 
 MAX_MESSAGE_BYTES = 256 << 20
 # Trailing metadata of a worker call that failed because a peer it called failed (a decode
@@ -211,7 +210,7 @@ async def responses(call: grpc.aio.UnaryStreamCall, depth: int = 8) -> AsyncIter
 
 def cancel(call: grpc.aio.UnaryStreamCall) -> None:
     """End `call` (a no-op once it is done), once it is set up: the server sends its headers
-    as soon as it takes a call (`services.worker.drain`), so that is one round trip. A server
+    as soon as it takes a call (`rtp_serve.services.worker.drain`), so that is one round trip. A server
     that has not answered in CANCEL_WAIT_S has its call cancelled anyway."""
     if call.done():
         return

@@ -19,7 +19,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from services.common import tracing
+from rtp_serve.services.common import tracing
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-
-from services.common import grpc_util
-from services.common.pb import nameservice_pb2 as pb
-from services.common.pb import nameservice_pb2_grpc as pb_grpc
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import nameservice_pb2 as pb
+from rtp_serve.services.common.pb import nameservice_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

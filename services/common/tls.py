@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
-from services.common.flags import env
+from rtp_serve.services.common.flags import env
 
 
 @dataclass(frozen=True, slots=True)

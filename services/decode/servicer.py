@@ -16,22 +16,21 @@ import time
 
 import grpc
 from opentelemetry import trace
-
-from engine.async_llm import AsyncLLM
-from engine.block_hash import BlockHash, block_hash_keys
-from engine.cost_model import TIER_TRANSFER
-from engine.outputs import RequestOutput, SampledToken
-from services.cache.client import CacheClient
-from services.common import grpc_util, tracing
-from services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
-from services.common.metrics import RECEIVED
-from services.common.naming import NameClient
-from services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
-from services.worker import metrics
-from services.worker.drain import drained
-from services.worker.kv_wire import join_blocks
-from services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
-from services.worker.tiers import Tiers
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.block_hash import BlockHash, block_hash_keys
+from rtp_serve.engine.cost_model import TIER_TRANSFER
+from rtp_serve.engine.outputs import RequestOutput, SampledToken
+from rtp_serve.services.cache.client import CacheClient
+from rtp_serve.services.common import grpc_util, tracing
+from rtp_serve.services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
+from rtp_serve.services.common.metrics import RECEIVED
+from rtp_serve.services.common.naming import NameClient
+from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
+from rtp_serve.services.worker import metrics
+from rtp_serve.services.worker.drain import drained
+from rtp_serve.services.worker.kv_wire import join_blocks
+from rtp_serve.services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
+from rtp_serve.services.worker.tiers import Tiers
 
 log = logging.getLogger(__name__)
 

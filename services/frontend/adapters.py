@@ -16,13 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
-
-from engine.block_hash import salt_of
-from engine.lora.peft_config import AdapterError, LoraConfig, check_name
-from services.common.naming import WORKER_ROLES
-from services.common.pb import nameservice_pb2 as ns_pb2
-from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.frontend.errors import ErrorKind, FrontendError, invalid
+from rtp_serve.engine.block_hash import salt_of
+from rtp_serve.engine.lora.peft_config import AdapterError, LoraConfig, check_name
+from rtp_serve.services.common.naming import WORKER_ROLES
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, invalid
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-
-from services.common.flags import env
-from services.frontend.errors import ErrorKind, FrontendError
+from rtp_serve.services.common.flags import env
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 
 log = logging.getLogger(__name__)
 

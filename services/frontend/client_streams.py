@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from services.frontend.errors import ErrorKind, FrontendError
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 
 
 class ClientStreams:

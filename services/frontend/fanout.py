@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from services.frontend.generation import Delta, DeltaStream, Generator
-from services.frontend.inputs import GenerateInput
+from rtp_serve.services.frontend.generation import Delta, DeltaStream, Generator
+from rtp_serve.services.frontend.inputs import GenerateInput
 
 
 async def start_all(generator: Generator, inputs: Sequence[GenerateInput]) -> list[DeltaStream]:

@@ -32,26 +32,25 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
-
-from engine.block_hash import block_hash_keys
-from engine.tokenizer import Tokenizer
-from services.common import grpc_util, tracing
-from services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
-from services.frontend import metrics
-from services.frontend.adapters import Adapters, not_found
-from services.frontend.client_streams import ClientStreams
-from services.frontend.detokenizer import TextStream, TokenText
-from services.frontend.errors import (
+from rtp_serve.engine.block_hash import block_hash_keys
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.services.common import grpc_util, tracing
+from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
+from rtp_serve.services.frontend import metrics
+from rtp_serve.services.frontend.adapters import Adapters, not_found
+from rtp_serve.services.frontend.client_streams import ClientStreams
+from rtp_serve.services.frontend.detokenizer import TextStream, TokenText
+from rtp_serve.services.frontend.errors import (
     RETRYABLE,
     ErrorKind,
     FrontendError,
     from_rpc_error,
     timed_out,
 )
-from services.frontend.inputs import GenerateInput
-from services.frontend.limits import Limits, max_token_chars
-from services.frontend.model_info import Admission, ModelInfo
-from services.frontend.router_client import Route, Router
+from rtp_serve.services.frontend.inputs import GenerateInput
+from rtp_serve.services.frontend.limits import Limits, max_token_chars
+from rtp_serve.services.frontend.model_info import Admission, ModelInfo
+from rtp_serve.services.frontend.router_client import Route, Router
 
 log = logging.getLogger(__name__)
 

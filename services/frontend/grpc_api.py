@@ -10,17 +10,16 @@ from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
-
-from engine.validation import InvalidRequestError
-from services.common import tracing
-from services.common.convert import params_fields_from_pb, structured_from_pb
-from services.common.pb import frontend_pb2, frontend_pb2_grpc
-from services.frontend import auth
-from services.frontend.auth import ApiKeys
-from services.frontend.client_streams import grpc_peer_host
-from services.frontend.errors import FrontendError, invalid
-from services.frontend.generation import Generator
-from services.frontend.inputs import Options, prepare
+from rtp_serve.engine.validation import InvalidRequestError
+from rtp_serve.services.common import tracing
+from rtp_serve.services.common.convert import params_fields_from_pb, structured_from_pb
+from rtp_serve.services.common.pb import frontend_pb2, frontend_pb2_grpc
+from rtp_serve.services.frontend import auth
+from rtp_serve.services.frontend.auth import ApiKeys
+from rtp_serve.services.frontend.client_streams import grpc_peer_host
+from rtp_serve.services.frontend.errors import FrontendError, invalid
+from rtp_serve.services.frontend.generation import Generator
+from rtp_serve.services.frontend.inputs import Options, prepare
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens left at 0
 

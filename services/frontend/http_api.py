@@ -21,19 +21,18 @@ import jinja2
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
-
-from services.common import metrics, tracing
-from services.frontend import auth
-from services.frontend import metrics as frontend_metrics
-from services.frontend.adapters import load_adapter, unload_adapter
-from services.frontend.auth import ApiKeys
-from services.frontend.errors import ErrorKind, FrontendError, invalid
-from services.frontend.fanout import merge, start_all
-from services.frontend.generation import Delta, DeltaStream, Generator
-from services.frontend.inputs import GenerateInput, prepare
-from services.frontend.limits import Limits, too_large
-from services.frontend.openai_responses import Choice, ResponseBuilder, best
-from services.frontend.openai_schema import (
+from rtp_serve.services.common import metrics, tracing
+from rtp_serve.services.frontend import auth
+from rtp_serve.services.frontend import metrics as frontend_metrics
+from rtp_serve.services.frontend.adapters import load_adapter, unload_adapter
+from rtp_serve.services.frontend.auth import ApiKeys
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, invalid
+from rtp_serve.services.frontend.fanout import merge, start_all
+from rtp_serve.services.frontend.generation import Delta, DeltaStream, Generator
+from rtp_serve.services.frontend.inputs import GenerateInput, prepare
+from rtp_serve.services.frontend.limits import Limits, too_large
+from rtp_serve.services.frontend.openai_responses import Choice, ResponseBuilder, best
+from rtp_serve.services.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -45,7 +44,7 @@ from services.frontend.openai_schema import (
     parse,
     parse_json,
 )
-from services.frontend.tool_prompt import inline_tools
+from rtp_serve.services.frontend.tool_prompt import inline_tools
 
 log = logging.getLogger(__name__)
 

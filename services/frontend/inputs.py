@@ -7,19 +7,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutputs
-from engine.validation import (
+from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.structured import StructuredOutputs
+from rtp_serve.engine.validation import (
     InvalidRequestError,
     check_logit_bias,
     check_prompt,
     check_stop_token_ids,
 )
-from services.common.convert import params_to_pb, structured_to_pb
-from services.common.pb import common_pb2, worker_pb2
-from services.frontend.errors import invalid
-from services.frontend.limits import Limits
-from services.frontend.model_info import ModelInfo
+from rtp_serve.services.common.convert import params_to_pb, structured_to_pb
+from rtp_serve.services.common.pb import common_pb2, worker_pb2
+from rtp_serve.services.frontend.errors import invalid
+from rtp_serve.services.frontend.limits import Limits
+from rtp_serve.services.frontend.model_info import ModelInfo
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.flags import env
-from services.frontend.errors import ErrorKind, FrontendError, invalid
+from rtp_serve.services.common.flags import env
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, invalid
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,16 @@ import logging
 import os
 
 from aiohttp import web
-
-from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, kv_numerics, resolve_dtype
-from engine.tokenizer import Tokenizer
-from services.common import grpc_util
-from services.common.flags import (
+from rtp_serve.engine.dtypes import (
+    KV_DTYPES,
+    MODEL_DTYPES,
+    WEIGHT_DTYPES,
+    kv_numerics,
+    resolve_dtype,
+)
+from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.flags import (
     add_common_flags,
     add_drain_flag,
     add_lora_flags,
@@ -24,17 +29,17 @@ from services.common.flags import (
     env,
     int_or_none,
 )
-from services.common.naming import NameClient, make_member
-from services.common.pb import frontend_pb2_grpc
-from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend import auth
-from services.frontend.adapters import Adapters
-from services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
-from services.frontend.grpc_api import FrontendServicer
-from services.frontend.http_api import build_app, server_options
-from services.frontend.limits import Limits, add_limit_flags
-from services.frontend.model_info import ModelInfo
-from services.frontend.router_client import Router
+from rtp_serve.services.common.naming import NameClient, make_member
+from rtp_serve.services.common.pb import frontend_pb2_grpc
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend import auth
+from rtp_serve.services.frontend.adapters import Adapters
+from rtp_serve.services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
+from rtp_serve.services.frontend.grpc_api import FrontendServicer
+from rtp_serve.services.frontend.http_api import build_app, server_options
+from rtp_serve.services.frontend.limits import Limits, add_limit_flags
+from rtp_serve.services.frontend.model_info import ModelInfo
+from rtp_serve.services.frontend.router_client import Router
 
 log = logging.getLogger(__name__)
 

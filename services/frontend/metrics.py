@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-
-from services.common.metrics import (
+from rtp_serve.services.common.metrics import (
     ABORT,
     CLIENT_CLOSED,
     E2E_BUCKETS,

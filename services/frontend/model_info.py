@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.block_hash import model_fingerprint, salt_of
-from engine.config import ModelConfig
-from services.frontend.errors import ErrorKind, FrontendError
+from rtp_serve.engine.block_hash import model_fingerprint, salt_of
+from rtp_serve.engine.config import ModelConfig
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common.pb import common_pb2
-from services.frontend.detokenizer import TokenText
-from services.frontend.generation import Delta
-from services.frontend.tool_calls import ToolCallDelta, ToolCallParser
+from rtp_serve.services.common.pb import common_pb2
+from rtp_serve.services.frontend.detokenizer import TokenText
+from rtp_serve.services.frontend.generation import Delta
+from rtp_serve.services.frontend.tool_calls import ToolCallDelta, ToolCallParser
 
 Json = dict[str, Any]
 

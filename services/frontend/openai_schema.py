@@ -24,14 +24,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
-from engine.structured import StructuredOutputs
-from engine.validation import InvalidRequestError
-from services.frontend.errors import FrontendError, invalid
-from services.frontend.inputs import Options
-from services.frontend.tool_calls import ToolCallParser
-from services.frontend.tool_calls import grammar as tool_grammar
+from rtp_serve.engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
+from rtp_serve.engine.structured import StructuredOutputs
+from rtp_serve.engine.validation import InvalidRequestError
+from rtp_serve.services.frontend.errors import FrontendError, invalid
+from rtp_serve.services.frontend.inputs import Options
+from rtp_serve.services.frontend.tool_calls import ToolCallParser
+from rtp_serve.services.frontend.tool_calls import grammar as tool_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -18,12 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-
-from services.common import grpc_util
-from services.common.naming import WORKER_ROLES, MemberSet
-from services.common.pb import master_pb2, master_pb2_grpc
-from services.common.pb import nameservice_pb2 as ns_pb2
-from services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.naming import WORKER_ROLES, MemberSet
+from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
 
 log = logging.getLogger(__name__)
 

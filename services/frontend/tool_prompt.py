@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.frontend.tool_calls import render_call
+from rtp_serve.services.frontend.tool_calls import render_call
 
 Message = dict[str, Any]
 

@@ -31,11 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
-from services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
-from services.launcher import certs, servers
-from services.launcher.secrets import ClusterSecrets
-from services.launcher.supervisor import RESTART_POLICIES, Supervisor
+from rtp_serve.engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
+from rtp_serve.services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
+from rtp_serve.services.launcher import certs, servers
+from rtp_serve.services.launcher.secrets import ClusterSecrets
+from rtp_serve.services.launcher.supervisor import RESTART_POLICIES, Supervisor
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
@@ -145,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("security (README: Security); every secret reaches the services "
+    s = p.add_argument_group("security (docs/deployment/security.md); every secret reaches the services "
                              "that use it by environment, never by command line")  # fmt: skip
     s.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="frontend API key (repeatable); none: the API is open")  # fmt: skip
@@ -189,7 +189,9 @@ class Cluster:
 
     def spawn(self, name: str, *flags: str) -> subprocess.Popen:
         common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
-        proc = _child([sys.executable, "-m", "services.cli", name, *common, *flags], self.secrets)
+        proc = _child(
+            [sys.executable, "-m", "rtp_serve.services.cli", name, *common, *flags], self.secrets
+        )
         self.procs.append((name, proc))
         log.info("started %s pid=%d", name, proc.pid)
         return proc
@@ -220,7 +222,7 @@ class Cluster:
 
 
 def _child(argv: list[str], secrets: ClusterSecrets) -> subprocess.Popen:
-    """A service process from its argv ([python, -m, services.cli, SERVICE, ...]), with the
+    """A service process from its argv ([python, -m, rtp_serve.services.cli, SERVICE, ...]), with the
     secrets SERVICE uses in its environment (a restart gets them again)."""
     env = {**os.environ, **secrets.env(argv[3])}
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
@@ -303,7 +305,7 @@ def _start(cluster: Cluster, model: str) -> str:
               "--memory-share", str(_worker_count(args)),
               "--speculative", args.speculative]  # fmt: skip
     if args.draft_model is not None:
-        from engine.make_model import resolve_model
+        from rtp_serve.engine.make_model import resolve_model
 
         worker += ["--draft-model", str(resolve_model(args.draft_model))]
     for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
@@ -348,7 +350,7 @@ def _ready(url: str, workers: int) -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from engine.make_model import resolve_model  # a directory, a preset or the default
+    from rtp_serve.engine.make_model import resolve_model  # a directory, a preset or the default
 
     model = str(await asyncio.to_thread(resolve_model, args.model))
     with tempfile.TemporaryDirectory(prefix="rtp-serve-") as tmp:

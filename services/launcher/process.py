@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from services.launcher.servers import free_port
+from rtp_serve.services.launcher.servers import free_port
 
 UP_TIMEOUT_S = 240.0
 
@@ -52,7 +52,7 @@ def launch(
     service logs to `stderr` (default: this process's)."""
     port = free_port()
     info_file = work_dir / "cluster.json"
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(port),
+    argv = [sys.executable, "-m", "rtp_serve.services.cli", "up", "--model", model, "--port", str(port),
             "--info-file", str(info_file), *flags]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True

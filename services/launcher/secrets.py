@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.launcher.certs import CertFiles
+from rtp_serve.services.launcher.certs import CertFiles
 
 WORKERS = ("prefill", "decode", "fused")
 _NATS = ("nameservice", "master", *WORKERS)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.launcher.servers import ManagedProcess
+from rtp_serve.services.launcher.servers import ManagedProcess
 
 log = logging.getLogger(__name__)
 

@@ -30,20 +30,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-
-from services.common import grpc_util, subjects
-from services.common.bus import Bus
-from services.common.naming import WORKER_ROLES
-from services.common.pb import (
+from rtp_serve.services.common import grpc_util, subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.naming import WORKER_ROLES
+from rtp_serve.services.common.pb import (
     cache_pb2_grpc,
     events_pb2,
     nameservice_pb2,
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.master import metrics
-from services.master.index_sync import Due, IndexSync, ResyncReason
-from services.master.prefix_index import PrefixIndex
+from rtp_serve.services.master import metrics
+from rtp_serve.services.master.index_sync import Due, IndexSync, ResyncReason
+from rtp_serve.services.master.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.common.pb import events_pb2, worker_pb2
-from services.master import metrics
-from services.master.prefix_index import PrefixIndex
+from rtp_serve.services.common.pb import events_pb2, worker_pb2
+from rtp_serve.services.master import metrics
+from rtp_serve.services.master.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

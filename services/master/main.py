@@ -14,16 +14,15 @@ import logging
 import os
 
 from prometheus_client import REGISTRY
-
-from services.common import grpc_util, metrics
-from services.common.bus import Bus
-from services.common.flags import add_common_flags, advertised, env
-from services.common.naming import NameClient, make_member
-from services.common.pb import master_pb2_grpc, nameservice_pb2
-from services.master.cluster import ClusterView, SnapshotClient
-from services.master.metrics import IndexSizeCollector
-from services.master.policy import POLICIES, make_policy
-from services.master.servicer import MasterServicer
+from rtp_serve.services.common import grpc_util, metrics
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.flags import add_common_flags, advertised, env
+from rtp_serve.services.common.naming import NameClient, make_member
+from rtp_serve.services.common.pb import master_pb2_grpc, nameservice_pb2
+from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
+from rtp_serve.services.master.metrics import IndexSizeCollector
+from rtp_serve.services.master.policy import POLICIES, make_policy
+from rtp_serve.services.master.servicer import MasterServicer
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from services.common.pb import master_pb2, nameservice_pb2
-from services.master import cost
-from services.master.cluster import ClusterView, Member
+from rtp_serve.services.common.pb import master_pb2, nameservice_pb2
+from rtp_serve.services.master import cost
+from rtp_serve.services.master.cluster import ClusterView, Member
 
 DEFAULT_BLOCK_SIZE = 16  # used until a worker's LoadReport says otherwise
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from services.common.pb import events_pb2
+from rtp_serve.services.common.pb import events_pb2
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,13 @@ import logging
 
 import grpc
 from opentelemetry import trace
-
-from services.common import tracing
-from services.common.pb import master_pb2, master_pb2_grpc
-from services.master import metrics
-from services.master.cluster import ClusterView
-from services.master.leases import RequestLeases
-from services.master.policy import NoWorkersError, Policy, RouteReason
-from services.master.prefix_index import BLOCK_HASH_BYTES
+from rtp_serve.services.common import tracing
+from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
+from rtp_serve.services.master import metrics
+from rtp_serve.services.master.cluster import ClusterView
+from rtp_serve.services.master.leases import RequestLeases
+from rtp_serve.services.master.policy import NoWorkersError, Policy, RouteReason
+from rtp_serve.services.master.prefix_index import BLOCK_HASH_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -2,5 +2,5 @@
 
 `registry.Registry` is the membership table; `main` serves it over gRPC
 (`rtp.v1.NameService`) and publishes joins and leaves on NATS. Clients use
-`services.common.naming.NameClient`.
+`rtp_serve.services.common.naming.NameClient`.
 """

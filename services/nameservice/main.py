@@ -29,15 +29,14 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-
-from services.common import grpc_util, metrics, subjects
-from services.common.bus import Bus
-from services.common.flags import add_common_flags, advertised, env, redact
-from services.common.naming import SNAPSHOT_SIZE_KEY
-from services.common.pb import nameservice_pb2 as pb
-from services.common.pb import nameservice_pb2_grpc as pb_grpc
-from services.nameservice import metrics as ns_metrics
-from services.nameservice.registry import REASON_EXPIRED, Event, Registry, snapshot
+from rtp_serve.services.common import grpc_util, metrics, subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.flags import add_common_flags, advertised, env, redact
+from rtp_serve.services.common.naming import SNAPSHOT_SIZE_KEY
+from rtp_serve.services.common.pb import nameservice_pb2 as pb
+from rtp_serve.services.common.pb import nameservice_pb2_grpc as pb_grpc
+from rtp_serve.services.nameservice import metrics as ns_metrics
+from rtp_serve.services.nameservice.registry import REASON_EXPIRED, Event, Registry, snapshot
 
 log = logging.getLogger(__name__)
 

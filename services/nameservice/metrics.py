@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
-
-from services.common.metrics import PREFIX, default_families, role_label
-from services.common.pb import nameservice_pb2
+from rtp_serve.services.common.metrics import PREFIX, default_families, role_label
+from rtp_serve.services.common.pb import nameservice_pb2
 
 
 class NameServiceMetrics:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.pb import nameservice_pb2 as pb
+from rtp_serve.services.common.pb import nameservice_pb2 as pb
 
 Event = pb.MembershipEvent
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.pb import nameservice_pb2
-from services.prefill.servicer import PrefillServicer
-from services.worker.config import add_worker_arguments
-from services.worker.serve import serve_worker
-from services.worker.tiers import add_tier_arguments, cache_client
+from rtp_serve.services.common.pb import nameservice_pb2
+from rtp_serve.services.prefill.servicer import PrefillServicer
+from rtp_serve.services.worker.config import add_worker_arguments
+from rtp_serve.services.worker.serve import serve_worker
+from rtp_serve.services.worker.tiers import add_tier_arguments, cache_client
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:

@@ -12,20 +12,19 @@ import logging
 
 import grpc
 from opentelemetry import trace
-
-from engine.async_llm import AsyncLLM
-from engine.block_hash import BlockHash, block_hash_keys, verify_first_key
-from services.cache.client import CacheClient
-from services.common import tracing
-from services.common.convert import logprob_to_pb, params_from_pb
-from services.common.metrics import SENT
-from services.common.naming import NameClient
-from services.common.pb import nameservice_pb2, worker_pb2
-from services.worker import metrics
-from services.worker.drain import drained
-from services.worker.kv_wire import split_blocks
-from services.worker.servicer import WorkerServicer, abort
-from services.worker.tiers import TierHits, Tiers
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.block_hash import BlockHash, block_hash_keys, verify_first_key
+from rtp_serve.services.cache.client import CacheClient
+from rtp_serve.services.common import tracing
+from rtp_serve.services.common.convert import logprob_to_pb, params_from_pb
+from rtp_serve.services.common.metrics import SENT
+from rtp_serve.services.common.naming import NameClient
+from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2
+from rtp_serve.services.worker import metrics
+from rtp_serve.services.worker.drain import drained
+from rtp_serve.services.worker.kv_wire import split_blocks
+from rtp_serve.services.worker.servicer import WorkerServicer, abort
+from rtp_serve.services.worker.tiers import TierHits, Tiers
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.async_llm import AsyncLLM
-from engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig, ModelConfig
-from engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES, resolve_dtype, resolve_kv_dtype
-from engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
-from services.common.flags import (
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig, ModelConfig
+from rtp_serve.engine.dtypes import (
+    KV_DTYPES,
+    MODEL_DTYPES,
+    WEIGHT_DTYPES,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
+from rtp_serve.engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
+from rtp_serve.services.common.flags import (
     DEFAULT_MODEL_HELP,
     add_common_flags,
     add_drain_flag,
@@ -152,7 +158,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     where they say auto)."""
     model = args.model
     if model is None:
-        from engine.make_model import ensure_model
+        from rtp_serve.engine.make_model import ensure_model
 
         model = str(ensure_model())
     dtype = resolve_dtype(args.dtype, model)

@@ -19,12 +19,12 @@ import logging
 import time
 from collections.abc import Sequence
 
-from engine.async_llm import AsyncLLM
-from engine.block_pool import KVEvent, KVEventKind, KVTier
-from services.common import subjects
-from services.common.bus import Bus
-from services.common.pb import events_pb2, worker_pb2
-from services.worker.metrics import WorkerMetrics
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.block_pool import KVEvent, KVEventKind, KVTier
+from rtp_serve.services.common import subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.pb import events_pb2, worker_pb2
+from rtp_serve.services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,10 @@ before writing a byte.
 from __future__ import annotations
 
 import torch
-
-from engine.config import KVLayout
-from engine.dtypes import dtype_name, torch_dtype
-from engine.outputs import PromptKV
-from services.common.pb import common_pb2
+from rtp_serve.engine.config import KVLayout
+from rtp_serve.engine.dtypes import dtype_name, torch_dtype
+from rtp_serve.engine.outputs import PromptKV
+from rtp_serve.services.common.pb import common_pb2
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -11,16 +11,16 @@ import os
 import time
 from collections.abc import Callable
 
-from engine.async_llm import AsyncLLM
-from services.common import grpc_util, metrics
-from services.common.bus import Bus
-from services.common.flags import advertised
-from services.common.naming import NameClient, make_member
-from services.common.pb import nameservice_pb2, worker_pb2_grpc
-from services.worker import metrics as worker_metrics
-from services.worker.config import build_llm
-from services.worker.kv_events import KVEventFeed, publish_events
-from services.worker.servicer import WorkerServicer
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.services.common import grpc_util, metrics
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.flags import advertised
+from rtp_serve.services.common.naming import NameClient, make_member
+from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2_grpc
+from rtp_serve.services.worker import metrics as worker_metrics
+from rtp_serve.services.worker.config import build_llm
+from rtp_serve.services.worker.kv_events import KVEventFeed, publish_events
+from rtp_serve.services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 0.5  # after the drain: for the calls just ended to send their status

@@ -6,17 +6,16 @@ from __future__ import annotations
 import logging
 
 import grpc
-
-from engine.async_llm import AsyncLLM, EngineStoppedError
-from engine.lora.peft_config import UnknownAdapterError
-from engine.scheduler import QueueFullError
-from services.common import grpc_util
-from services.common.naming import NameClient
-from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.worker.drain import Drain
-from services.worker.kv_events import KVEventFeed
-from services.worker.metrics import WorkerMetrics
-from services.worker.tiers import Tiers
+from rtp_serve.engine.async_llm import AsyncLLM, EngineStoppedError
+from rtp_serve.engine.lora.peft_config import UnknownAdapterError
+from rtp_serve.engine.scheduler import QueueFullError
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.naming import NameClient
+from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
+from rtp_serve.services.worker.drain import Drain
+from rtp_serve.services.worker.kv_events import KVEventFeed
+from rtp_serve.services.worker.metrics import WorkerMetrics
+from rtp_serve.services.worker.tiers import Tiers
 
 log = logging.getLogger(__name__)
 

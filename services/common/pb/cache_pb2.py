@@ -22,8 +22,8 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from services.common.pb import common_pb2 as common__pb2
-from services.common.pb import worker_pb2 as worker__pb2
+from rtp_serve.services.common.pb import common_pb2 as common__pb2
+from rtp_serve.services.common.pb import worker_pb2 as worker__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63\x61\x63he.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\x1a\x0cworker.proto\"-\n\nPutRequest\x12\x1f\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x0f.rtp.v1.KVBlock\"\x1a\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\"\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"+\n\x08GetReply\x12\x1f\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x0f.rtp.v1.KVBlock\"%\n\rExistsRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"!\n\x0b\x45xistsReply\x12\x12\n\nnum_prefix\x18\x01 \x01(\r2\xd2\x01\n\x05\x43\x61\x63he\x12+\n\x03Put\x12\x12.rtp.v1.PutRequest\x1a\x10.rtp.v1.PutReply\x12+\n\x03Get\x12\x12.rtp.v1.GetRequest\x1a\x10.rtp.v1.GetReply\x12\x34\n\x06\x45xists\x12\x15.rtp.v1.ExistsRequest\x1a\x13.rtp.v1.ExistsReply\x12\x39\n\x08Snapshot\x12\x19.rtp.v1.KVSnapshotRequest\x1a\x12.rtp.v1.KVSnapshotb\x06proto3')

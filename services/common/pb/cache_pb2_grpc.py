@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from services.common.pb import cache_pb2 as cache__pb2
-from services.common.pb import worker_pb2 as worker__pb2
+from rtp_serve.services.common.pb import cache_pb2 as cache__pb2
+from rtp_serve.services.common.pb import worker_pb2 as worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.common.pb import frontend_pb2 as frontend__pb2
+from rtp_serve.services.common.pb import frontend_pb2 as frontend__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

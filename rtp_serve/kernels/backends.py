@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBackend, CpuKernelAttention, TorchAttention
+from rtp_serve.kernels.attention import AttentionBackend, CpuKernelAttention, TorchAttention
 
 FLASH_ATTN_PAGE = 256  # flash-attn's paged KV takes pages of a multiple of this many tokens
 
@@ -54,7 +54,7 @@ def choose(
     have: Callable[[str], bool] = importable,
 ) -> BackendChoice:
     if device.type != "cuda":
-        from kernels import cpu
+        from rtp_serve.kernels import cpu
 
         if cpu.load() is not None:
             return BackendChoice("cpu-kernels")
@@ -83,19 +83,19 @@ def choose(
 
 def build(choice: BackendChoice, scale: float, device: torch.device) -> AttentionBackend:
     if choice.name == "flash-attn":
-        from kernels.flash_attn import FlashAttention
+        from rtp_serve.kernels.flash_attn import FlashAttention
 
         return FlashAttention(scale)
     if choice.name == "flashinfer":
-        from kernels.flashinfer import FlashInferAttention
+        from rtp_serve.kernels.flashinfer import FlashInferAttention
 
         return FlashInferAttention(scale, device)
     if choice.name == "triton":
-        from kernels.triton.backend import TritonAttention
+        from rtp_serve.kernels.triton.backend import TritonAttention
 
         return TritonAttention(scale)
     if choice.name == "cpu-kernels":
-        from kernels import cpu
+        from rtp_serve.kernels import cpu
 
         return CpuKernelAttention(scale, cpu.load())
     return TorchAttention(scale)

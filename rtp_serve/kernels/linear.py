@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.isa import CpuIsa
+from rtp_serve.kernels.isa import CpuIsa
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ def cpu_kernels(device: torch.device) -> Kernels:
     """The kernels linear ops may use on `device` (torch ops only off the CPU)."""
     if device.type != "cpu":
         return Kernels(ops=None, prepack_bf16=False)
-    from kernels import cpu
-    from kernels.isa import cpu_isa
+    from rtp_serve.kernels import cpu
+    from rtp_serve.kernels.isa import cpu_isa
 
     isa = cpu_isa()
     ops = cpu.load()

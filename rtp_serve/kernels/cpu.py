@@ -24,16 +24,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from kernels import cpu_build
+from rtp_serve.kernels import cpu_build
 
 log = logging.getLogger(__name__)
-_CSRC = Path(__file__).parent / "csrc"
+_PACKAGED = Path(__file__).parent / "csrc"  # a wheel ships the sources in the package
+_CSRC = (
+    _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+)
 
 
 def load() -> ModuleType | None:
     """The compiled kernels, or None where the ISA level (as the environment caps it now)
     is `scalar` or they neither are installed nor build."""
-    from kernels.isa import cpu_isa
+    from rtp_serve.kernels.isa import cpu_isa
 
     build = cpu_build.build_for(cpu_isa().level)
     return _load(build) if build else None
@@ -52,7 +55,7 @@ def installed(build: str) -> ModuleType | None:
     """The module setup.py compiled for `build`, if it is there and fits this torch."""
     import torch
 
-    name = f"kernels.{cpu_build.module_name(build)}"
+    name = f"rtp_serve.kernels.{cpu_build.module_name(build)}"
     try:
         module = importlib.import_module(name)
     except ImportError as exc:  # not built at install, or an ABI it cannot link against

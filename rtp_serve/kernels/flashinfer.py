@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionMetadata, LayerCache, StepSequences, cumulative, write_kv
+from rtp_serve.kernels.attention import (
+    AttentionMetadata,
+    LayerCache,
+    StepSequences,
+    cumulative,
+    write_kv,
+)
 
 WORKSPACE_BYTES = 128 << 20
 

@@ -43,7 +43,7 @@ def build_for(level: str) -> str | None:
 
 
 def module_name(build: str) -> str:
-    """The installed module of a build, inside the `kernels` package."""
+    """The installed module of a build, inside the `rtp_serve.kernels` package."""
     return f"_cpu_{build}"
 
 

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_quant
+from rtp_serve.kernels import kv_quant
 
 
 @dataclass(frozen=True, slots=True)
