@@ -463,7 +463,8 @@ async def _settled(view: View) -> tuple[int, bool]:
 # -- the whole run ---------------------------------------------------------------------------------
 def offline_reference(model: str, max_tokens: int) -> dict[str, str]:
     from rtp_serve.engine.llm import LLM
-    from rtp_serve.engine.sampling_params import SamplingParams
+
+    from rtp_serve.core.sampling_params import SamplingParams
 
     llm = LLM(model, num_kv_blocks=256)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

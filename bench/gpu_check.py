@@ -175,8 +175,9 @@ def _prefill_kernel_row(hq: int, hkv: int, d: int, bs: int, n: int, ctx: int) ->
 
 def speed_rows(name: str, model_dir: Path, machine: Machine, quick: bool) -> list[Row]:
     from rtp_serve.engine import LLM, SamplingParams
-    from rtp_serve.engine.config import ModelConfig
     from rtp_serve.engine.memory import kv_bytes_per_token
+
+    from rtp_serve.core.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
     rows = []

@@ -1,7 +1,7 @@
 """Model execution shared by prefill, decode and fused workers.
 
 Names are resolved lazily (PEP 562) so that torch-free modules of this package, such as
-`rtp_serve.engine.tokenizer`, can be imported by services that must not load torch.
+`rtp_serve.core.tokenizer`, can be imported by services that must not load torch.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ _EXPORTS = {
     "AsyncLLM": "rtp_serve.engine.async_llm",
     "LLMEngine": "rtp_serve.engine.llm_engine",
     "EngineConfig": "rtp_serve.engine.config",
-    "SamplingParams": "rtp_serve.engine.sampling_params",
+    "SamplingParams": "rtp_serve.core.sampling_params",
     "RequestOutput": "rtp_serve.engine.outputs",
-    "StructuredOutputs": "rtp_serve.engine.structured",
+    "StructuredOutputs": "rtp_serve.core.structured",
 }
 
 __all__ = [
@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from rtp_serve.engine.llm import LLM
     from rtp_serve.engine.llm_engine import LLMEngine
     from rtp_serve.engine.outputs import RequestOutput
-    from rtp_serve.engine.sampling_params import SamplingParams
-    from rtp_serve.engine.structured import StructuredOutputs
+
+    from rtp_serve.core.sampling_params import SamplingParams
+    from rtp_serve.core.structured import StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from rtp_serve.engine.block_hash import BlockHash
+from rtp_serve.core.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

@@ -1,64 +1,14 @@
-"""Names of the dtypes the engine runs and stores KV in, and their torch dtypes.
-
-The one map from a dtype's name (config, flags, the KV wire format) to a torch dtype. torch
-is imported only when a torch dtype is asked for, so config code can import the names.
-"""
+"""The one map between a dtype's name (core/dtypes.py) and its torch dtype."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING
+import torch
 
-if TYPE_CHECKING:
-    import torch
-
-DTYPES = ("float32", "bfloat16", "float16")
-# What a user may ask to compute in: "auto" serves the checkpoint's own dtype (resolve_dtype).
-MODEL_DTYPES = ("auto", *DTYPES)
-# How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized.
-WEIGHT_DTYPES = ("auto", "int8")
-# How the KV cache is stored: "auto" as the model dtype, any of DTYPES, or "int8" with a
-# float32 scale per block and kv head (kernels/kv_quant.py).
-KV_DTYPES = ("auto", *DTYPES, "int8")
-# Every dtype a tensor here is stored in: compute dtypes and the int8 KV cache.
-STORAGE_DTYPES = (*DTYPES, "int8")
-
-
-def resolve_dtype(dtype: str, model_dir: str | os.PathLike) -> str:
-    """The compute dtype for a --dtype value: "auto" is the checkpoint's (config.json's
-    `torch_dtype`, or `dtype` as transformers 5 writes it), float32 if it names none of
-    DTYPES. Every service resolves it the same way from the same directory."""
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype!r}")
-    if dtype != "auto":
-        return dtype
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    saved = config.get("torch_dtype") or config.get("dtype")
-    return saved if saved in DTYPES else "float32"
-
-
-def resolve_kv_dtype(dtype: str, kv_dtype: str) -> str:
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    return dtype if kv_dtype == "auto" else kv_dtype
-
-
-def kv_numerics(dtype: str, weight_dtype: str = "auto", kv_dtype: str = "auto") -> str:
-    """What decides a KV block's values besides the tokens: the compute dtype, the weight
-    storage and the KV dtype, as the one string the cache salt is made from. The plain case
-    (weights and KV in the model dtype) is the dtype's name alone."""
-    kv = resolve_kv_dtype(dtype, kv_dtype)
-    if weight_dtype == "auto" and kv == dtype:
-        return dtype
-    return f"{dtype};weights={weight_dtype};kv={kv}"
+from rtp_serve.core.dtypes import STORAGE_DTYPES
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype called `name`; ValueError for a name not in STORAGE_DTYPES."""
-    import torch
-
     if name not in STORAGE_DTYPES:
         raise ValueError(f"unsupported dtype {name!r} (one of {STORAGE_DTYPES})")
     return getattr(torch, name)

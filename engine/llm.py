@@ -6,15 +6,16 @@ import itertools
 from collections.abc import Sequence
 
 from rtp_serve.engine.config import EngineConfig
-from rtp_serve.engine.dtypes import resolve_dtype
 from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.engine.outputs import CompletionOutput, OutputCollector
-from rtp_serve.engine.sampling_params import SamplingParams
+
+from rtp_serve.core.dtypes import resolve_dtype
+from rtp_serve.core.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
-        """`dtype` "auto" serves the checkpoint's own dtype (engine.dtypes.resolve_dtype)."""
+        """`dtype` "auto" serves the checkpoint's own dtype (core.dtypes.resolve_dtype)."""
         if model is None:
             from rtp_serve.engine.make_model import ensure_model
 

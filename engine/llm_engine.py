@@ -10,28 +10,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rtp_serve.engine.block_hash import BlockHash, model_fingerprint, salt_of
 from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent
-from rtp_serve.engine.config import EngineConfig, KVLayout, ModelConfig
-from rtp_serve.engine.cost_model import TIER_HOST, CostModel
-from rtp_serve.engine.dtypes import kv_numerics
+from rtp_serve.engine.config import EngineConfig, KVLayout
 from rtp_serve.engine.host_tier import HostTier, HostTierStats
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
-from rtp_serve.engine.lora.peft_config import LoraConfig
 from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
-from rtp_serve.engine.outputs import PromptKV, RequestOutput, SampledToken, StagedKV
+from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 from rtp_serve.engine.request import Request, RequestStatus
-from rtp_serve.engine.sampling_params import SamplingParams
 from rtp_serve.engine.scheduler import Scheduler, SchedulerConfig
 from rtp_serve.engine.spec.draft_model import DraftModelProposer, TargetKV
 from rtp_serve.engine.spec.ngram import NgramProposer
 from rtp_serve.engine.spec.proposer import Proposer
 from rtp_serve.engine.spec.speculator import Speculator
 from rtp_serve.engine.spec.stats import SpecCounts
-from rtp_serve.engine.structured import Grammars
-from rtp_serve.engine.tokenizer import Tokenizer
-from rtp_serve.engine.validation import (
+
+from rtp_serve.core.block_hash import BlockHash, model_fingerprint, salt_of
+from rtp_serve.core.cost_model import TIER_HOST, CostModel
+from rtp_serve.core.dtypes import kv_numerics
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.outputs import SampledToken
+from rtp_serve.core.peft_config import LoraConfig
+from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.structured import Grammars
+from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.core.validation import (
     InvalidRequestError,
     check_logit_bias,
     check_prompt,
@@ -97,7 +100,7 @@ class LLMEngine:
             self.model_config.eos_token_ids,
             prepare=self._prepare_admission,
         )
-        # engine.block_hash.cache_salt, its parts kept: each adapter salts its own namespace.
+        # core.block_hash.cache_salt, its parts kept: each adapter salts its own namespace.
         self._model_id = model_fingerprint(config.model).hex()
         self._numerics = kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype)
         self.cache_salt = salt_of(self._model_id, self._numerics)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rtp_serve.engine.config import ModelConfig
+    from rtp_serve.core.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

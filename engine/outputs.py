@@ -11,23 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rtp_serve.core.outputs import TokenLogprobs
+
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Log-probability of a sampled token and the top-n alternatives (id -> logprob)."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float]
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

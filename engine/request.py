@@ -21,11 +21,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from rtp_serve.engine.block_hash import BlockHash, block_hash_keys
 from rtp_serve.engine.outputs import StagedKV
-from rtp_serve.engine.sampling_params import SamplingParams
 from rtp_serve.engine.spec.adaptive import SpecState
-from rtp_serve.engine.structured import Guide
+
+from rtp_serve.core.block_hash import BlockHash, block_hash_keys
+from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.structured import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -61,7 +62,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     block_size: int
-    salt: bytes = b""  # engine.block_hash.cache_salt of the engine's model, KV dtype, adapter
+    salt: bytes = b""  # core.block_hash.cache_salt of the engine's model, KV dtype, adapter
     lora: str = ""  # the LoRA adapter it runs under (engine/lora/); "" for the base model
     priority: int = 0  # lower runs first; FCFS within a level
     arrival: int = field(default_factory=lambda: next(_arrival_counter))

@@ -120,7 +120,7 @@ def hf_greedy(
 @pytest.fixture(scope="session")
 def corpus_ids(model_dir: Callable[[str], Path]) -> list[int]:
     """The corpus as token ids (all presets share one tokenizer)."""
-    from rtp_serve.engine.tokenizer import Tokenizer
+    from rtp_serve.core.tokenizer import Tokenizer
 
     ids = Tokenizer(model_dir("tiny-llama")).encode(_CORPUS)
     assert len(ids) >= 200, len(ids)

@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from rtp_serve.engine.block_hash import block_hash_keys, hash_block, salt_of
+
+from rtp_serve.core.block_hash import block_hash_keys, hash_block, salt_of
 
 BS = 4
 
@@ -92,9 +93,9 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize(
     "module",
     [
-        "rtp_serve.engine.block_hash",
-        "rtp_serve.engine.tokenizer",
-        "rtp_serve.engine.sampling_params",
+        "rtp_serve.core.block_hash",
+        "rtp_serve.core.tokenizer",
+        "rtp_serve.core.sampling_params",
     ],
 )
 def test_module_imports_without_torch(module):
@@ -106,7 +107,7 @@ def test_module_imports_without_torch(module):
 def test_cache_salt_names_the_model_by_content_not_path(model_dir, tmp_path):
     import shutil
 
-    from rtp_serve.engine.block_hash import cache_salt
+    from rtp_serve.core.block_hash import cache_salt
 
     src = model_dir("tiny-llama")
     copy = shutil.copytree(src, tmp_path / "mounted" / "elsewhere")
@@ -128,7 +129,7 @@ def test_cache_salt_names_the_model_by_content_not_path(model_dir, tmp_path):
 
 
 def test_verify_first_key_catches_another_salt():
-    from rtp_serve.engine.block_hash import verify_first_key
+    from rtp_serve.core.block_hash import verify_first_key
 
     tokens = list(range(10))
     keys = block_hash_keys(tokens, BS, b"a")

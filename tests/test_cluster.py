@@ -237,9 +237,10 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, referenc
     back to the cache service, and another fused worker imports them instead of computing."""
     if cluster.mode != "fused":
         pytest.skip("prefill workers' use of the tier is covered by the PD cluster's requests")
-    from rtp_serve.engine.block_hash import block_hash_keys, cache_salt
     from rtp_serve.services.common.convert import params_to_pb
     from rtp_serve.services.common.pb import cache_pb2
+
+    from rtp_serve.core.block_hash import block_hash_keys, cache_salt
 
     deadline = time.monotonic() + 30
     while len(workers := cluster.workers()) < 2:

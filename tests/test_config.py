@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from rtp_serve.engine.config import ModelConfig, RopeScaling
-from rtp_serve.engine.tokenizer import Tokenizer
+
+from rtp_serve.core.model_config import ModelConfig, RopeScaling
+from rtp_serve.core.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,7 +100,8 @@ def test_chat_template_jinja_and_named_templates(model_dir, tmp_path):
 )
 def test_auto_dtype_serves_the_checkpoints_own(tmp_path, model_dir, saved, served):
     from rtp_serve.engine import LLM
-    from rtp_serve.engine.dtypes import resolve_dtype
+
+    from rtp_serve.core.dtypes import resolve_dtype
 
     path = _with_config(model_dir("tiny-llama"), tmp_path / "m", **({"torch_dtype": None} | saved))
     assert resolve_dtype("auto", path) == served

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from rtp_serve.engine.cost_model import CostModel, FetchCost, LinearFit, StepCost
+
+from rtp_serve.core.cost_model import CostModel, FetchCost, LinearFit, StepCost
 
 
 def test_unfitted_models_predict_nothing():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
-from rtp_serve.engine.tokenizer import Tokenizer
 
+from rtp_serve.core.tokenizer import Tokenizer
 from tests.frontend_fakes import FakeWorker
 from tests.fuzz_harness import served_frontend
 from tests.fuzz_http import HttpCase, check_answer, http_cases, send

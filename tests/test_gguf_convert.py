@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from rtp_serve.engine import LLM, SamplingParams, make_model
-from rtp_serve.engine.config import ModelConfig
 from rtp_serve.engine.convert.checkpoint import convert_file, convert_gguf
 from rtp_serve.engine.convert.gguf_file import GGUFError, unpermute_qk
 from rtp_serve.engine.convert.wheel import ModelUnavailable, PackagedModel, fetch_wheel
-from rtp_serve.engine.tokenizer import Tokenizer
 from safetensors.torch import load_file
 
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.tokenizer import Tokenizer
 from tests import gguf_fixtures as fx
 
 gguf = pytest.importorskip("gguf")

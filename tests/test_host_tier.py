@@ -69,7 +69,7 @@ def test_evicted_blocks_come_back_from_the_host_tier(model_dir, corpus_ids, hf_g
 def test_a_lookup_copies_up_before_answering(model_dir, corpus_ids):
     """num_cached_prefix (what a prefill worker asks before going to the remote tier)
     counts blocks T1 holds, by copying them up."""
-    from rtp_serve.engine.block_hash import block_hash_keys
+    from rtp_serve.core.block_hash import block_hash_keys
 
     llm = make_llm(model_dir("tiny-llama"), num_kv_blocks=6, host_kv_cache_bytes=8 << 20)
     engine = llm.engine

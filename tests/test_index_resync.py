@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 from rtp_serve.engine.async_llm import AsyncLLM
-from rtp_serve.engine.config import EngineConfig, ModelConfig
-from rtp_serve.engine.sampling_params import SamplingParams
+from rtp_serve.engine.config import EngineConfig
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
@@ -30,6 +29,8 @@ from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
 from rtp_serve.services.worker.kv_events import KVEventFeed, publish_events
 from rtp_serve.services.worker.servicer import WorkerServicer
 
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.sampling_params import SamplingParams
 from tests.servers import eventually
 
 NUM_KV_BLOCKS = 40  # 640 tokens: the traffic below evicts, so removals flow too

@@ -12,10 +12,10 @@ import pytest
 import torch
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.engine.lora.make_adapter import build_adapter
-from rtp_serve.engine.lora.peft_config import AdapterError, LoraConfig, UnknownAdapterError
 from rtp_serve.engine.lora.stacked import Stacked, StackedRows, stack_pairs
 from rtp_serve.engine.lora.weights import LoraPair, LoraPart
 
+from rtp_serve.core.peft_config import AdapterError, LoraConfig, UnknownAdapterError
 from rtp_serve.kernels import cpu
 from tests.helpers import assert_pool_idle
 

@@ -10,9 +10,10 @@ import asyncio
 import pytest
 import torch
 from rtp_serve.engine import AsyncLLM, EngineConfig, SamplingParams
-from rtp_serve.engine.outputs import OutputCollector, PromptKV, SampledToken
+from rtp_serve.engine.outputs import OutputCollector, PromptKV
 from rtp_serve.engine.request import RequestStatus
 
+from rtp_serve.core.outputs import SampledToken
 from tests.helpers import assert_pool_idle, make_llm, poison_kv
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -234,7 +235,7 @@ def test_int8_kv_without_its_scales_is_refused(model_dir, prompts):
 def test_blocks_imported_from_a_tier_serve_like_computed_ones(model_dir, corpus_ids, kv_dtype):
     """Whole blocks read from one engine's pool (as a cache tier holds them) and imported
     into another's are prefix hits there, and the output is the first engine's."""
-    from rtp_serve.engine.block_hash import block_hash_keys
+    from rtp_serve.core.block_hash import block_hash_keys
 
     src = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype)
     dst = make_llm(model_dir("tiny-llama"), kv_dtype=kv_dtype)

@@ -56,7 +56,7 @@ def test_bfloat16_first_token_matches_hf_bfloat16(preset, model_dir, hf_model, p
 
 
 def test_int8_weights_against_bfloat16_on_a_trained_model(smollm2):
-    from rtp_serve.engine.tokenizer import Tokenizer
+    from rtp_serve.core.tokenizer import Tokenizer
 
     ids = Tokenizer(smollm2).encode(_README.read_text())[:256]
     logits = {
@@ -75,7 +75,7 @@ def test_int8_weights_against_bfloat16_on_a_trained_model(smollm2):
 
 
 def test_int8_kv_against_bfloat16_kv_on_a_trained_model(smollm2):
-    from rtp_serve.engine.tokenizer import Tokenizer
+    from rtp_serve.core.tokenizer import Tokenizer
 
     ids = Tokenizer(smollm2).encode(_README.read_text())[:256]
     logits = {
@@ -162,7 +162,7 @@ def test_int8_kv_holds_twice_the_tokens_of_bfloat16(model_dir, prompts, hf_greed
 
 
 def test_the_salt_separates_every_numerics():
-    from rtp_serve.engine.dtypes import kv_numerics
+    from rtp_serve.core.dtypes import kv_numerics
 
     assert kv_numerics("float32") == "float32"  # unchanged for the plain case
     assert kv_numerics("bfloat16", "auto", "bfloat16") == "bfloat16"

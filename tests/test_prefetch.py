@@ -124,9 +124,10 @@ def test_device_hits_count_what_a_request_reused_when_admitted(model_dir, corpus
     nothing of it is computed yet, but the second, admitted once the first is done
     (max_num_seqs 1), reuses its four blocks, and the worker's device hits count them."""
     from prometheus_client import CollectorRegistry
-    from rtp_serve.engine.block_hash import block_hash_keys
     from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
     from rtp_serve.services.worker.tiers import Tiers
+
+    from rtp_serve.core.block_hash import block_hash_keys
 
     registry = CollectorRegistry()
     config = EngineConfig(

@@ -3,7 +3,8 @@
 import dataclasses
 
 import pytest
-from rtp_serve.engine.sampling_params import SamplingParams
+
+from rtp_serve.core.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -13,20 +13,21 @@ from dataclasses import replace
 import pytest
 import torch
 from rtp_serve.engine.block_pool import BlockPool
-from rtp_serve.engine.cost_model import StepCost
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.llm_engine import LLMEngine
-from rtp_serve.engine.outputs import CompletionOutput, SampledToken
+from rtp_serve.engine.outputs import CompletionOutput
 from rtp_serve.engine.request import Request, RequestStatus
 from rtp_serve.engine.sampling_noise import draw
-from rtp_serve.engine.sampling_params import SamplingParams
 from rtp_serve.engine.scheduler import Scheduler, SchedulerConfig
 from rtp_serve.engine.spec.adaptive import SpecState, best_k, draft_row_cost
 from rtp_serve.engine.spec.ngram import NgramProposer
 from rtp_serve.engine.spec.rejection import accept
 from rtp_serve.engine.spec.speculator import Speculator
-from rtp_serve.engine.structured import StructuredOutputs
 
+from rtp_serve.core.cost_model import StepCost
+from rtp_serve.core.outputs import SampledToken
+from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.structured import StructuredOutputs
 from tests.helpers import assert_pool_idle, drive, make_llm, poison_kv
 
 PRESET = "tiny-llama"

@@ -14,9 +14,6 @@ import re
 import pytest
 from rtp_serve.engine import SamplingParams, StructuredOutputs
 from rtp_serve.engine.outputs import CompletionOutput
-from rtp_serve.engine.structured import Grammars
-from rtp_serve.engine.tokenizer import Tokenizer
-from rtp_serve.engine.validation import InvalidRequestError
 from rtp_serve.services.frontend.errors import FrontendError
 from rtp_serve.services.frontend.openai_schema import (
     ChatCompletionRequest,
@@ -25,6 +22,9 @@ from rtp_serve.services.frontend.openai_schema import (
     parse,
 )
 
+from rtp_serve.core.structured import Grammars
+from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.core.validation import InvalidRequestError
 from tests import helpers
 from tests.structured_schemas import SCHEMAS
 

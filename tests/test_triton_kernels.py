@@ -207,8 +207,9 @@ def test_rms_norm_matches_reference(dtype, residual):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_reference(dtype):
     """On a strided view (q and k heads of the fused qkv output), as the model calls it."""
-    from rtp_serve.engine.config import RopeScaling
     from rtp_serve.engine.models.llama import rope_inv_freq
+
+    from rtp_serve.core.model_config import RopeScaling
 
     torch.manual_seed(6)
     t, heads, d = 7, 5, 16

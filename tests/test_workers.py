@@ -191,7 +191,7 @@ def test_seeded_sampling_is_the_same_fused_and_pd(workers, prompts):
 def test_callers_block_hashes_right_or_wrong_serve_the_same(workers, model_dir, prompts, hf_greedy):
     """Keys from a caller with the right salt are taken; keys with another salt (a frontend
     configured for another model) only cost routing, never the request."""
-    from rtp_serve.engine.block_hash import block_hash_keys, cache_salt
+    from rtp_serve.core.block_hash import block_hash_keys, cache_salt
 
     prompt = prompts[7]  # several full blocks
     right = block_hash_keys(prompt, 16, cache_salt(model_dir("tiny-llama"), "float32"))
@@ -217,7 +217,7 @@ def test_callers_block_hashes_right_or_wrong_serve_the_same(workers, model_dir, 
 
 
 def test_prefill_refuses_keys_of_another_salt(workers, model_dir, prompts):
-    from rtp_serve.engine.block_hash import block_hash_keys, cache_salt
+    from rtp_serve.core.block_hash import block_hash_keys, cache_salt
 
     prompt = prompts[7]
     wrong = block_hash_keys(prompt, 16, cache_salt(model_dir("tiny-llama"), "bfloat16"))

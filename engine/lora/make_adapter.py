@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 from rtp_serve.engine.checkpoint_writer import atomic_dir, write_json
-from rtp_serve.engine.lora.peft_config import CONFIG_FILE, TARGETS, WEIGHTS_FILE
 from safetensors.torch import save_file
+
+from rtp_serve.core.peft_config import CONFIG_FILE, TARGETS, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 

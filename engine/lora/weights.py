@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rtp_serve.engine.config import ModelConfig
-from rtp_serve.engine.lora.peft_config import WEIGHTS_FILE, AdapterError, LoraConfig
 from safetensors.torch import load_file
+
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.peft_config import WEIGHTS_FILE, AdapterError, LoraConfig
 
 # x [T, k] @ w [k, n]: torch.mm, or the compiled kernel for decode-sized fp32 (lora_ops).
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

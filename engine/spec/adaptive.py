@@ -37,9 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rtp_serve.engine.cost_model import StepCost
+from rtp_serve.core.cost_model import StepCost
 
-MAX_SPECULATIVE_TOKENS = 16  # per request and per server
 _DECAY = 0.8  # weight of the past in a request's acceptance estimate
 _MAX_PAUSE = 16
 _PROBE_ALPHA = 0.9  # a probe is made only where drafts this good would pay ...

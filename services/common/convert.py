@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rtp_serve.engine.outputs import TokenLogprobs
-from rtp_serve.engine.sampling_params import SamplingParams
-from rtp_serve.engine.structured import GuideKind, StructuredOutputs
-from rtp_serve.engine.validation import InvalidRequestError
 from rtp_serve.services.common.pb import common_pb2, worker_pb2
+
+from rtp_serve.core.outputs import TokenLogprobs
+from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.structured import GuideKind, StructuredOutputs
+from rtp_serve.core.validation import InvalidRequestError
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:

@@ -115,7 +115,7 @@ def redact(url: str) -> str:
 
 
 def _lora_flag(value: str) -> tuple[str, str]:
-    from rtp_serve.engine.lora.peft_config import AdapterError, parse_lora_flag
+    from rtp_serve.core.peft_config import AdapterError, parse_lora_flag
 
     try:
         return parse_lora_flag(value)

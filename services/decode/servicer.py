@@ -17,9 +17,7 @@ import time
 import grpc
 from opentelemetry import trace
 from rtp_serve.engine.async_llm import AsyncLLM
-from rtp_serve.engine.block_hash import BlockHash, block_hash_keys
-from rtp_serve.engine.cost_model import TIER_TRANSFER
-from rtp_serve.engine.outputs import RequestOutput, SampledToken
+from rtp_serve.engine.outputs import RequestOutput
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import grpc_util, tracing
 from rtp_serve.services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
@@ -31,6 +29,10 @@ from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import join_blocks
 from rtp_serve.services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
 from rtp_serve.services.worker.tiers import Tiers
+
+from rtp_serve.core.block_hash import BlockHash, block_hash_keys
+from rtp_serve.core.cost_model import TIER_TRANSFER
+from rtp_serve.core.outputs import SampledToken
 
 log = logging.getLogger(__name__)
 

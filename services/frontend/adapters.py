@@ -16,12 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
-from rtp_serve.engine.block_hash import salt_of
-from rtp_serve.engine.lora.peft_config import AdapterError, LoraConfig, check_name
 from rtp_serve.services.common.naming import WORKER_ROLES
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, invalid
+
+from rtp_serve.core.block_hash import salt_of
+from rtp_serve.core.peft_config import AdapterError, LoraConfig, check_name
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,13 @@ ADMIN_TIMEOUT_S = 30.0
 class Adapter:
     name: str
     path: str
-    salt: bytes  # block-hash salt of its requests (engine.block_hash.salt_of)
+    salt: bytes  # block-hash salt of its requests (core.block_hash.salt_of)
     created: int  # unix seconds, for /v1/models
 
 
 class Adapters:
     def __init__(self, model_id: str, kv_numerics: str) -> None:
-        self._model_id = model_id  # engine.block_hash.model_fingerprint(base).hex()
+        self._model_id = model_id  # core.block_hash.model_fingerprint(base).hex()
         self._numerics = kv_numerics
         self._by_name: dict[str, Adapter] = {}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from rtp_serve.engine.tokenizer import Tokenizer
+from rtp_serve.core.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

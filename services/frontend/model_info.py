@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtp_serve.engine.block_hash import model_fingerprint, salt_of
-from rtp_serve.engine.config import ModelConfig
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
+
+from rtp_serve.core.block_hash import model_fingerprint, salt_of
+from rtp_serve.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,9 +21,9 @@ class ModelInfo:
     vocab_size: int
     context_len: int
     block_size: int
-    cache_salt: bytes  # engine.block_hash.cache_salt, as the workers compute it
+    cache_salt: bytes  # core.block_hash.cache_salt, as the workers compute it
     byte_level: bool  # the tokenizer is a byte-level BPE (token bytes are recoverable)
-    # The cache salt's parts (engine.block_hash.salt_of): each LoRA adapter salts its own.
+    # The cache salt's parts (core.block_hash.salt_of): each LoRA adapter salts its own.
     model_id: str = ""
     kv_numerics: str = ""
 

@@ -31,11 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rtp_serve.engine.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 from rtp_serve.services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
 from rtp_serve.services.launcher import certs, servers
 from rtp_serve.services.launcher.secrets import ClusterSecrets
 from rtp_serve.services.launcher.supervisor import RESTART_POLICIES, Supervisor
+
+from rtp_serve.core.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0

@@ -6,14 +6,7 @@ import argparse
 import logging
 
 from rtp_serve.engine.async_llm import AsyncLLM
-from rtp_serve.engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig, ModelConfig
-from rtp_serve.engine.dtypes import (
-    KV_DTYPES,
-    MODEL_DTYPES,
-    WEIGHT_DTYPES,
-    resolve_dtype,
-    resolve_kv_dtype,
-)
+from rtp_serve.engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig
 from rtp_serve.engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
 from rtp_serve.services.common.flags import (
     DEFAULT_MODEL_HELP,
@@ -23,6 +16,15 @@ from rtp_serve.services.common.flags import (
     env,
     int_or_none,
 )
+
+from rtp_serve.core.dtypes import (
+    KV_DTYPES,
+    MODEL_DTYPES,
+    WEIGHT_DTYPES,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
+from rtp_serve.core.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

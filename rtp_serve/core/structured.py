@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
-from rtp_serve.engine.validation import InvalidRequestError
+
+from rtp_serve.core.validation import InvalidRequestError
 
 # Compact JSON (no free whitespace): a small model given room for whitespace may spend its
 # whole budget on newlines.

@@ -73,7 +73,7 @@ def cache_salt(model_dir: str | os.PathLike, kv_dtype: str, adapter: str = "") -
     """The salt of a cache namespace: blocks from different namespaces never match.
 
     `adapter` is a LoRA adapter's `adapter_fingerprint` in hex (empty for the base model); `kv_dtype` is what fixes
-    a block's values besides its tokens: `rtp_serve.engine.dtypes.kv_numerics(dtype, weight_dtype,
+    a block's values besides its tokens: `rtp_serve.core.dtypes.kv_numerics(dtype, weight_dtype,
     kv_dtype)`, the dtype's name alone when weights and KV are stored in the model dtype.
     """
     return salt_of(model_fingerprint(model_dir).hex(), kv_dtype, adapter)

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtp_serve.engine.block_hash import adapter_fingerprint
+from rtp_serve.core.block_hash import adapter_fingerprint
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rtp_serve.engine.spec.adaptive import MAX_SPECULATIVE_TOKENS
-from rtp_serve.engine.structured import StructuredOutputs
-from rtp_serve.engine.validation import InvalidRequestError
+from rtp_serve.core.structured import StructuredOutputs
+from rtp_serve.core.validation import InvalidRequestError
+
+MAX_SPECULATIVE_TOKENS = 16  # per request and per server
 
 
 @dataclass(frozen=True, slots=True)
