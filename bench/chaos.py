@@ -43,6 +43,8 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 
 import aiohttp  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 from rtp_serve.services.common import grpc_util  # noqa: E402
 from rtp_serve.services.common.pb import (  # noqa: E402
     cache_pb2_grpc,
@@ -54,8 +56,6 @@ from rtp_serve.services.common.pb import (  # noqa: E402
 from rtp_serve.services.common.pb import nameservice_pb2 as ns  # noqa: E402
 from rtp_serve.services.common.pb import nameservice_pb2_grpc as ns_grpc  # noqa: E402
 from rtp_serve.services.launcher.process import alive, launch  # noqa: E402
-
-from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 
 STOP_TTLS = 3.0  # a stopped worker stays stopped this many TTLs: it is declared dead first
 RECOVERY_TIMEOUT_S = 60.0
@@ -462,9 +462,8 @@ async def _settled(view: View) -> tuple[int, bool]:
 
 # -- the whole run ---------------------------------------------------------------------------------
 def offline_reference(model: str, max_tokens: int) -> dict[str, str]:
-    from rtp_serve.engine.llm import LLM
-
     from rtp_serve.core.sampling_params import SamplingParams
+    from rtp_serve.engine.llm import LLM
 
     llm = LLM(model, num_kv_blocks=256)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -503,7 +502,7 @@ async def _run_faults(
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    from rtp_serve.engine.make_model import resolve_model
+    from rtp_serve.models.make_model import resolve_model
 
     model = str(resolve_model(args.model))
     names = args.faults.split(",") if args.faults != "all" else None

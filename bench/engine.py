@@ -38,14 +38,14 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
-from rtp_serve.engine import LLM, SamplingParams  # noqa: E402
-from rtp_serve.engine.make_model import resolve_model  # noqa: E402
-from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from rtp_serve.engine import LLM, SamplingParams  # noqa: E402
+from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 from rtp_serve.kernels.linear import cpu_kernels, make_linear  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 # label -> (dtype, weight_dtype, kv_dtype)
 CONFIGS = {

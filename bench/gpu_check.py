@@ -102,8 +102,9 @@ def measure_machine() -> Machine:
 
 def parity(model_dir: Path, n_tokens: int = 24) -> str:
     """'ok' if our greedy tokens equal HF's on CUDA in float32, else where they part."""
-    from rtp_serve.engine import LLM, SamplingParams
     from transformers import AutoModelForCausalLM
+
+    from rtp_serve.engine import LLM, SamplingParams
 
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(40, 77)), [9] * 20]
     llm = LLM(str(model_dir), dtype="float32", device="cuda")
@@ -129,9 +130,8 @@ def parity(model_dir: Path, n_tokens: int = 24) -> str:
 def kernel_rows() -> list[Row]:
     """Triton vs the torch reference, ms, at decode and prefill shapes of llama-100m-like
     heads (12 q, 12 kv, D 64) and GQA (32 q, 8 kv, D 64), bf16, block size 16."""
-    from rtp_serve.kernels.triton import paged_decode
-
     from rtp_serve.kernels import attention
+    from rtp_serve.kernels.triton import paged_decode
 
     rows = []
     bs, d = 16, 64
@@ -153,9 +153,8 @@ def kernel_rows() -> list[Row]:
 
 
 def _prefill_kernel_row(hq: int, hkv: int, d: int, bs: int, n: int, ctx: int) -> Row:
-    from rtp_serve.kernels.triton import paged_prefill
-
     from rtp_serve.kernels import attention
+    from rtp_serve.kernels.triton import paged_prefill
 
     blocks = (n + ctx) // bs
     k = torch.randn(blocks * bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -174,10 +173,9 @@ def _prefill_kernel_row(hq: int, hkv: int, d: int, bs: int, n: int, ctx: int) ->
 
 
 def speed_rows(name: str, model_dir: Path, machine: Machine, quick: bool) -> list[Row]:
+    from rtp_serve.core.model_config import ModelConfig
     from rtp_serve.engine import LLM, SamplingParams
     from rtp_serve.engine.memory import kv_bytes_per_token
-
-    from rtp_serve.core.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
     rows = []
@@ -260,7 +258,7 @@ def real_model(arg: str | None) -> Path | None:
     if where:
         return Path(where)
     try:
-        from rtp_serve.engine.make_model import resolve_model
+        from rtp_serve.models.make_model import resolve_model
 
         return Path(resolve_model("smollm2-135m"))
     except Exception:  # the wheel is not installed here (and cannot be downloaded)
@@ -275,7 +273,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device")
     import triton
-    from rtp_serve.engine.make_model import build_model
+
+    from rtp_serve.models.make_model import build_model
 
     props = torch.cuda.get_device_properties(0)
     rows = [Row("machine", "device", props.name),

@@ -36,9 +36,9 @@ _ROOT = Path(__file__).resolve().parent.parent  # run as a script: the repositor
 sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
 import grpc  # noqa: E402
-from rtp_serve.services.common import grpc_util  # noqa: E402
 
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.services.common import grpc_util  # noqa: E402
 
 CASES = ("stream-whole", "stream-set-up", "stream-mid", "unary")
 STYLES = ("grpc", "ours")

@@ -25,12 +25,12 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+
 from rtp_serve.engine.config import EngineConfig  # noqa: E402
 from rtp_serve.engine.llm_engine import LLMEngine  # noqa: E402
-from rtp_serve.engine.make_model import resolve_model  # noqa: E402
 from rtp_serve.engine.outputs import PromptKV  # noqa: E402
-
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:

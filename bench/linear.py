@@ -43,12 +43,12 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from rtp_serve.engine.make_model import resolve_model  # noqa: E402
 
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.kernels import cpu  # noqa: E402
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 from rtp_serve.kernels.linear import Kernels, RowsLinear, prepack_works, quantize_int8  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 
 def shapes(cfg: ModelConfig) -> list[tuple[int, int]]:

@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--up-model", default="smollm2-135m", help="the model --up serves")
     ap.add_argument("--skip-load", action="store_true", help="only --up")
     args = ap.parse_args()
-    from rtp_serve.engine.make_model import resolve_model
+    from rtp_serve.models.make_model import resolve_model
 
     print(f"cpu: {cpu_isa().describe()}; load average {os.getloadavg()[0]:.1f}")
     kinds = ["read", "ours", "hf"]

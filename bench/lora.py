@@ -30,11 +30,12 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+
 from rtp_serve.engine import LLM, SamplingParams  # noqa: E402
 from rtp_serve.engine.lora.batch import LoraBatch  # noqa: E402
-from rtp_serve.engine.lora.make_adapter import build_adapter  # noqa: E402
 from rtp_serve.engine.lora.weights import DOWN, GATE_UP, OUT, QKV  # noqa: E402
-from rtp_serve.engine.make_model import resolve_model  # noqa: E402
+from rtp_serve.models.make_adapter import build_adapter  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
 

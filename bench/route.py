@@ -448,9 +448,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[Run, list[dict]]:
     args = parse_args(argv)
-    from rtp_serve.engine.make_model import resolve_model
-
     from rtp_serve.core.model_config import ModelConfig
+    from rtp_serve.models.make_model import resolve_model
 
     model = str(resolve_model(args.model))
     vocab = min(args.vocab, ModelConfig.from_dir(model).vocab_size)

@@ -443,9 +443,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     vocab = args.vocab
     model = None
     if args.compare:
-        from rtp_serve.engine.make_model import resolve_model
-
         from rtp_serve.core.model_config import ModelConfig
+        from rtp_serve.models.make_model import resolve_model
 
         model = str(resolve_model(args.model or args.model_preset))
         vocab = min(vocab, ModelConfig.from_dir(model).vocab_size)

@@ -38,10 +38,10 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 
 import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
-from rtp_serve.services.launcher.process import launch  # noqa: E402
 
 from bench.chaos import View, topology_flags  # noqa: E402
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.services.launcher.process import launch  # noqa: E402
 
 WORDS = [
     "the",
@@ -193,7 +193,7 @@ async def _soak(view: View, model_id: str, args: argparse.Namespace) -> tuple[So
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rtp_serve.engine.make_model import resolve_model
+    from rtp_serve.models.make_model import resolve_model
 
     model = str(resolve_model(args.model))
     # Small cache tiers fill during warm-up: after it, their memory must stay flat too.

@@ -35,13 +35,13 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+
 from rtp_serve.engine import SamplingParams  # noqa: E402
 from rtp_serve.engine.config import EngineConfig  # noqa: E402
 from rtp_serve.engine.llm_engine import LLMEngine  # noqa: E402
-from rtp_serve.engine.make_model import resolve_model  # noqa: E402
-from rtp_serve.engine.spec.stats import SpecCounts  # noqa: E402
-
+from rtp_serve.engine.spec_decode.stats import SpecCounts  # noqa: E402
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 CODE = [
     '''def merge_intervals(intervals):

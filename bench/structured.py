@@ -32,11 +32,11 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
-from rtp_serve.engine import LLM, SamplingParams, StructuredOutputs  # noqa: E402
-from rtp_serve.engine.make_model import resolve_model  # noqa: E402
-from rtp_serve.engine.outputs import OutputCollector  # noqa: E402
 
+from rtp_serve.engine import LLM, SamplingParams, StructuredOutputs  # noqa: E402
+from rtp_serve.engine.outputs import OutputCollector  # noqa: E402
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 PERSON = {
     "type": "object",

@@ -30,14 +30,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from rtp_serve.core.sampling_params import SamplingParams
+    from rtp_serve.core.structured import StructuredOutputs
     from rtp_serve.engine.async_llm import AsyncLLM
     from rtp_serve.engine.config import EngineConfig
     from rtp_serve.engine.llm import LLM
     from rtp_serve.engine.llm_engine import LLMEngine
     from rtp_serve.engine.outputs import RequestOutput
-
-    from rtp_serve.core.sampling_params import SamplingParams
-    from rtp_serve.core.structured import StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rtp_serve.core.block_hash import BlockHash
+from rtp_serve.core.cost_model import CostModel, StepCost
+from rtp_serve.core.outputs import SampledToken
+from rtp_serve.core.peft_config import LoraConfig
+from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.block_pool import KVEvent
 from rtp_serve.engine.config import EngineConfig, KVLayout
 from rtp_serve.engine.llm_engine import EngineCheck, EngineStats, LLMEngine
@@ -31,12 +36,6 @@ from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 from rtp_serve.engine.request import Request
 from rtp_serve.engine.scheduler import QueueFullError
-
-from rtp_serve.core.block_hash import BlockHash
-from rtp_serve.core.cost_model import CostModel, StepCost
-from rtp_serve.core.outputs import SampledToken
-from rtp_serve.core.peft_config import LoraConfig
-from rtp_serve.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

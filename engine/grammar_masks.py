@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from rtp_serve.engine.spec.rejection import DraftRow
 
 from rtp_serve.core.structured import Guide, fill_bitmasks
+from rtp_serve.engine.spec_decode.rejection import DraftRow
 
 if TYPE_CHECKING:
     from rtp_serve.engine.request import Request

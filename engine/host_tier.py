@@ -22,10 +22,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from rtp_serve.engine.block_pool import KVEvent, KVEventKind, KVTier
-from rtp_serve.engine.outputs import PromptKV
 
 from rtp_serve.core.block_hash import BlockHash
+from rtp_serve.engine.block_pool import KVEvent, KVEventKind, KVTier
+from rtp_serve.engine.outputs import PromptKV
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,19 +5,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from rtp_serve.core.dtypes import resolve_dtype
+from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.config import EngineConfig
 from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.engine.outputs import CompletionOutput, OutputCollector
-
-from rtp_serve.core.dtypes import resolve_dtype
-from rtp_serve.core.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
         """`dtype` "auto" serves the checkpoint's own dtype (core.dtypes.resolve_dtype)."""
         if model is None:
-            from rtp_serve.engine.make_model import ensure_model
+            from rtp_serve.models.make_model import ensure_model
 
             model = str(ensure_model())
         dtype = resolve_dtype(dtype, model)

@@ -10,20 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent
-from rtp_serve.engine.config import EngineConfig, KVLayout
-from rtp_serve.engine.host_tier import HostTier, HostTierStats
-from rtp_serve.engine.kv_cache_manager import KVCacheManager
-from rtp_serve.engine.lora.registry import LoraStats
-from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
-from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
-from rtp_serve.engine.request import Request, RequestStatus
-from rtp_serve.engine.scheduler import Scheduler, SchedulerConfig
-from rtp_serve.engine.spec.draft_model import DraftModelProposer, TargetKV
-from rtp_serve.engine.spec.ngram import NgramProposer
-from rtp_serve.engine.spec.proposer import Proposer
-from rtp_serve.engine.spec.speculator import Speculator
-from rtp_serve.engine.spec.stats import SpecCounts
 
 from rtp_serve.core.block_hash import BlockHash, model_fingerprint, salt_of
 from rtp_serve.core.cost_model import TIER_HOST, CostModel
@@ -40,6 +26,20 @@ from rtp_serve.core.validation import (
     check_prompt,
     check_stop_token_ids,
 )
+from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent
+from rtp_serve.engine.config import EngineConfig, KVLayout
+from rtp_serve.engine.host_tier import HostTier, HostTierStats
+from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.lora.registry import LoraStats
+from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
+from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
+from rtp_serve.engine.request import Request, RequestStatus
+from rtp_serve.engine.scheduler import Scheduler, SchedulerConfig
+from rtp_serve.engine.spec_decode.draft_model import DraftModelProposer, TargetKV
+from rtp_serve.engine.spec_decode.ngram import NgramProposer
+from rtp_serve.engine.spec_decode.proposer import Proposer
+from rtp_serve.engine.spec_decode.speculator import Speculator
+from rtp_serve.engine.spec_decode.stats import SpecCounts
 
 log = logging.getLogger(__name__)
 

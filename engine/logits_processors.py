@@ -15,6 +15,7 @@ touched (and copied): a batch without them costs one check per row.
 from __future__ import annotations
 
 import torch
+
 from rtp_serve.engine.request import Request
 
 

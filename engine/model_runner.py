@@ -8,6 +8,9 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.outputs import SampledToken
 from rtp_serve.engine.config import EngineConfig, EngineLimits
 from rtp_serve.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from rtp_serve.engine.dtypes import torch_dtype
@@ -26,11 +29,8 @@ from rtp_serve.engine.outputs import PromptKV
 from rtp_serve.engine.request import Request
 from rtp_serve.engine.sampler import Sampler
 from rtp_serve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from rtp_serve.engine.spec.rejection import DraftRow, accept, rows_of
+from rtp_serve.engine.spec_decode.rejection import DraftRow, accept, rows_of
 from rtp_serve.engine.weights import load_tensors
-
-from rtp_serve.core.model_config import ModelConfig
-from rtp_serve.core.outputs import SampledToken
 from rtp_serve.kernels import backends
 from rtp_serve.kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
 from rtp_serve.kernels.linear import cpu_kernels

@@ -21,12 +21,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from rtp_serve.engine.outputs import StagedKV
-from rtp_serve.engine.spec.adaptive import SpecState
-
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Guide
+from rtp_serve.engine.outputs import StagedKV
+from rtp_serve.engine.spec_decode.adaptive import SpecState
 
 
 class RequestStatus(enum.Enum):

@@ -19,16 +19,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from rtp_serve.core.outputs import SampledToken, TokenLogprobs
 from rtp_serve.engine.grammar_masks import PendingMasks, entries_of
 from rtp_serve.engine.grammar_masks import compute as compute_masks
 from rtp_serve.engine.logits_processors import process_logits
 from rtp_serve.engine.request import Request
 from rtp_serve.engine.sampling_noise import draw
 
-from rtp_serve.core.outputs import SampledToken, TokenLogprobs
-
 if TYPE_CHECKING:
-    from rtp_serve.engine.spec.rejection import DraftRow
+    from rtp_serve.engine.spec_decode.rejection import DraftRow
 
 
 class Sampler:

@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from rtp_serve.core.outputs import SampledToken
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.request import Request, RequestStatus
-
-from rtp_serve.core.outputs import SampledToken
 
 log = logging.getLogger(__name__)
 

@@ -49,6 +49,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
+
 from rtp_serve.engine.config import LOAD_FORMATS
 
 log = logging.getLogger(__name__)

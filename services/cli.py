@@ -28,10 +28,10 @@ SERVICES = {
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from rtp_serve.engine.convert.checkpoint import convert_file
-    from rtp_serve.engine.convert.gguf_file import GGUFError
-    from rtp_serve.engine.convert.wheel import ModelUnavailable
-    from rtp_serve.engine.make_model import DEFAULT_PRESET, build_model
+    from rtp_serve.models.convert.checkpoint import convert_file
+    from rtp_serve.models.convert.gguf_file import GGUFError
+    from rtp_serve.models.convert.wheel import ModelUnavailable
+    from rtp_serve.models.make_model import DEFAULT_PRESET, build_model
 
     log = logging.getLogger("rtp-serve")
     if args.lora_rank is not None:
@@ -55,8 +55,8 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _make_adapter(args: argparse.Namespace, log: logging.Logger) -> int:
-    from rtp_serve.engine.lora.make_adapter import build_adapter
-    from rtp_serve.engine.make_model import DEFAULT_PRESET
+    from rtp_serve.models.make_adapter import build_adapter
+    from rtp_serve.models.make_model import DEFAULT_PRESET
 
     base = args.source or args.preset or DEFAULT_PRESET
     targets = tuple(f"{t.strip()}_proj" for t in args.lora_targets.split(",") if t.strip())
@@ -71,7 +71,7 @@ def _make_adapter(args: argparse.Namespace, log: logging.Logger) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from rtp_serve.engine import LLM, SamplingParams
-    from rtp_serve.engine.make_model import resolve_model
+    from rtp_serve.models.make_model import resolve_model
 
     llm = LLM(str(resolve_model(args.model)), dtype=args.dtype, num_threads=args.threads)
     params = SamplingParams(

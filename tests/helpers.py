@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.llm import LLM
 from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 from rtp_serve.engine.request import Request
-
 from rtp_serve.kernels.attention import AttentionMetadata, PrefillChunk
 
 PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")

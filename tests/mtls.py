@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import (
     cache_pb2,

@@ -1,6 +1,7 @@
 """Block pool: exact block ids, ref counts and eviction order after each scripted step."""
 
 import pytest
+
 from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent, KVEventKind
 
 

@@ -69,7 +69,12 @@ def test_core_imports_nothing_of_ours_and_never_torch() -> None:
 
 
 def test_engine_and_kernels_never_import_services() -> None:
-    folders = [ROOT / "engine", ROOT / "rtp_serve" / "kernels", ROOT / "kernels"]
+    folders = [
+        ROOT / "engine",
+        ROOT / "rtp_serve" / "kernels",
+        ROOT / "rtp_serve" / "models",
+        ROOT / "kernels",
+    ]
     assert _offending(folders, ("rtp_serve.services",)) == []
 
 

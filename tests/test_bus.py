@@ -9,11 +9,11 @@ import uuid
 from pathlib import Path
 
 import nats as nats_py
+
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import events_pb2
 from rtp_serve.services.launcher.servers import free_port
-
 from tests.servers import eventually, nats
 
 Report = events_pb2.LoadReport

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+
 from rtp_serve.services.cache.kv_feed import CacheEventFeed
 from rtp_serve.services.cache.lru import ByteLRU
 from rtp_serve.services.cache.redis_keys import RedisKeys
@@ -21,7 +22,6 @@ from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
 from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
-
 from tests.servers import eventually
 
 Ev = ns.MembershipEvent

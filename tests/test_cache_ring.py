@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.cache.ring import HashRing
 

@@ -21,6 +21,8 @@ from typing import Any
 import grpc
 import pytest
 import redis.asyncio as aioredis
+
+from rtp_serve.core.block_hash import block_hash_keys
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.cache.lru import ByteLRU, LRUStats
 from rtp_serve.services.cache.redis_tier import RedisTier
@@ -29,8 +31,6 @@ from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, nameservice_pb2
 from rtp_serve.services.launcher.servers import ManagedProcess, free_port
-
-from rtp_serve.core.block_hash import block_hash_keys
 from tests import procs, servers
 
 BLOCK_BYTES = 2 * 16 * 2 * 4 * 4  # [layers=2, tokens=16, kv_heads=2, head_dim=4] float32

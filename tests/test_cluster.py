@@ -15,6 +15,7 @@ import grpc
 import httpx
 import openai
 import pytest
+
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import (
@@ -25,7 +26,6 @@ from rtp_serve.services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
-
 from tests.cluster import launch
 
 PROMPTS = [
@@ -237,10 +237,9 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, referenc
     back to the cache service, and another fused worker imports them instead of computing."""
     if cluster.mode != "fused":
         pytest.skip("prefill workers' use of the tier is covered by the PD cluster's requests")
+    from rtp_serve.core.block_hash import block_hash_keys, cache_salt
     from rtp_serve.services.common.convert import params_to_pb
     from rtp_serve.services.common.pb import cache_pb2
-
-    from rtp_serve.core.block_hash import block_hash_keys, cache_salt
 
     deadline = time.monotonic() + 30
     while len(workers := cluster.workers()) < 2:

@@ -99,9 +99,8 @@ def test_chat_template_jinja_and_named_templates(model_dir, tmp_path):
     ],
 )
 def test_auto_dtype_serves_the_checkpoints_own(tmp_path, model_dir, saved, served):
-    from rtp_serve.engine import LLM
-
     from rtp_serve.core.dtypes import resolve_dtype
+    from rtp_serve.engine import LLM
 
     path = _with_config(model_dir("tiny-llama"), tmp_path / "m", **({"torch_dtype": None} | saved))
     assert resolve_dtype("auto", path) == served

@@ -5,10 +5,10 @@ does on a GPU), around the real model of the tiny preset."""
 from __future__ import annotations
 
 import torch
+
 from rtp_serve.engine.config import EngineConfig
 from rtp_serve.engine.cuda_graphs import DecodeGraphs, padded_size
 from rtp_serve.engine.llm_engine import LLMEngine
-
 from rtp_serve.kernels.attention import AttentionMetadata, PrefillChunk
 
 

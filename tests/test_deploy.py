@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
 from rtp_serve.services.cli import build_parser
 from rtp_serve.services.launcher.servers import free_port
 
@@ -388,7 +389,7 @@ def _closure(names: set[str]) -> set[str]:
             [
                 "rtp_serve.services.prefill.main",
                 "rtp_serve.services.decode.main",
-                "rtp_serve.engine.make_model",
+                "rtp_serve.models.make_model",
             ],
         ),
     ],

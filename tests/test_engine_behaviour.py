@@ -12,10 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from rtp_serve.engine import LLM, AsyncLLM, EngineConfig, SamplingParams
 from rtp_serve.engine.outputs import OutputCollector
 from rtp_serve.engine.request import RequestStatus
-
 from tests.helpers import (
     assert_pool_idle,
     drive,

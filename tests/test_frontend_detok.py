@@ -9,14 +9,14 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.frontend.detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     TextStream,
     TokenText,
 )
-
-from rtp_serve.core.tokenizer import Tokenizer
 
 TEXTS = [
     "héllo wörld 🙂 日本語のテキスト",

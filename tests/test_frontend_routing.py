@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
+from rtp_serve.core.block_hash import block_hash_keys, cache_salt
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.frontend.grpc_api import FrontendServicer
 from rtp_serve.services.frontend.router_client import Membership
-
-from rtp_serve.core.block_hash import block_hash_keys, cache_salt
-from rtp_serve.core.tokenizer import Tokenizer
 from tests.frontend_fakes import FakeMaster, FakeWorker, frontend, run, serve_grpc, sse_events
 
 TEXT = "Routing tëst: ünïcode 🙂 and more words to stream along the way."

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 
 from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from tests.frontend_fakes import CACHED, FakeWorker, frontend, run, sse_events
 
 TEXT = "Héllo wörld 🙂 — 日本語 done."

@@ -14,12 +14,12 @@ import time
 import urllib.request
 
 import pytest
+
 from rtp_serve.services.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     parse,
 )
-
 from tests.frontend_fakes import frontend, run
 
 MODEL = "tiny-llama"  # the served name: the model directory's name

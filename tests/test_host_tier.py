@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rtp_serve.engine import SamplingParams
 from rtp_serve.engine.host_tier import HostTier
 from rtp_serve.engine.outputs import PromptKV
-
 from tests.helpers import assert_pool_idle, make_llm
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -104,6 +104,7 @@ def test_blocks_evicted_again_while_queued_are_copied_up_at_admission(model_dir,
 
 def test_worker_metrics_count_host_tier_lookups():
     from prometheus_client import CollectorRegistry
+
     from rtp_serve.engine.host_tier import HostTierStats
     from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
 

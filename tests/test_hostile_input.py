@@ -7,11 +7,11 @@ import json
 
 import httpx
 import pytest
+
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.frontend.client_streams import ClientStreams, grpc_peer_host
 from rtp_serve.services.frontend.errors import FrontendError
 from rtp_serve.services.frontend.limits import Limits
-
-from rtp_serve.core.tokenizer import Tokenizer
 from tests.frontend_fakes import FakeWorker
 from tests.fuzz_harness import served_frontend
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.config import EngineConfig
 from rtp_serve.services.common import grpc_util
@@ -28,9 +31,6 @@ from rtp_serve.services.launcher.servers import free_port, start_nats
 from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
 from rtp_serve.services.worker.kv_events import KVEventFeed, publish_events
 from rtp_serve.services.worker.servicer import WorkerServicer
-
-from rtp_serve.core.model_config import ModelConfig
-from rtp_serve.core.sampling_params import SamplingParams
 from tests.servers import eventually
 
 NUM_KV_BLOCKS = 40  # 640 tokens: the traffic below evicts, so removals flow too

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
 from rtp_serve.services.common.pb import events_pb2, master_pb2, worker_pb2
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
 from rtp_serve.services.master import index_sync
@@ -13,7 +14,6 @@ from rtp_serve.services.master.cluster import ClusterView
 from rtp_serve.services.master.index_sync import Due, IndexSync, ResyncReason, SyncState
 from rtp_serve.services.master.policy import CacheAware
 from rtp_serve.services.master.prefix_index import PrefixIndex
-
 from tests.test_master import CACHED, PD3, load, member, route
 
 H = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(16)]

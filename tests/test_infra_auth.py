@@ -12,11 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 from nats.errors import NoServersError
 from redis.exceptions import AuthenticationError, ResponseError
+
 from rtp_serve.services.cache.redis_tier import RedisTier
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import events_pb2
-
 from tests.servers import eventually, nats, redis
 
 TOKEN = "s3cret-nats-token"

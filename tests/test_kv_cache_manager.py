@@ -1,11 +1,10 @@
 """KV cache manager: exact block tables, ref counts and prefix hits per scripted step."""
 
+from rtp_serve.core.block_hash import block_hash_keys
+from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.request import Request
-
-from rtp_serve.core.block_hash import block_hash_keys
-from rtp_serve.core.sampling_params import SamplingParams
 
 BS = 4
 

@@ -4,6 +4,7 @@ which changes a tag catches, keyed and not, and which prefix of a fetched list i
 from __future__ import annotations
 
 import torch
+
 from rtp_serve.engine.outputs import PromptKV
 from rtp_serve.services.cache.integrity import KVIntegrity
 from rtp_serve.services.common.pb import common_pb2

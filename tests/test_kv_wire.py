@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.outputs import PromptKV
 from rtp_serve.services.worker.kv_wire import join_blocks, split_blocks

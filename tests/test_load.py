@@ -17,12 +17,12 @@ import time
 import httpx
 import openai
 import pytest
+
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import events_pb2, nameservice_pb2
 from rtp_serve.services.launcher.process import alive
-
 from tests.cluster import launch
 from tests.test_metrics import names, scrape
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
-
 from tests.cluster import launch
 
 THRESHOLD = 48

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 import torch
-from rtp_serve.engine import SamplingParams
 
 from rtp_serve.core.validation import InvalidRequestError
+from rtp_serve.engine import SamplingParams
 from tests.helpers import make_llm
 
 PRESET = "tiny-llama"

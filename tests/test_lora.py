@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from rtp_serve.engine import LLM, SamplingParams
-from rtp_serve.engine.lora.make_adapter import build_adapter
-from rtp_serve.engine.lora.stacked import Stacked, StackedRows, stack_pairs
-from rtp_serve.engine.lora.weights import LoraPair, LoraPart
 
 from rtp_serve.core.peft_config import AdapterError, LoraConfig, UnknownAdapterError
+from rtp_serve.engine import LLM, SamplingParams
+from rtp_serve.engine.lora.stacked import Stacked, StackedRows, stack_pairs
+from rtp_serve.engine.lora.weights import LoraPair, LoraPart
 from rtp_serve.kernels import cpu
+from rtp_serve.models.make_adapter import build_adapter
 from tests.helpers import assert_pool_idle
 
 STEPS = 10
@@ -174,6 +174,7 @@ def test_worker_metrics_count_adapter_loads_swaps_and_requests(model_dir, adapte
     """One resident slot, two adapters: a1, a3, a1 swap twice; the worker's families export
     the registry's counts (each call adds what is new) and drop an adapter no longer served."""
     from prometheus_client import CollectorRegistry
+
     from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
 
     registry = CollectorRegistry()

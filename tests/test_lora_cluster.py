@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from rtp_serve.engine import LLM, SamplingParams
-from rtp_serve.engine.lora.make_adapter import build_adapter
 
+from rtp_serve.engine import LLM, SamplingParams
+from rtp_serve.models.make_adapter import build_adapter
 from tests.cluster import launch
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fib"

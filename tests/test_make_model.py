@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from rtp_serve.engine import make_model
 from safetensors.torch import load_file
+
+from rtp_serve.models import make_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,7 +155,7 @@ def test_resolving_a_cached_model_imports_no_torch(tmp_path: Path, monkeypatch) 
     monkeypatch.setenv("RTP_SERVE_MODEL_CACHE", str(tmp_path / "cache"))
     cached = make_model.ensure_model("tiny-llama")
     code = (
-        "import sys, rtp_serve.services.launcher.main; from rtp_serve.engine.make_model import resolve_model; "
+        "import sys, rtp_serve.services.launcher.main; from rtp_serve.models.make_model import resolve_model; "
         f"assert resolve_model('tiny-llama') == resolve_model({str(cached)!r}); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

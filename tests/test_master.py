@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+
 from rtp_serve.services.common import grpc_util, subjects
 from rtp_serve.services.common.pb import events_pb2, master_pb2, master_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
@@ -625,7 +626,6 @@ def test_request_id_leases():
 
 def test_the_master_refuses_an_id_in_flight_through_another_frontend():
     from rtp_serve.services.master.servicer import MasterServicer
-
     from tests.frontend_fakes import serve_grpc
 
     async def main() -> None:

@@ -7,8 +7,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from rtp_serve.engine.memory import MIN_KV_BYTES, available_memory_bytes, kv_budget, weights_bytes
 
+from rtp_serve.engine.memory import MIN_KV_BYTES, available_memory_bytes, kv_budget, weights_bytes
 from tests.procs import grpc_service
 
 GIB = 1 << 30

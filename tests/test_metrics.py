@@ -18,14 +18,14 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from rtp_serve.core.block_hash import block_hash_keys
 from rtp_serve.services.cache.lru import ByteLRU
 from rtp_serve.services.cache.redis_tier import RedisTier
 from rtp_serve.services.cache.servicer import CacheServicer
 from rtp_serve.services.common.pb import common_pb2
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.frontend import metrics
-
-from rtp_serve.core.block_hash import block_hash_keys
 from tests import servers
 from tests.cluster import Cluster, launch
 

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
+
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import nameservice_pb2 as pb
 from rtp_serve.services.launcher.servers import free_port
 from rtp_serve.services.nameservice.registry import Registry
-
 from tests.procs import spawn, stop, wait_grpc
 from tests.servers import eventually
 

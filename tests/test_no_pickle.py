@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from google.protobuf.descriptor import FieldDescriptor
+
 from rtp_serve.engine.outputs import PromptKV
 from rtp_serve.services.common.pb import common_pb2
 from rtp_serve.services.worker.kv_wire import split_blocks

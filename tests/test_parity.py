@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rtp_serve.engine import LLM, SamplingParams
 
+from rtp_serve.engine import LLM, SamplingParams
 from tests import helpers
 from tests.helpers import PRESETS, REF_TOKENS, assert_pool_idle, drive, prompt_logits
 

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 import torch
+
+from rtp_serve.core.outputs import SampledToken
 from rtp_serve.engine import AsyncLLM, EngineConfig, SamplingParams
 from rtp_serve.engine.outputs import OutputCollector, PromptKV
 from rtp_serve.engine.request import RequestStatus
-
-from rtp_serve.core.outputs import SampledToken
 from tests.helpers import assert_pool_idle, make_llm, poison_kv
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from rtp_serve.engine import LLM, SamplingParams
 
+from rtp_serve.engine import LLM, SamplingParams
 from tests.helpers import PRESETS, REF_TOKENS, assert_pool_idle, make_llm, prompt_logits
 
 _README = Path(__file__).resolve().parent.parent / "README.md"
@@ -182,10 +182,9 @@ def test_a_worker_reports_its_numerics_and_cpu(model_dir):
     it found, and its fixed KV budget holds twice the tokens of float32 KV."""
     import asyncio
 
+    from rtp_serve.kernels.isa import cpu_isa
     from rtp_serve.services.common import grpc_util
     from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
-
-    from rtp_serve.kernels.isa import cpu_isa
     from tests.procs import grpc_service
 
     async def stats(address: str) -> worker_pb2.WorkerStats:

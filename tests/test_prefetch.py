@@ -15,7 +15,6 @@ from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.config import EngineConfig
 from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.engine.outputs import PromptKV, StagedKV
-
 from tests.helpers import assert_pool_idle, drive, engine_held, make_llm
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -124,10 +123,10 @@ def test_device_hits_count_what_a_request_reused_when_admitted(model_dir, corpus
     nothing of it is computed yet, but the second, admitted once the first is done
     (max_num_seqs 1), reuses its four blocks, and the worker's device hits count them."""
     from prometheus_client import CollectorRegistry
-    from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
-    from rtp_serve.services.worker.tiers import Tiers
 
     from rtp_serve.core.block_hash import block_hash_keys
+    from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
+    from rtp_serve.services.worker.tiers import Tiers
 
     registry = CollectorRegistry()
     config = EngineConfig(

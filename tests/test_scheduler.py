@@ -3,13 +3,13 @@
 from typing import NamedTuple
 
 import pytest
+
+from rtp_serve.core.outputs import SampledToken
+from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.block_pool import BlockPool
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.request import Request, RequestStatus
 from rtp_serve.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
-
-from rtp_serve.core.outputs import SampledToken
-from rtp_serve.core.sampling_params import SamplingParams
 
 BS = 4
 EOS = 0

@@ -23,6 +23,8 @@ import openai
 import pytest
 import redis as redis_py
 from prometheus_client.parser import text_string_to_metric_families
+
+from rtp_serve.core.block_hash import block_hash_keys, cache_salt
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.convert import params_to_pb
@@ -37,8 +39,6 @@ from rtp_serve.services.common.pb import (
     worker_pb2_grpc,
 )
 from rtp_serve.services.common.tls import TlsConfig
-
-from rtp_serve.core.block_hash import block_hash_keys, cache_salt
 from tests.cluster import launch
 from tests.mtls import assert_members_only, issue
 

@@ -11,10 +11,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from rtp_serve.services.frontend.http_api import LINGER_S
-from rtp_serve.services.frontend.limits import Limits
 
 from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.services.frontend.http_api import LINGER_S
+from rtp_serve.services.frontend.limits import Limits
 from tests.frontend_fakes import FakeWorker
 from tests.fuzz_harness import served_frontend
 

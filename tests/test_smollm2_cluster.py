@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from rtp_serve.engine import LLM, SamplingParams
 
+from rtp_serve.engine import LLM, SamplingParams
 from tests.cluster import launch
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -12,6 +12,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+
+from rtp_serve.core.cost_model import StepCost
+from rtp_serve.core.outputs import SampledToken
+from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.structured import StructuredOutputs
 from rtp_serve.engine.block_pool import BlockPool
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.llm_engine import LLMEngine
@@ -19,15 +24,10 @@ from rtp_serve.engine.outputs import CompletionOutput
 from rtp_serve.engine.request import Request, RequestStatus
 from rtp_serve.engine.sampling_noise import draw
 from rtp_serve.engine.scheduler import Scheduler, SchedulerConfig
-from rtp_serve.engine.spec.adaptive import SpecState, best_k, draft_row_cost
-from rtp_serve.engine.spec.ngram import NgramProposer
-from rtp_serve.engine.spec.rejection import accept
-from rtp_serve.engine.spec.speculator import Speculator
-
-from rtp_serve.core.cost_model import StepCost
-from rtp_serve.core.outputs import SampledToken
-from rtp_serve.core.sampling_params import SamplingParams
-from rtp_serve.core.structured import StructuredOutputs
+from rtp_serve.engine.spec_decode.adaptive import SpecState, best_k, draft_row_cost
+from rtp_serve.engine.spec_decode.ngram import NgramProposer
+from rtp_serve.engine.spec_decode.rejection import accept
+from rtp_serve.engine.spec_decode.speculator import Speculator
 from tests.helpers import assert_pool_idle, drive, make_llm, poison_kv
 
 PRESET = "tiny-llama"
@@ -338,7 +338,7 @@ def test_a_draft_rows_penalties_count_the_drafts_before_it():
     """Row i of a verification stands after drafts 1..i: presence, frequency and repetition
     penalties count those drafts as output tokens (as they will be if accepted)."""
     from rtp_serve.engine.logits_processors import process_logits
-    from rtp_serve.engine.spec.rejection import rows_of
+    from rtp_serve.engine.spec_decode.rejection import rows_of
 
     r = req([1, 2, 3], frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=2.0)
     r.append_token(7)  # one output token so far
@@ -504,7 +504,8 @@ def test_speculator_limits_drafts_to_what_the_request_may_still_produce():
 # -- what the worker exports --------------------------------------------------------------
 def test_worker_metrics_count_what_is_new():
     from prometheus_client import CollectorRegistry
-    from rtp_serve.engine.spec.stats import SpecStats
+
+    from rtp_serve.engine.spec_decode.stats import SpecStats
     from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
 
     registry = CollectorRegistry()

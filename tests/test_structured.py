@@ -12,6 +12,10 @@ import json
 import re
 
 import pytest
+
+from rtp_serve.core.structured import Grammars
+from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.core.validation import InvalidRequestError
 from rtp_serve.engine import SamplingParams, StructuredOutputs
 from rtp_serve.engine.outputs import CompletionOutput
 from rtp_serve.services.frontend.errors import FrontendError
@@ -21,10 +25,6 @@ from rtp_serve.services.frontend.openai_schema import (
     openapi,
     parse,
 )
-
-from rtp_serve.core.structured import Grammars
-from rtp_serve.core.tokenizer import Tokenizer
-from rtp_serve.core.validation import InvalidRequestError
 from tests import helpers
 from tests.structured_schemas import SCHEMAS
 

@@ -12,11 +12,11 @@ import time
 
 import grpc
 import pytest
+
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import nameservice_pb2, nameservice_pb2_grpc
 from rtp_serve.services.common.tls import TlsConfig
 from rtp_serve.services.launcher.certs import issue_cluster_certs
-
 from tests import procs
 from tests.mtls import assert_members_only, issue, load, tls_flags
 

@@ -11,15 +11,15 @@ import random
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
+
+from rtp_serve.core.structured import Grammars, StructuredOutputs
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.frontend.errors import FrontendError
 from rtp_serve.services.frontend.generation import Delta
 from rtp_serve.services.frontend.openai_responses import Choice, ResponseBuilder
 from rtp_serve.services.frontend.openai_schema import ChatCompletionRequest, parse
 from rtp_serve.services.frontend.tool_calls import ToolCallParser, grammar, parse_all
 from rtp_serve.services.frontend.tool_prompt import inline_tools
-
-from rtp_serve.core.structured import Grammars, StructuredOutputs
-from rtp_serve.core.tokenizer import Tokenizer
 
 NAMES = frozenset({"get_weather", "get_time"})
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}\n</tool_call>'

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
+
 from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.frontend.tool_calls import parse_all
-
 from tests.cluster import launch
 from tests.test_tool_calls import WEATHER
 

@@ -24,12 +24,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
+
 from rtp_serve.services.common import grpc_util, subjects, tracing
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.lifecycle import JsonFormatter
 from rtp_serve.services.common.pb import events_pb2
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
-
 from tests import procs
 from tests.cluster import launch
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rtp_serve.engine.models.llama import apply_rope
 from rtp_serve.engine.models.llama import rms_norm as ref_rms_norm
-
 from rtp_serve.kernels import kv_quant
 from rtp_serve.kernels.attention import LayerCache, paged_decode, paged_prefill
 from tests.test_attention_kernels import empty_cache, padded, scatter_cache, slots_of
@@ -207,9 +207,8 @@ def test_rms_norm_matches_reference(dtype, residual):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_reference(dtype):
     """On a strided view (q and k heads of the fused qkv output), as the model calls it."""
-    from rtp_serve.engine.models.llama import rope_inv_freq
-
     from rtp_serve.core.model_config import RopeScaling
+    from rtp_serve.engine.models.llama import rope_inv_freq
 
     torch.manual_seed(6)
     t, heads, d = 7, 5, 16
@@ -233,14 +232,13 @@ def test_rotary_matches_reference(dtype):
 def test_triton_backend_mixed_step_matches_reference_backend(kv_dtype):
     """A whole step through TritonAttention.forward (decodes, a chunk after cached context,
     a fresh prompt): the same cache contents and outputs as the reference backend's."""
-    from rtp_serve.kernels.triton.backend import TritonAttention
-
     from rtp_serve.kernels.attention import (
         AttentionMetadata,
         PrefillChunk,
         TorchAttention,
         write_kv,
     )
+    from rtp_serve.kernels.triton.backend import TritonAttention
 
     torch.manual_seed(7)
     hq, hkv, d, bs = 4, 2, 16, 4
@@ -284,7 +282,6 @@ def test_engine_on_the_triton_kernels_matches_hf(model_dir, hf_greedy, prompts):
     preset = "tiny-qwen2"  # GQA and a qkv bias
     from rtp_serve.engine import SamplingParams
     from rtp_serve.kernels.triton.backend import TritonAttention
-
     from tests import helpers
 
     llm = helpers.make_llm(model_dir(preset), "float32", max_num_batched_tokens=16)

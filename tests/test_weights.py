@@ -13,12 +13,12 @@ import sys
 
 import pytest
 import torch
-from rtp_serve.engine import SamplingParams, weights
-from rtp_serve.engine.checkpoint_writer import save_weights
-from rtp_serve.engine.config import EngineConfig
-from rtp_serve.engine.weights import load_tensors, map_file, read_file
 from safetensors.torch import load_file, save_file
 
+from rtp_serve.engine import SamplingParams, weights
+from rtp_serve.engine.config import EngineConfig
+from rtp_serve.engine.weights import load_tensors, map_file, read_file
+from rtp_serve.models.checkpoint_writer import save_weights
 from tests.helpers import make_llm
 
 

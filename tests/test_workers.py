@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import grpc
 import pytest
+
 from rtp_serve.engine import SamplingParams
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.convert import params_to_pb
 from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
-
 from tests.procs import grpc_service
 
 WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "16")

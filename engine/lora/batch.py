@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from rtp_serve.engine.lora.stacked import RowsKernel, Stacked, StackedRows
 from rtp_serve.engine.lora.weights import LoraWeights, MatMul
 

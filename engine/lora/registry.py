@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from rtp_serve.engine.lora.stacked import Stacked
-from rtp_serve.engine.lora.weights import LoraWeights, load_lora_weights
 
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.peft_config import LoraConfig, UnknownAdapterError
+from rtp_serve.engine.lora.stacked import Stacked
+from rtp_serve.engine.lora.weights import LoraWeights, load_lora_weights
 
 log = logging.getLogger(__name__)
 

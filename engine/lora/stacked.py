@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from rtp_serve.engine.lora.weights import LoraPair, LoraPart, LoraWeights
 
 # kernels' lora_rows(x, y, row_slot, a_t, col_slot, b_flat, b_off, b_col0, b_len): in place.

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rtp_serve.core.model_config import ModelConfig, RopeScaling
 from rtp_serve.engine.lora.batch import LoraBatch
 from rtp_serve.engine.lora.weights import DOWN, GATE_UP, OUT, QKV
 from rtp_serve.engine.weights import back_to_back, joined
-
-from rtp_serve.core.model_config import ModelConfig, RopeScaling
 from rtp_serve.kernels.attention import AttentionBackend, AttentionMetadata, LayerCache
 from rtp_serve.kernels.linear import Kernels, LinearOp, PartsLinear, RowsLinear, make_linear
 

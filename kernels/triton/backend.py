@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from rtp_serve.kernels.attention import AttentionMetadata, LayerCache
 from rtp_serve.kernels.triton import kv_write
 from rtp_serve.kernels.triton.paged_decode import paged_decode
 from rtp_serve.kernels.triton.paged_prefill import paged_prefill_varlen
-
-from rtp_serve.kernels.attention import AttentionMetadata, LayerCache
 
 
 @dataclass(frozen=True, slots=True)

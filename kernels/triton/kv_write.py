@@ -16,10 +16,10 @@ so no two programs touch the same block and head.
 from __future__ import annotations
 
 import torch
-from rtp_serve.kernels.triton.rounding import cast
 
 import triton
 import triton.language as tl
+from rtp_serve.kernels.triton.rounding import cast
 
 QMAX = 127.0
 

@@ -17,10 +17,10 @@ sequence lengths, so a step is capturable in a CUDA graph: no host sync.
 from __future__ import annotations
 
 import torch
-from rtp_serve.kernels.triton.rounding import cast
 
 import triton
 import triton.language as tl
+from rtp_serve.kernels.triton.rounding import cast
 
 BLOCK_N = 32  # keys per tile
 MAX_SPLITS = 16

@@ -16,11 +16,11 @@ end have no rows and store nothing.
 from __future__ import annotations
 
 import torch
-from rtp_serve.kernels.triton.paged_decode import dot_precision
-from rtp_serve.kernels.triton.rounding import cast
 
 import triton
 import triton.language as tl
+from rtp_serve.kernels.triton.paged_decode import dot_precision
+from rtp_serve.kernels.triton.rounding import cast
 
 BLOCK_M = 16
 BLOCK_N = 32

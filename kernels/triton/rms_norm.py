@@ -11,10 +11,10 @@ the dtype, then scaled by the weight in the dtype.
 from __future__ import annotations
 
 import torch
-from rtp_serve.kernels.triton.rounding import cast
 
 import triton
 import triton.language as tl
+from rtp_serve.kernels.triton.rounding import cast
 
 
 @triton.jit

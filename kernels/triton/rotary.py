@@ -10,10 +10,10 @@ the result is the reference's bit for bit. One program per token, all its heads.
 from __future__ import annotations
 
 import torch
-from rtp_serve.kernels.triton.rounding import cast
 
 import triton
 import triton.language as tl
+from rtp_serve.kernels.triton.rounding import cast
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+
 from rtp_serve.services.cache import MAX_KEYS
 from rtp_serve.services.cache.integrity import KVIntegrity
 from rtp_serve.services.cache.ring import HashRing

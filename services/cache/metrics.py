@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
 from rtp_serve.services.common.metrics import PREFIX, TIER_MEMORY, TIER_REDIS, default_families
 
 

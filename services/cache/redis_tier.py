@@ -23,6 +23,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
 from rtp_serve.services.common.flags import redact
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
+
 from rtp_serve.services.cache import MAX_KEYS, metrics
 from rtp_serve.services.cache.kv_feed import CacheEventFeed
 from rtp_serve.services.cache.lru import ByteLRU

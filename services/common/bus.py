@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.flags import redact
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rtp_serve.services.common.pb import common_pb2, worker_pb2
-
 from rtp_serve.core.outputs import TokenLogprobs
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import GuideKind, StructuredOutputs
 from rtp_serve.core.validation import InvalidRequestError
+from rtp_serve.services.common.pb import common_pb2, worker_pb2
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:

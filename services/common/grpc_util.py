@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from rtp_serve.services.common import tls as tls_config
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.grpc_malformed import MalformedRequests

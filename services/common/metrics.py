@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import REGISTRY, disable_created_metrics, start_http_server
 from prometheus_client.exposition import choose_encoder
-from rtp_serve.services.common.pb import nameservice_pb2
 
 from rtp_serve.core.cost_model import TIER_HOST as TIER_HOST
 from rtp_serve.core.cost_model import TIER_REMOTE as TIER_REMOTE
+from rtp_serve.services.common.pb import nameservice_pb2
 
 if TYPE_CHECKING:
     from aiohttp import web

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import nameservice_pb2 as pb
 from rtp_serve.services.common.pb import nameservice_pb2_grpc as pb_grpc

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
 from rtp_serve.services.common.flags import env
 
 

@@ -16,6 +16,10 @@ import time
 
 import grpc
 from opentelemetry import trace
+
+from rtp_serve.core.block_hash import BlockHash, block_hash_keys
+from rtp_serve.core.cost_model import TIER_TRANSFER
+from rtp_serve.core.outputs import SampledToken
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.outputs import RequestOutput
 from rtp_serve.services.cache.client import CacheClient
@@ -29,10 +33,6 @@ from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import join_blocks
 from rtp_serve.services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
 from rtp_serve.services.worker.tiers import Tiers
-
-from rtp_serve.core.block_hash import BlockHash, block_hash_keys
-from rtp_serve.core.cost_model import TIER_TRANSFER
-from rtp_serve.core.outputs import SampledToken
 
 log = logging.getLogger(__name__)
 

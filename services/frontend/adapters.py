@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
+
+from rtp_serve.core.block_hash import salt_of
+from rtp_serve.core.peft_config import AdapterError, LoraConfig, check_name
 from rtp_serve.services.common.naming import WORKER_ROLES
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, invalid
-
-from rtp_serve.core.block_hash import salt_of
-from rtp_serve.core.peft_config import AdapterError, LoraConfig, check_name
 
 log = logging.getLogger(__name__)
 

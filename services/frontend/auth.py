@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
 from rtp_serve.services.common.flags import env
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 

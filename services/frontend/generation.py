@@ -32,6 +32,9 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
+
+from rtp_serve.core.block_hash import block_hash_keys
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util, tracing
 from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from rtp_serve.services.frontend import metrics
@@ -49,9 +52,6 @@ from rtp_serve.services.frontend.inputs import GenerateInput
 from rtp_serve.services.frontend.limits import Limits, max_token_chars
 from rtp_serve.services.frontend.model_info import Admission, ModelInfo
 from rtp_serve.services.frontend.router_client import Route, Router
-
-from rtp_serve.core.block_hash import block_hash_keys
-from rtp_serve.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

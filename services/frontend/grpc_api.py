@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
+
+from rtp_serve.core.validation import InvalidRequestError
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.convert import params_fields_from_pb, structured_from_pb
 from rtp_serve.services.common.pb import frontend_pb2, frontend_pb2_grpc
@@ -19,8 +21,6 @@ from rtp_serve.services.frontend.client_streams import grpc_peer_host
 from rtp_serve.services.frontend.errors import FrontendError, invalid
 from rtp_serve.services.frontend.generation import Generator
 from rtp_serve.services.frontend.inputs import Options, prepare
-
-from rtp_serve.core.validation import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens left at 0
 

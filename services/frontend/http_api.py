@@ -21,6 +21,7 @@ import jinja2
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
+
 from rtp_serve.services.common import metrics, tracing
 from rtp_serve.services.frontend import auth
 from rtp_serve.services.frontend import metrics as frontend_metrics

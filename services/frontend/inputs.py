@@ -7,12 +7,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from rtp_serve.services.common.convert import params_to_pb, structured_to_pb
-from rtp_serve.services.common.pb import common_pb2, worker_pb2
-from rtp_serve.services.frontend.errors import invalid
-from rtp_serve.services.frontend.limits import Limits
-from rtp_serve.services.frontend.model_info import ModelInfo
-
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import StructuredOutputs
 from rtp_serve.core.validation import (
@@ -21,6 +15,11 @@ from rtp_serve.core.validation import (
     check_prompt,
     check_stop_token_ids,
 )
+from rtp_serve.services.common.convert import params_to_pb, structured_to_pb
+from rtp_serve.services.common.pb import common_pb2, worker_pb2
+from rtp_serve.services.frontend.errors import invalid
+from rtp_serve.services.frontend.limits import Limits
+from rtp_serve.services.frontend.model_info import ModelInfo
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 

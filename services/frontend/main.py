@@ -12,6 +12,15 @@ import logging
 import os
 
 from aiohttp import web
+
+from rtp_serve.core.dtypes import (
+    KV_DTYPES,
+    MODEL_DTYPES,
+    WEIGHT_DTYPES,
+    kv_numerics,
+    resolve_dtype,
+)
+from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.flags import (
     add_common_flags,
@@ -32,15 +41,6 @@ from rtp_serve.services.frontend.http_api import build_app, server_options
 from rtp_serve.services.frontend.limits import Limits, add_limit_flags
 from rtp_serve.services.frontend.model_info import ModelInfo
 from rtp_serve.services.frontend.router_client import Router
-
-from rtp_serve.core.dtypes import (
-    KV_DTYPES,
-    MODEL_DTYPES,
-    WEIGHT_DTYPES,
-    kv_numerics,
-    resolve_dtype,
-)
-from rtp_serve.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

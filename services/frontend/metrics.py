@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
 from rtp_serve.services.common.metrics import (
     ABORT,
     CLIENT_CLOSED,

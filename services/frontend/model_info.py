@@ -8,10 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
-
 from rtp_serve.core.block_hash import model_fingerprint, salt_of
 from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 
 
 @dataclass(frozen=True, slots=True)

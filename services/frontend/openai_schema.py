@@ -24,14 +24,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from rtp_serve.services.frontend.errors import FrontendError, invalid
-from rtp_serve.services.frontend.inputs import Options
-from rtp_serve.services.frontend.tool_calls import ToolCallParser
-from rtp_serve.services.frontend.tool_calls import grammar as tool_grammar
 
 from rtp_serve.core.sampling_params import MAX_SPECULATIVE_TOKENS
 from rtp_serve.core.structured import StructuredOutputs
 from rtp_serve.core.validation import InvalidRequestError
+from rtp_serve.services.frontend.errors import FrontendError, invalid
+from rtp_serve.services.frontend.inputs import Options
+from rtp_serve.services.frontend.tool_calls import ToolCallParser
+from rtp_serve.services.frontend.tool_calls import grammar as tool_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

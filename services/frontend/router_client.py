@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.naming import WORKER_ROLES, MemberSet
 from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc

@@ -31,12 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rtp_serve.core.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 from rtp_serve.services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
 from rtp_serve.services.launcher import certs, servers
 from rtp_serve.services.launcher.secrets import ClusterSecrets
 from rtp_serve.services.launcher.supervisor import RESTART_POLICIES, Supervisor
-
-from rtp_serve.core.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
@@ -306,7 +305,7 @@ def _start(cluster: Cluster, model: str) -> str:
               "--memory-share", str(_worker_count(args)),
               "--speculative", args.speculative]  # fmt: skip
     if args.draft_model is not None:
-        from rtp_serve.engine.make_model import resolve_model
+        from rtp_serve.models.make_model import resolve_model
 
         worker += ["--draft-model", str(resolve_model(args.draft_model))]
     for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
@@ -351,7 +350,7 @@ def _ready(url: str, workers: int) -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from rtp_serve.engine.make_model import resolve_model  # a directory, a preset or the default
+    from rtp_serve.models.make_model import resolve_model  # a directory, a preset or the default
 
     model = str(await asyncio.to_thread(resolve_model, args.model))
     with tempfile.TemporaryDirectory(prefix="rtp-serve-") as tmp:

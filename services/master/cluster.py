@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+
 from rtp_serve.services.common import grpc_util, subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.naming import WORKER_ROLES

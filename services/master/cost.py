@@ -32,9 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rtp_serve.services.common.pb import events_pb2
-
 from rtp_serve.core.cost_model import TIER_HOST, TIER_REMOTE, TIER_TRANSFER, FetchCost, StepCost
+from rtp_serve.services.common.pb import events_pb2
 
 # Costs when no candidate has a fitted model: one unit per token computed.
 TOKEN_UNITS = StepCost(token_s=1.0)

@@ -14,6 +14,7 @@ import logging
 import os
 
 from prometheus_client import REGISTRY
+
 from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.flags import add_common_flags, advertised, env

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
 from rtp_serve.services.common.metrics import PREFIX, default_families
 
 

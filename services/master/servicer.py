@@ -8,6 +8,7 @@ import logging
 
 import grpc
 from opentelemetry import trace
+
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
 from rtp_serve.services.master import metrics

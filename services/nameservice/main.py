@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+
 from rtp_serve.services.common import grpc_util, metrics, subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.flags import add_common_flags, advertised, env, redact

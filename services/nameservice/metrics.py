@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
 from rtp_serve.services.common.metrics import PREFIX, default_families, role_label
 from rtp_serve.services.common.pb import nameservice_pb2
 

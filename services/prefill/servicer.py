@@ -12,6 +12,8 @@ import logging
 
 import grpc
 from opentelemetry import trace
+
+from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import tracing
@@ -24,8 +26,6 @@ from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import split_blocks
 from rtp_serve.services.worker.servicer import WorkerServicer, abort
 from rtp_serve.services.worker.tiers import TierHits, Tiers
-
-from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
 
 log = logging.getLogger(__name__)
 

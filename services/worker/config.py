@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
+from rtp_serve.core.dtypes import (
+    KV_DTYPES,
+    MODEL_DTYPES,
+    WEIGHT_DTYPES,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
+from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig
 from rtp_serve.engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
@@ -16,15 +24,6 @@ from rtp_serve.services.common.flags import (
     env,
     int_or_none,
 )
-
-from rtp_serve.core.dtypes import (
-    KV_DTYPES,
-    MODEL_DTYPES,
-    WEIGHT_DTYPES,
-    resolve_dtype,
-    resolve_kv_dtype,
-)
-from rtp_serve.core.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +159,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     where they say auto)."""
     model = args.model
     if model is None:
-        from rtp_serve.engine.make_model import ensure_model
+        from rtp_serve.models.make_model import ensure_model
 
         model = str(ensure_model())
     dtype = resolve_dtype(args.dtype, model)

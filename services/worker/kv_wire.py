@@ -10,6 +10,7 @@ before writing a byte.
 from __future__ import annotations
 
 import torch
+
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.dtypes import dtype_name, torch_dtype
 from rtp_serve.engine.outputs import PromptKV

@@ -7,9 +7,10 @@ import contextlib
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
 from rtp_serve.engine.host_tier import HostTierStats
 from rtp_serve.engine.lora.registry import LoraStats
-from rtp_serve.engine.spec.stats import SpecCounts
+from rtp_serve.engine.spec_decode.stats import SpecCounts
 from rtp_serve.services.common.metrics import (
     PREFIX,
     TIER_DEVICE,

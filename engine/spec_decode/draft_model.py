@@ -40,6 +40,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.block_pool import BlockPool
 from rtp_serve.engine.config import EngineConfig, EngineLimits
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
@@ -47,10 +50,7 @@ from rtp_serve.engine.memory import kv_bytes_per_block
 from rtp_serve.engine.model_runner import ModelRunner
 from rtp_serve.engine.request import Request, RequestStatus
 from rtp_serve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from rtp_serve.engine.spec.proposer import PassTimer
-
-from rtp_serve.core.model_config import ModelConfig
-from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.engine.spec_decode.proposer import PassTimer
 
 log = logging.getLogger(__name__)
 

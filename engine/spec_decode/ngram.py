@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from rtp_serve.engine.request import Request
-from rtp_serve.engine.spec.adaptive import SpecState
+from rtp_serve.engine.spec_decode.adaptive import SpecState
 
 
 @dataclass(frozen=True, slots=True)

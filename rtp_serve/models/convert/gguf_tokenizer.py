@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rtp_serve.engine.convert.gguf_file import GGUFError, GGUFModel
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
+
+from rtp_serve.models.convert.gguf_file import GGUFError, GGUFModel
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4

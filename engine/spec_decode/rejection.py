@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rtp_serve.engine.request import Request
-
 from rtp_serve.core.outputs import SampledToken
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Guide
+from rtp_serve.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,16 +13,16 @@ import logging
 from pathlib import Path
 
 import torch
-from rtp_serve.engine.checkpoint_writer import atomic_dir, write_json
 from safetensors.torch import save_file
 
 from rtp_serve.core.peft_config import CONFIG_FILE, TARGETS, WEIGHTS_FILE
+from rtp_serve.models.checkpoint_writer import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 
 
 def _base_config(base: str) -> dict:
-    from rtp_serve.engine.make_model import PRESETS, _config, get_preset, resolve_model
+    from rtp_serve.models.make_model import PRESETS, _config, get_preset, resolve_model
 
     if base in PRESETS:
         return _config(get_preset(base))
