@@ -213,16 +213,20 @@ class AsyncLLM:
 
     def salt_for(self, lora: str = "") -> bytes:
         """The block-hash salt of requests under `lora` (UnknownAdapterError if not served)."""
-        return self.engine.salt_for(lora)
+        return self.engine.adapters.salt_for(lora)
 
     async def add_lora(self, name: str, path: str) -> LoraStats:
         """Serve the PEFT adapter in `path` as `name` (AdapterError, ValueError)."""
         config = await asyncio.to_thread(LoraConfig.load, name, path)  # reads and hashes
-        return await self.call(lambda engine: (engine.add_lora(config), engine.lora_stats())[1])
+        return await self.call(
+            lambda engine: (engine.adapters.add(config), engine.adapters.stats())[1]
+        )
 
     async def remove_lora(self, name: str) -> LoraStats:
         """Stop serving `name` (UnknownAdapterError; ValueError while requests use it)."""
-        return await self.call(lambda engine: (engine.remove_lora(name), engine.lora_stats())[1])
+        return await self.call(
+            lambda engine: (engine.adapters.remove(name), engine.adapters.stats())[1]
+        )
 
     def lora_stats(self) -> LoraStats:
         """As of the latest step (the engine thread's snapshot)."""
@@ -232,11 +236,11 @@ class AsyncLLM:
 
     async def num_cached_prefix(self, block_hashes: list[BlockHash]) -> int:
         """How many leading blocks of these keys the device pool holds now."""
-        return await self.call(lambda engine: engine.num_cached_prefix(block_hashes))
+        return await self.call(lambda engine: engine.tiers.num_cached_prefix(block_hashes))
 
     async def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
-        return await self.call(lambda engine: engine.take_kv_events())
+        return await self.call(lambda engine: engine.tiers.take_events())
 
     async def kv_snapshot(
         self,
@@ -244,7 +248,9 @@ class AsyncLLM:
         """The pending events (as take_kv_events) and every hash the device pool and the
         host tier hold after them, taken together between steps: the hashes are exactly
         what applying all events taken so far gives."""
-        return await self.call(lambda engine: (engine.take_kv_events(), engine.cached_hashes()))
+        return await self.call(
+            lambda engine: (engine.tiers.take_events(), engine.tiers.cached_hashes())
+        )
 
     async def check(self) -> EngineCheck:
         """Stats, held blocks and the integrity check, taken between steps."""

@@ -7,7 +7,7 @@ block. Least recently used blocks go first when the byte capacity is reached.
 
     T0 device pool --evict--> T1 host tier --evict--> gone (T2/T3 hold what workers put there)
          ^                        |
-         +------- copy up --------+   (LLMEngine._copy_up, at admission and on lookups)
+         +------- copy up --------+   (KVTiers.copy_up, at admission and on lookups)
 
 On a CPU both tiers are host memory: T1 is worth having where it is larger than T0 would be
 (a worker that keeps its device pool small and fast to scan, or, later, an INT8-compressed

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from rtp_serve.core.block_hash import BlockHash, model_fingerprint, salt_of
-from rtp_serve.core.cost_model import TIER_HOST, CostModel
+from rtp_serve.core.block_hash import BlockHash, model_fingerprint
+from rtp_serve.core.cost_model import CostModel
 from rtp_serve.core.dtypes import kv_numerics
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.outputs import SampledToken
@@ -24,12 +24,14 @@ from rtp_serve.core.validation import (
     InvalidRequestError,
     check_logit_bias,
     check_prompt,
+    check_speculative_advice,
     check_stop_token_ids,
 )
-from rtp_serve.engine.block_pool import BlockPool, KVBlock, KVEvent
 from rtp_serve.engine.config import EngineConfig, KVLayout
-from rtp_serve.engine.host_tier import HostTier, HostTierStats
+from rtp_serve.engine.host_tier import HostTierStats
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.kv_tiers import KVTiers
+from rtp_serve.engine.lora.admin import LoraAdmin
 from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
@@ -76,17 +78,18 @@ class LLMEngine:
         self.limits = resolve_limits(self.model_config, config)
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(self.model_config, config, self.limits)
-        # T1 below the device pool: blocks evicted from it spill there (engine/host_tier.py).
-        self.host = (
-            HostTier(config.host_kv_cache_bytes, record_events=record_kv_events)
-            if config.host_kv_cache_bytes
-            else None
-        )
-        self.pool = BlockPool(
+        # Fitted step and fetch times: the wait estimate here, the master's predictions.
+        self.costs = CostModel(config.max_num_batched_tokens)
+        # The device pool and the tiers around it: host tier, imported and remote KV.
+        self.tiers = KVTiers(
             self.limits.num_kv_blocks,
-            record_events=record_kv_events,
-            on_evict=self._spill if self.host is not None else None,
+            config.block_size,
+            config.host_kv_cache_bytes,
+            self.runner,
+            self.costs,
+            record_kv_events,
         )
+        self.pool = self.tiers.pool
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -98,21 +101,23 @@ class LLMEngine:
             ),
             self.kv,
             self.model_config.eos_token_ids,
-            prepare=self._prepare_admission,
+            prepare=self.tiers.prepare_admission,
         )
-        # core.block_hash.cache_salt, its parts kept: each adapter salts its own namespace.
-        self._model_id = model_fingerprint(config.model).hex()
-        self._numerics = kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype)
-        self.cache_salt = salt_of(self._model_id, self._numerics)
+        # Adapters added and removed while requests run, each salting its own KV namespace.
         self.loras = self.runner.loras
+        self.adapters = LoraAdmin(
+            self.loras,
+            self.scheduler.requests,
+            model_fingerprint(config.model).hex(),
+            kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype),
+        )
+        self.cache_salt = self.adapters.base_salt  # core.block_hash.cache_salt
         for name, path in config.loras:
-            self.add_lora(LoraConfig.load(name, path))
+            self.adapters.add(LoraConfig.load(name, path))
         cfg = self.model_config
         self.kv_layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.resolved_kv_dtype
         )
-        # Fitted step and fetch times: the wait estimate here, the master's predictions.
-        self.costs = CostModel(config.max_num_batched_tokens)
         # Structured outputs: specs compiled for this model's tokenizer, cached by spec.
         self.grammars = Grammars(
             Path(config.model) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids
@@ -137,34 +142,6 @@ class LLMEngine:
             )
         return Speculator(proposer, config.num_speculative_tokens, self.limits.max_model_len)
 
-    # -- LoRA adapters ---------------------------------------------------------------------
-    def salt_for(self, lora: str = "") -> bytes:
-        """The block-hash salt of requests under `lora` ("" the base model)."""
-        if not lora:
-            return self.cache_salt
-        return salt_of(self._model_id, self._numerics, self.loras.get(lora).fingerprint)
-
-    def add_lora(self, config: LoraConfig) -> None:
-        """Serve an adapter (AdapterError if it does not fit this model). Replacing a name
-        in use by a request is refused: that request's KV was made under the old one."""
-        if config.name in self.loras.known:
-            self._check_unused(config.name)
-        self.loras.add(config)
-
-    def remove_lora(self, name: str) -> None:
-        """Stop serving an adapter (UnknownAdapterError; ValueError while in use)."""
-        self.loras.get(name)
-        self._check_unused(name)
-        self.loras.remove(name)
-
-    def lora_stats(self) -> LoraStats:
-        return self.loras.stats()
-
-    def _check_unused(self, name: str) -> None:
-        users = sum(1 for r in self.scheduler.requests.values() if r.lora == name)
-        if users:
-            raise ValueError(f"the LoRA adapter `{name}` is in use by {users} requests")
-
     # -- requests --------------------------------------------------------------------------
     def make_request(
         self,
@@ -187,17 +164,13 @@ class LLMEngine:
         too (the blocks this engine computed). `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
         (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
         """
-        salt = self.salt_for(lora)  # raises UnknownAdapterError first
+        salt = self.adapters.salt_for(lora)  # raises UnknownAdapterError first
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         check_prompt(token_ids, vocab, self.limits.max_model_len)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
-        if any(t >= vocab for t in params.speculative_advice):
-            raise InvalidRequestError(
-                f"speculative_advice has token ids outside the vocabulary ({vocab})",
-                "speculative_advice",
-            )
+        check_speculative_advice(params.speculative_advice, vocab)
         guide = None
         if params.structured is not None:
             resumed = params.structured.resume_tokens
@@ -228,7 +201,7 @@ class LLMEngine:
         is not admitted before `release_request`."""
         if request.lora:
             self.loras.count_request(request.lora)
-        self._copy_up_prefix(request)
+        self.tiers.copy_up_prefix(request)
         self.scheduler.add_request(request, held)
 
     def release_request(self, request_id: str, staged: StagedKV | None) -> int:
@@ -239,20 +212,7 @@ class LLMEngine:
         if request is None or staged is None:
             return 0
         request.staged_kv = staged
-        return self.import_blocks(staged.block_hashes, staged.kv)
-
-    def _copy_up_prefix(self, request: Request) -> None:
-        # The last prompt token is always computed (its logits give the next token).
-        usable = (request.num_prompt_tokens - 1) // self.config.block_size
-        self._copy_up(request.block_hashes[:usable])
-
-    def _prepare_admission(self, request: Request) -> None:
-        """Right before the scheduler admits `request`: what the host tier or a fetch gave
-        it at arrival may have been evicted while it waited; put it back."""
-        if request.staged_kv is not None:
-            self.import_blocks(request.staged_kv.block_hashes, request.staged_kv.kv)
-        if self.host is not None:
-            self._copy_up_prefix(request)
+        return self.tiers.import_blocks(staged.block_hashes, staged.kv)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -313,102 +273,18 @@ class LLMEngine:
             start = max(start, request.num_cached_tokens)
         return self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
 
-    # -- tiers below the device pool ---------------------------------------------------------
-    def num_cached_prefix(self, block_hashes: list[bytes]) -> int:
-        """How many leading blocks of these keys the device pool holds right now (after
-        copying up what the host tier has)."""
-        self._copy_up(block_hashes)
-        n = 0
-        for h in block_hashes:
-            if self.pool.get_cached(h) is None:
-                break
-            n += 1
-        return n
-
-    def import_blocks(self, block_hashes: list[bytes], kv: PromptKV) -> int:
-        """Put KV fetched from a lower tier into the pool as cached, unreferenced blocks.
-
-        kv covers len(block_hashes) whole blocks (its `start` is ignored). A request submitted
-        next hits them like any prefix-cache block (they join the back of the eviction
-        queue). Blocks already cached are skipped (and kept: making room for the others
-        never evicts them); returns how many were imported.
-        """
-        bs = self.config.block_size
-        parts = [_block_of(kv, i, bs) for i in range(len(block_hashes))]
-        cached = [b for h in block_hashes if (b := self.pool.get_cached(h)) is not None]
-        return self._adopt(list(block_hashes), parts, protect=cached)
-
-    def _copy_up(self, block_hashes: list[bytes]) -> None:
-        """Copy the blocks after the device pool's prefix of these keys up from the host
-        tier, as far as it holds them."""
-        if self.host is None or not block_hashes:
-            return
-        held = []
-        for h in block_hashes:
-            block = self.pool.get_cached(h)
-            if block is None:
-                break
-            held.append(block)
-        rest = block_hashes[len(held) :]
-        started = time.perf_counter()
-        found = self.host.lookup(rest)
-        if found:
-            self._adopt(rest[: len(found)], found, protect=held)
-            seconds = time.perf_counter() - started
-            self.costs.observe_fetch(TIER_HOST, seconds, sum(p.nbytes for p in found))
-
-    def _adopt(
-        self, block_hashes: list[bytes], parts: list[PromptKV], protect: list[KVBlock]
-    ) -> int:
-        """Write one block of KV per key into free blocks and cache them. `protect` (device
-        blocks of the same prefix) and the blocks written so far are referenced meanwhile, so
-        making room never evicts them; all are released tail first, as a request frees."""
-        self.pool.touch(protect)
-        held, adopted = list(protect), 0
-        try:
-            for h, part in zip(block_hashes, parts, strict=True):
-                if self.pool.get_cached(h) is not None:
-                    continue
-                if self.pool.num_free_blocks == 0:
-                    break
-                (block,) = self.pool.allocate(1)
-                held.append(block)
-                self.runner.write_kv([block.block_id], part)
-                self.pool.cache_block(block, h)
-                adopted += 1
-        finally:
-            self.pool.free(reversed(held))
-        return adopted
-
-    def _spill(self, block: KVBlock) -> None:
-        """The pool is about to reuse a cached block: keep its KV in the host tier."""
-        assert self.host is not None and block.block_hash is not None
-        kv = self.runner.read_kv([block.block_id], 0, self.config.block_size)
-        self.host.put(block.block_hash, kv)
-
     # -- PD decode side --------------------------------------------------------------------
     def write_remote_kv(
         self, request_id: str, parts: Sequence[PromptKV], first: SampledToken
     ) -> RequestOutput:
         """A remote-prefill request's prompt KV and first token arrived: write the KV into its
-        blocks and decode on. `parts` must cover every prompt position not cached here."""
+        blocks and decode on. `parts` must cover every prompt position not cached here
+        (ValueError otherwise, or for a request not waiting for it)."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
-        pos = request.num_computed_tokens
-        for part in sorted(parts, key=lambda p: p.start):
-            if part.start != pos:
-                raise ValueError(f"KV for positions from {part.start}, expected from {pos}")
-            pos += part.num_tokens
-        if pos != request.num_prompt_tokens:
-            raise ValueError(
-                f"KV ends at position {pos}, the prompt at {request.num_prompt_tokens}"
-            )
-        if not 0 <= first.token_id < self.model_config.vocab_size:
-            raise ValueError(f"first token id {first.token_id} out of range")
         table = self.kv.block_ids(request_id)
-        for part in parts:
-            self.runner.write_kv(table, part)
+        self.tiers.write_remote_kv(request, table, parts, first, self.model_config.vocab_size)
         # No random state to carry over: draws are keyed by position (sampling_noise.py).
         return _delta(self.scheduler.kv_arrived(request_id, first), [first])
 
@@ -426,20 +302,10 @@ class LLMEngine:
             num_free_blocks=self.pool.num_free_blocks,
             num_total_blocks=self.pool.num_blocks,
             num_queued_tokens=queued,
-            host_tier=None if self.host is None else self.host.stats(),
+            host_tier=self.tiers.host_stats(),
             spec=None if self.speculator is None else self.speculator.stats(),
             loras=self.loras.stats(),
         )
-
-    def take_kv_events(self) -> list[KVEvent]:
-        """Blocks stored in / removed from the prefix cache (each event names its tier:
-        the device pool or the host tier) since the previous call."""
-        host = self.host.take_events() if self.host is not None else []
-        return self.pool.take_events() + host
-
-    def cached_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """Every hash the device pool's prefix cache holds, and every one the host tier does."""
-        return self.pool.cached_hashes(), self.host.hashes() if self.host is not None else []
 
     def check(self) -> EngineCheck:
         error = ""
@@ -452,8 +318,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
+        self.tiers.check_integrity()
         if self.speculator is not None:
             self.speculator.check_integrity()
 
@@ -488,11 +353,3 @@ def _delta(
         queue_s=queue_s,
         prefill_s=prefill_s,
     )
-
-
-def _block_of(kv: PromptKV, i: int, block_size: int) -> PromptKV:
-    """Block i of KV that starts at a block boundary, as KV of positions [0, block_size)."""
-    tokens, block = slice(i * block_size, (i + 1) * block_size), slice(i, i + 1)
-    k_scale = None if kv.k_scale is None else kv.k_scale[:, block]
-    v_scale = None if kv.v_scale is None else kv.v_scale[:, block]
-    return PromptKV(0, kv.k[:, tokens], kv.v[:, tokens], k_scale, v_scale)

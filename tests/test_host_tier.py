@@ -78,7 +78,7 @@ def test_a_lookup_copies_up_before_answering(model_dir, corpus_ids):
     llm.generate([corpus_ids[100:180]], GREEDY)  # 5 blocks + : evicts the target's
     keys = block_hash_keys(target, 16, engine.cache_salt)
     assert all(engine.pool.get_cached(h) is None for h in keys[:2])
-    assert engine.num_cached_prefix(keys) == 4
+    assert engine.tiers.num_cached_prefix(keys) == 4
     engine.check_integrity()
     assert_pool_idle(engine)
 

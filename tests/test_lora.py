@@ -122,7 +122,7 @@ def test_mixed_batch_matches_peft(max_loras, model_dir, adapter_dir, peft_greedy
     outs = llm.generate(prompts, PARAMS, lora=names)
     for prompt, name, out in zip(prompts, names, outs, strict=True):
         assert_matches(out, peft_greedy(preset, name, prompt))
-    stats = llm.engine.lora_stats()
+    stats = llm.engine.adapters.stats()
     assert len(stats.resident) <= max_loras
     if max_loras == 2:
         assert stats.evictions > 0
@@ -165,7 +165,7 @@ def test_lru_swap_keeps_outputs(model_dir, adapter_dir, peft_greedy, prompts):
     for name in [*ADAPTERS, "a1"]:
         [out] = llm.generate([prompt], PARAMS, lora=name)
         assert_matches(out, peft_greedy(preset, name, prompt))
-    stats = llm.engine.lora_stats()
+    stats = llm.engine.adapters.stats()
     assert stats.resident == ("a1",)
     assert stats.evictions == 4
 
@@ -182,11 +182,11 @@ def test_worker_metrics_count_adapter_loads_swaps_and_requests(model_dir, adapte
     llm = make_llm(model_dir, adapter_dir, "tiny-llama", ["a1", "a3"], max_loras=1)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([prompts[0]], params, lora="a1")
-    metrics.lora(llm.engine.lora_stats())
+    metrics.lora(llm.engine.adapters.stats())
     for name in ("a3", "a1"):
         llm.generate([prompts[0]], params, lora=name)
     llm.generate([prompts[1]], params)  # the base model counts under no adapter
-    metrics.lora(llm.engine.lora_stats())
+    metrics.lora(llm.engine.adapters.stats())
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(
@@ -201,8 +201,8 @@ def test_worker_metrics_count_adapter_loads_swaps_and_requests(model_dir, adapte
     assert [value("lora_adapters", kind=k) for k in ("served", "resident", "max")] == [2, 1, 1]
     assert value("lora_adapter_resident", adapter="a1") == 1
     assert value("lora_adapter_resident", adapter="a3") == 0
-    llm.engine.remove_lora("a3")
-    metrics.lora(llm.engine.lora_stats())
+    llm.engine.adapters.remove("a3")
+    metrics.lora(llm.engine.adapters.stats())
     assert value("lora_adapter_resident", adapter="a3") is None
     assert value("lora_adapters", kind="served") == 1
 
@@ -229,7 +229,7 @@ def test_unknown_adapter_is_named(model_dir, adapter_dir, prompts):
     llm = make_llm(model_dir, adapter_dir, "tiny-llama", ["a1"])
     with pytest.raises(UnknownAdapterError, match="`nope`"):
         llm.generate([prompts[0]], PARAMS, lora="nope")
-    llm.engine.remove_lora("a1")
+    llm.engine.adapters.remove("a1")
     with pytest.raises(UnknownAdapterError, match="`a1`"):
         llm.generate([prompts[0]], PARAMS, lora="a1")
 

@@ -245,7 +245,7 @@ def test_blocks_imported_from_a_tier_serve_like_computed_ones(model_dir, corpus_
     keys = block_hash_keys(prompt, 16, engine.cache_salt)  # 4 full blocks
     blocks = [engine.pool.get_cached(h).block_id for h in keys]
     kv = engine.runner.read_kv(blocks, 0, len(keys) * 16)  # (blocks need not be contiguous)
-    assert dst.engine.import_blocks(keys, kv) == len(keys)
+    assert dst.engine.tiers.import_blocks(keys, kv) == len(keys)
     dst.engine.check_integrity()
     out = dst.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 64

@@ -47,3 +47,12 @@ def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -
         raise InvalidRequestError(
             f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}", "logit_bias"
         )
+
+
+def check_speculative_advice(advice: Sequence[int], vocab_size: int) -> None:
+    # Negative ids are refused by SamplingParams itself; only the vocabulary bound is model-bound.
+    if any(t >= vocab_size for t in advice):
+        raise InvalidRequestError(
+            f"speculative_advice has token ids outside the vocabulary ({vocab_size})",
+            "speculative_advice",
+        )

@@ -13,6 +13,7 @@ from rtp_serve.core.validation import (
     InvalidRequestError,
     check_logit_bias,
     check_prompt,
+    check_speculative_advice,
     check_stop_token_ids,
 )
 from rtp_serve.services.common.convert import params_to_pb, structured_to_pb
@@ -135,11 +136,7 @@ def prepare(
         params = SamplingParams(**sampling)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
-        if any(t >= vocab for t in params.speculative_advice):
-            raise InvalidRequestError(
-                f"speculative_advice has token ids outside the vocabulary ({vocab})",
-                "speculative_advice",
-            )
+        check_speculative_advice(params.speculative_advice, vocab)
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
     if opts.timeout is not None and not opts.timeout > 0:
