@@ -4,34 +4,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from rtp_serve.services.common.metrics import (
+    TIER_MEMORY,
+    TIER_REDIS,
+    Families,
+    MetricSpec,
+    default_families,
+)
 
-from rtp_serve.services.common.metrics import PREFIX, TIER_MEMORY, TIER_REDIS, default_families
 
-
-class CacheServiceMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.hits = Counter(
-            PREFIX + "cache_service_hits",
+class CacheServiceMetrics(Families):
+    SPECS = (
+        MetricSpec(
+            "hits", "counter", "cache_service_hits",
             "Blocks a Get answered from each tier.",
-            ["tier"],
-            registry=registry,
-        )
-        self.misses = Counter(
-            PREFIX + "cache_service_misses",
+            ("tier",),
+        ),
+        MetricSpec(
+            "misses", "counter", "cache_service_misses",
             "Blocks of a Get's prefix walk a tier lacked (memory: each block it had to ask "
             "Redis for, and the one that ended the walk; redis: the one that ended it).",
-            ["tier"],
-            registry=registry,
-        )
-        self.memory_bytes = Gauge(
-            PREFIX + "cache_memory_bytes",
+            ("tier",),
+        ),
+        MetricSpec(
+            "memory_bytes", "gauge", "cache_memory_bytes",
             "Bytes of KV blocks in the memory tier.",
-            registry=registry,
-        )
-        self.memory_blocks = Gauge(
-            PREFIX + "cache_memory_blocks", "KV blocks in the memory tier.", registry=registry
-        )
+        ),
+        MetricSpec("memory_blocks", "gauge", "cache_memory_blocks", "KV blocks in the memory tier."),
+    )  # fmt: skip
 
     def lookup(
         self, memory_hits: int, memory_misses: int, redis_hits: int = 0, redis_misses: int = 0

@@ -16,15 +16,28 @@ The frontend serves them at `GET /metrics` on its HTTP port (`handle_metrics`); 
 service on its own port (`start_metrics_server`, --metrics-port), and each registers that
 address with the nameservice as `Member.metrics_address`.
 
+Each role declares its families as a table of `MetricSpec`s on a `Families` subclass, which
+builds them into a registry as the attributes the specs name; the class adds only what is
+its own (label helpers, scrape-time readers).
+
 Latency buckets span a millisecond to a couple of minutes: a CPU box in tests, GPUs in
 production. Counters are exposed with the `_total` suffix (`rtp:request_success_total`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
-from prometheus_client import REGISTRY, disable_created_metrics, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.exposition import choose_encoder
 
 from rtp_serve.core.cost_model import TIER_HOST as TIER_HOST
@@ -56,6 +69,49 @@ QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 # `*_created` series double the output and no dashboard reads them.
 disable_created_metrics()
+
+
+Kind = Literal["counter", "gauge", "histogram"]
+Metric = Counter | Gauge | Histogram
+
+
+@dataclass(slots=True, frozen=True)
+class MetricSpec:
+    """One family: the attribute it is reached by, and what Prometheus is told of it."""
+
+    attr: str
+    kind: Kind
+    name: str  # without PREFIX
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only
+
+    def build(self, registry: CollectorRegistry) -> Metric:
+        name = PREFIX + self.name
+        if self.kind == "counter":
+            return Counter(name, self.help, self.labels, registry=registry)
+        if self.kind == "gauge":
+            return Gauge(name, self.help, self.labels, registry=registry)
+        if self.buckets is None:
+            raise ValueError(f"histogram {name} needs buckets")
+        return Histogram(name, self.help, self.labels, buckets=self.buckets, registry=registry)
+
+
+class Families:
+    """A role's families, built from `SPECS` (in order) into `registry`, each set as the
+    attribute its spec names."""
+
+    SPECS: ClassVar[tuple[MetricSpec, ...]] = ()
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        for spec in self.SPECS:
+            if hasattr(self, spec.attr):  # a spec must not shadow a method or another spec
+                raise ValueError(f"{type(self).__name__}.{spec.attr} is already defined")
+            setattr(self, spec.attr, spec.build(registry))
+
+    if TYPE_CHECKING:
+        # The attributes come from SPECS at run time; a type checker cannot see them.
+        def __getattr__(self, name: str) -> Any: ...
 
 
 def role_label(role: int) -> str:

@@ -7,113 +7,98 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-
 from rtp_serve.services.common.metrics import (
     ABORT,
     CLIENT_CLOSED,
     E2E_BUCKETS,
     ITL_BUCKETS,
     PREDICTION_ERROR_BUCKETS,
-    PREFIX,
     QUEUE_BUCKETS,
     TTFT_BUCKETS,
+    Families,
+    MetricSpec,
     default_families,
 )
 
+_MODEL = ("model_name",)  # every family is per served model
 
-class FrontendFamilies:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        m = ["model_name"]
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+
+class FrontendFamilies(Families):
+    SPECS = (
+        MetricSpec(
+            "time_to_first_token", "histogram", "time_to_first_token_seconds",
             "Time from a sequence's arrival to its first output token.",
-            m,
-            buckets=TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.ttft_prediction_error = Histogram(
-            PREFIX + "ttft_prediction_error_seconds",
+            _MODEL, TTFT_BUCKETS,
+        ),
+        MetricSpec(
+            "ttft_prediction_error", "histogram", "ttft_prediction_error_seconds",
             "The master's predicted time from routing to the first token, subtracted from "
             "what it took (positive: slower than predicted); requests it predicted only.",
-            m,
-            buckets=PREDICTION_ERROR_BUCKETS,
-            registry=registry,
-        )
+            _MODEL, PREDICTION_ERROR_BUCKETS,
+        ),
         # The signed histogram has negative buckets, and a histogram with those exports no
         # _sum: this one gives the mean absolute error (its _sum over its _count).
-        self.ttft_prediction_abs_error = Histogram(
-            PREFIX + "ttft_prediction_abs_error_seconds",
+        MetricSpec(
+            "ttft_prediction_abs_error", "histogram", "ttft_prediction_abs_error_seconds",
             "How far the master's predicted time from routing to the first token was from "
             "what it took, either way; requests it predicted only.",
-            m,
-            buckets=TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+            _MODEL, TTFT_BUCKETS,
+        ),
+        MetricSpec(
+            "inter_token_latency", "histogram", "inter_token_latency_seconds",
             "Time between consecutive output tokens (one observation per token after the "
             "first; tokens arriving together share the gap).",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=registry,
-        )
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            _MODEL, ITL_BUCKETS,
+        ),
+        MetricSpec(
+            "e2e_request_latency", "histogram", "e2e_request_latency_seconds",
             "Time from a sequence's arrival to its last token, for finished sequences.",
-            m,
-            buckets=E2E_BUCKETS,
-            registry=registry,
-        )
-        self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+            _MODEL, E2E_BUCKETS,
+        ),
+        MetricSpec(
+            "request_queue_time", "histogram", "request_queue_time_seconds",
             "Time from a sequence's arrival until its worker stream is opened (routing).",
-            m,
-            buckets=QUEUE_BUCKETS,
-            registry=registry,
-        )
-        self.request_success = Counter(
-            PREFIX + "request_success",
+            _MODEL, QUEUE_BUCKETS,
+        ),
+        MetricSpec(
+            "request_success", "counter", "request_success",
             "Sequences that ended, by finished_reason (stop, length; abort: ended early).",
-            [*m, "finished_reason"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished sequences.", m, registry=registry
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens",
+            (*_MODEL, "finished_reason"),
+        ),
+        MetricSpec(
+            "prompt_tokens", "counter", "prompt_tokens",
+            "Prompt tokens of finished sequences.",
+            _MODEL,
+        ),
+        MetricSpec(
+            "generation_tokens", "counter", "generation_tokens",
             "Output tokens of finished sequences.",
-            m,
-            registry=registry,
-        )
-        self.routes = Counter(
-            PREFIX + "routes",
+            _MODEL,
+        ),
+        MetricSpec(
+            "routes", "counter", "routes",
             "Worker streams routed, by who chose the worker: master, or fallback (the "
             "frontend itself, round robin over the last membership it knows, while the "
             "master is out of reach).",
-            [*m, "source"],
-            registry=registry,
-        )
-        self.migrations = Counter(
-            PREFIX + "request_migrations",
+            (*_MODEL, "source"),
+        ),
+        MetricSpec(
+            "migrations", "counter", "request_migrations",
             "Worker streams reopened on another worker after one failed (before the first "
             "token a retry; after it, the sequence resumes from its tokens so far).",
-            m,
-            registry=registry,
-        )
-        self.migration_limit = Counter(
-            PREFIX + "request_migration_limit_reached",
+            _MODEL,
+        ),
+        MetricSpec(
+            "migration_limit", "counter", "request_migration_limit_reached",
             "Sequences that failed because their worker failed again after --max-migrations.",
-            m,
-            registry=registry,
-        )
-        self.http_requests = Counter(
-            PREFIX + "http_requests",
+            _MODEL,
+        ),
+        MetricSpec(
+            "http_requests", "counter", "http_requests",
             "HTTP requests by route and status (499: the client went away).",
-            ["endpoint", "status"],
-            registry=registry,
-        )
+            ("endpoint", "status"),
+        ),
+    )  # fmt: skip
 
 
 @dataclass(slots=True)

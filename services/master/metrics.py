@@ -5,41 +5,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rtp_serve.services.common.metrics import PREFIX, default_families
+from rtp_serve.services.common.metrics import PREFIX, Families, MetricSpec, default_families
 
 
-class MasterMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.route_decisions = Counter(
-            PREFIX + "route_decisions",
+class MasterMetrics(Families):
+    SPECS = (
+        MetricSpec(
+            "route_decisions", "counter", "route_decisions",
             "Route requests answered, by policy and reason (services.master.policy.RouteReason).",
-            ["policy", "reason"],
-            registry=registry,
-        )
-
-        self.index_resyncs = Counter(
-            PREFIX + "index_resyncs",
+            ("policy", "reason"),
+        ),
+        MetricSpec(
+            "index_resyncs", "counter", "index_resyncs",
             "Workers' prefix-index parts rebuilt from their snapshot, by reason "
             "(services.master.index_sync.ResyncReason).",
-            ["reason"],
-            registry=registry,
-        )
-        self.index_resync_failures = Counter(
-            PREFIX + "index_resync_failures",
+            ("reason",),
+        ),
+        MetricSpec(
+            "index_resync_failures", "counter", "index_resync_failures",
             "Snapshot fetches that failed or were refused (retried with backoff).",
-            registry=registry,
-        )
-
-        self.integrity_failures = Counter(
-            PREFIX + "integrity_failures",
+        ),
+        MetricSpec(
+            "integrity_failures", "counter", "integrity_failures",
             "Idle-time integrity checks of the cluster view that failed (each resyncs the "
             "whole index).",
-            registry=registry,
-        )
+        ),
+    )  # fmt: skip
 
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()

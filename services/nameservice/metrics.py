@@ -2,36 +2,30 @@
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
-
-from rtp_serve.services.common.metrics import PREFIX, default_families, role_label
+from rtp_serve.services.common.metrics import Families, MetricSpec, default_families, role_label
 from rtp_serve.services.common.pb import nameservice_pb2
 
 
-class NameServiceMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.heartbeats = Counter(
-            PREFIX + "heartbeats",
+class NameServiceMetrics(Families):
+    SPECS = (
+        MetricSpec(
+            "heartbeats", "counter", "heartbeats",
             "Heartbeats received (known=false: from a member already dropped, which must "
             "register again).",
-            ["known"],
-            registry=registry,
-        )
-        self.heartbeats_missed = Counter(
-            PREFIX + "heartbeats_missed",
+            ("known",),
+        ),
+        MetricSpec(
+            "heartbeats_missed", "counter", "heartbeats_missed",
             "Members dropped because their heartbeats stopped for a whole TTL.",
-            ["role"],
-            registry=registry,
-        )
-        self.pauses = Counter(
-            PREFIX + "nameservice_pause_seconds",
+            ("role",),
+        ),
+        MetricSpec(
+            "pauses", "counter", "nameservice_pause_seconds",
             "Time this process did not run (its expiry checks came late), forgiven to every "
             "member's heartbeat deadline.",
-            registry=registry,
-        )
-        self.members = Gauge(
-            PREFIX + "members", "Registered members by role.", ["role"], registry=registry
-        )
+        ),
+        MetricSpec("members", "gauge", "members", "Registered members by role.", ("role",)),
+    )  # fmt: skip
 
     def heartbeat(self, known: bool) -> None:
         self.heartbeats.labels("true" if known else "false").inc()

@@ -2,14 +2,9 @@
 load (rtp.v1.LoadReport), published on NATS at a bounded rate; and the snapshot
 (rtp.v1.KVSnapshot) the master resyncs its index from.
 
-Batches are numbered 1, 2, 3, ... within one incarnation (the process's start time), and a
-number is spent even when NATS drops the batch: that hole is how the master learns it
-missed something. A snapshot drains the engine's pending events into the next batch in the
-same engine call that lists the cache, under the lock that orders batches, so
-
-    snapshot(seq=S) == apply(batch 1..S)        and batches > S hold only later changes
-
-which is all the master needs to replace its entries and then replay what comes after.
+The numbering, netting and snapshot protocol are services/common/kv_feed.py's; the engine
+is the worker's own: its device pool is the upper tier, its host tier the lower one, and a
+snapshot takes the pending events and the cached hashes in one engine call.
 """
 
 from __future__ import annotations
@@ -23,16 +18,26 @@ from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.block_pool import KVEvent, KVEventKind, KVTier
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
-from rtp_serve.services.common.pb import events_pb2, worker_pb2
+from rtp_serve.services.common.kv_feed import EVENT_INTERVAL_S, Changes, Held, KVFeed
+from rtp_serve.services.common.pb import events_pb2
 from rtp_serve.services.worker.metrics import WorkerMetrics
+
+__all__ = ["EVENT_INTERVAL_S", "KVEventFeed", "load_report", "publish_events"]
 
 log = logging.getLogger(__name__)
 
-EVENT_INTERVAL_S = 0.05  # KV events: at most 20 messages a second
 LOAD_INTERVAL_S = 0.25  # the master ignores reports older than a few of these
 
 
-class KVEventFeed:
+def _changes(events: Sequence[KVEvent]) -> Changes:
+    changes = Changes()
+    for event in events:
+        tier = changes.upper if event.tier == KVTier.DEVICE else changes.lower
+        tier.append((event.block_hash, event.kind == KVEventKind.STORED))
+    return changes
+
+
+class KVEventFeed(KVFeed):
     """Numbers and publishes one worker's KV event batches; serves consistent snapshots."""
 
     def __init__(
@@ -43,53 +48,19 @@ class KVEventFeed:
         namespace: str = subjects.DEFAULT_NAMESPACE,
         incarnation: int | None = None,
     ) -> None:
+        super().__init__(bus, worker_id, namespace, incarnation)
         self.llm = llm
-        self.bus = bus
-        self.worker_id = worker_id
-        self.incarnation = incarnation if incarnation is not None else time.time_ns()
-        self.seq = 0  # the last batch numbered (published or dropped)
-        self._subject = subjects.kv_events(worker_id, namespace)
-        self._lock = asyncio.Lock()  # one batch numbered at a time
 
-    async def flush(self) -> None:
-        """Publish the engine's pending events as the next batch (none pending: nothing)."""
-        async with self._lock:
-            await self._publish(await self.llm.take_kv_events())
+    @property
+    def worker_id(self) -> str:
+        return self.member_id
 
-    async def snapshot(self) -> worker_pb2.KVSnapshot:
-        """Every hash held now, and the batch number it is consistent with."""
-        async with self._lock:
-            events, (device, host) = await self.llm.kv_snapshot()
-            await self._publish(events)  # its batch number is the snapshot's: covered
-            return worker_pb2.KVSnapshot(
-                worker_id=self.worker_id,
-                incarnation=self.incarnation,
-                seq=self.seq,
-                block_hashes=device,
-                host_block_hashes=host,
-            )
+    async def _take(self) -> Changes:
+        return _changes(await self.llm.take_kv_events())
 
-    async def _publish(self, events: Sequence[KVEvent]) -> None:
-        if not events:
-            return
-        # Net the batch: only each hash's last event in each tier counts (stored then
-        # evicted = gone).
-        last = {(event.tier, event.block_hash): event.kind for event in events}
-
-        def hashes(tier: KVTier, kind: KVEventKind) -> list[bytes]:
-            return [h for (t, h), k in last.items() if t == tier and k == kind]
-
-        self.seq += 1
-        msg = events_pb2.KVEvents(
-            worker_id=self.worker_id,
-            seq=self.seq,
-            incarnation=self.incarnation,
-            stored=hashes(KVTier.DEVICE, KVEventKind.STORED),
-            removed=hashes(KVTier.DEVICE, KVEventKind.REMOVED),
-            host_stored=hashes(KVTier.HOST, KVEventKind.STORED),
-            host_removed=hashes(KVTier.HOST, KVEventKind.REMOVED),
-        )
-        await self.bus.publish(self._subject, msg)
+    async def _held(self) -> Held:
+        events, (device, host) = await self.llm.kv_snapshot()
+        return Held(_changes(events), device, host)
 
 
 def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_pb2.LoadReport:

@@ -6,187 +6,163 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
-
 from rtp_serve.engine.host_tier import HostTierStats
 from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.spec_decode.stats import SpecCounts
 from rtp_serve.services.common.metrics import (
-    PREFIX,
     TIER_DEVICE,
     TIER_HOST,
     TIER_REMOTE,
+    Families,
+    MetricSpec,
     default_families,
     role_label,
 )
 
+_W = ("role", "model_name")  # every family is per worker role and served model
 
-class WorkerFamilies:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        w = ["role", "model_name"]
-        self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running",
+
+class WorkerFamilies(Families):
+    SPECS = (
+        MetricSpec(
+            "num_requests_running", "gauge", "num_requests_running",
             "Requests in the worker's running batch.",
-            w,
-            registry=registry,
-        )
-        self.num_requests_waiting = Gauge(
-            PREFIX + "num_requests_waiting",
+            _W,
+        ),
+        MetricSpec(
+            "num_requests_waiting", "gauge", "num_requests_waiting",
             "Requests waiting to be scheduled on the worker.",
-            w,
-            registry=registry,
-        )
-        self.kv_cache_usage_perc = Gauge(
-            PREFIX + "kv_cache_usage_perc",
+            _W,
+        ),
+        MetricSpec(
+            "kv_cache_usage_perc", "gauge", "kv_cache_usage_perc",
             "Fraction of the worker's KV blocks in use (1 = full; cached free blocks count "
             "as free).",
-            w,
-            registry=registry,
-        )
-        self.kv_cache_capacity_tokens = Gauge(
-            PREFIX + "kv_cache_capacity_tokens",
+            _W,
+        ),
+        MetricSpec(
+            "kv_cache_capacity_tokens", "gauge", "kv_cache_capacity_tokens",
             "Tokens the worker's KV pool holds (blocks x block size), as sized at start.",
-            w,
-            registry=registry,
-        )
-        self.queue_wait_estimate_seconds = Gauge(
-            PREFIX + "queue_wait_estimate_seconds",
+            _W,
+        ),
+        MetricSpec(
+            "queue_wait_estimate_seconds", "gauge", "queue_wait_estimate_seconds",
             "Estimated wait before a request arriving now gets its first step: queued prompt "
             "tokens / measured prefill rate, plus a decode step if a batch runs (0: unmeasured).",
-            w,
-            registry=registry,
-        )
-        self.prefill_throughput = Gauge(
-            PREFIX + "prefill_throughput_tokens_per_second",
+            _W,
+        ),
+        MetricSpec(
+            "prefill_throughput", "gauge", "prefill_throughput_tokens_per_second",
             "Prompt tokens computed per second in full chunks, from the fitted step model (0: unfitted).",
-            w,
-            registry=registry,
-        )
-        self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries",
+            _W,
+        ),
+        MetricSpec(
+            "prefix_cache_queries", "counter", "prefix_cache_queries",
             "Prompt blocks looked up in a prefix-cache tier (device: the worker's pool; "
             "remote: the cache service, for the blocks the device lacked).",
-            [*w, "tier"],
-            registry=registry,
-        )
-        self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits",
+            (*_W, "tier"),
+        ),
+        MetricSpec(
+            "prefix_cache_hits", "counter", "prefix_cache_hits",
             "Prompt blocks served by a prefix-cache tier. device: the blocks a request reused "
             "from the worker's pool when admitted (after its queue: prompts computed ahead of "
             "it count; blocks its remote fetch brought do not, those copied up from the host "
             "tier do); host: the blocks copied up from it; remote: the blocks fetched from "
             "the cache service.",
-            [*w, "tier"],
-            registry=registry,
-        )
-        self.host_tier_bytes = Gauge(
-            PREFIX + "host_kv_tier_bytes",
+            (*_W, "tier"),
+        ),
+        MetricSpec(
+            "host_tier_bytes", "gauge", "host_kv_tier_bytes",
             "Bytes of KV held in the worker's host-memory tier (T1), and its capacity.",
-            ["role", "model_name", "kind"],
-            registry=registry,
-        )
-        self.kv_transfer_bytes = Counter(
-            PREFIX + "kv_transfer_bytes",
+            (*_W, "kind"),
+        ),
+        MetricSpec(
+            "kv_transfer_bytes", "counter", "kv_transfer_bytes",
             "KV block bytes moved between prefill and decode workers (serialized KVBlock).",
-            [*w, "direction"],
-            registry=registry,
-        )
-        self.kv_transfer_blocks = Counter(
-            PREFIX + "kv_transfer_blocks",
+            (*_W, "direction"),
+        ),
+        MetricSpec(
+            "kv_transfer_blocks", "counter", "kv_transfer_blocks",
             "KV blocks moved between prefill and decode workers.",
-            [*w, "direction"],
-            registry=registry,
-        )
-        self.kv_transfers_in_flight = Gauge(
-            PREFIX + "kv_transfers_in_flight",
+            (*_W, "direction"),
+        ),
+        MetricSpec(
+            "kv_transfers_in_flight", "gauge", "kv_transfers_in_flight",
             "Prompt KV transfers between prefill and decode workers under way: blocks being "
             "sent (prefill) or received (decode) for a request.",
-            [*w, "direction"],
-            registry=registry,
-        )
-        self.kv_integrity_failures = Counter(
-            PREFIX + "kv_integrity_failures",
+            (*_W, "direction"),
+        ),
+        MetricSpec(
+            "kv_integrity_failures", "counter", "kv_integrity_failures",
             "KV blocks from the cache tiers dropped (and recomputed) because their integrity "
             "tag did not match their key: corrupted, stored under another key, or forged.",
-            w,
-            registry=registry,
-        )
+            _W,
+        ),
         # Speculative decoding, named as vLLM's spec_decode_* families.
-        self.spec_num_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts",
+        MetricSpec(
+            "spec_num_drafts", "counter", "spec_decode_num_drafts",
             "Drafts verified (one request's proposal in one step).",
-            w,
-            registry=registry,
-        )
-        self.spec_num_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens",
+            _W,
+        ),
+        MetricSpec(
+            "spec_num_draft_tokens", "counter", "spec_decode_num_draft_tokens",
             "Draft tokens proposed and verified.",
-            w,
-            registry=registry,
-        )
-        self.spec_num_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens",
+            _W,
+        ),
+        MetricSpec(
+            "spec_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens",
             "Draft tokens the target model accepted.",
-            w,
-            registry=registry,
-        )
-        self.spec_accepted_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            _W,
+        ),
+        MetricSpec(
+            "spec_accepted_per_pos", "counter", "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0: the first draft token).",
-            [*w, "position"],
-            registry=registry,
-        )
-        self.spec_acceptance_rate_per_pos = Gauge(
-            PREFIX + "spec_decode_acceptance_rate_per_pos",
+            (*_W, "position"),
+        ),
+        MetricSpec(
+            "spec_acceptance_rate_per_pos", "gauge", "spec_decode_acceptance_rate_per_pos",
             "Of the drafts that reached a position, the fraction accepted there (since start).",
-            [*w, "position"],
-            registry=registry,
-        )
-        self.spec_mean_accepted_length = Gauge(
-            PREFIX + "spec_decode_mean_accepted_length",
+            (*_W, "position"),
+        ),
+        MetricSpec(
+            "spec_mean_accepted_length", "gauge", "spec_decode_mean_accepted_length",
             "Tokens a verified draft yields on average, the target's own one included (since "
             "start; 0: nothing verified yet).",
-            w,
-            registry=registry,
-        )
+            _W,
+        ),
         # LoRA adapters (engine/lora/registry.py).
-        self.lora_adapters = Gauge(
-            PREFIX + "lora_adapters",
+        MetricSpec(
+            "lora_adapters", "gauge", "lora_adapters",
             "LoRA adapters the worker serves (kind=served), holds prepared in memory "
             "(resident) and may hold at once (max).",
-            [*w, "kind"],
-            registry=registry,
-        )
-        self.lora_adapter_resident = Gauge(
-            PREFIX + "lora_adapter_resident",
+            (*_W, "kind"),
+        ),
+        MetricSpec(
+            "lora_adapter_resident", "gauge", "lora_adapter_resident",
             "1 while a served adapter is resident, 0 while it waits on disk.",
-            [*w, "adapter"],
-            registry=registry,
-        )
-        self.lora_loads = Counter(
-            PREFIX + "lora_adapter_loads",
+            (*_W, "adapter"),
+        ),
+        MetricSpec(
+            "lora_loads", "counter", "lora_adapter_loads",
             "Adapters read from disk and prepared (registration included).",
-            w,
-            registry=registry,
-        )
-        self.lora_evictions = Counter(
-            PREFIX + "lora_adapter_evictions",
+            _W,
+        ),
+        MetricSpec(
+            "lora_evictions", "counter", "lora_adapter_evictions",
             "Resident adapters evicted to make room for one a step needed.",
-            w,
-            registry=registry,
-        )
-        self.lora_swaps = Counter(
-            PREFIX + "lora_adapter_swaps",
+            _W,
+        ),
+        MetricSpec(
+            "lora_swaps", "counter", "lora_adapter_swaps",
             "Loads a step waited for: its adapter had been evicted (of lora_adapter_loads).",
-            w,
-            registry=registry,
-        )
-        self.lora_requests = Counter(
-            PREFIX + "lora_requests",
+            _W,
+        ),
+        MetricSpec(
+            "lora_requests", "counter", "lora_requests",
             "Requests admitted under each adapter.",
-            [*w, "adapter"],
-            registry=registry,
-        )
+            (*_W, "adapter"),
+        ),
+    )  # fmt: skip
 
 
 class WorkerMetrics:
