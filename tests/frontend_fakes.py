@@ -13,8 +13,10 @@ from pathlib import Path
 import grpc
 from aiohttp.test_utils import TestClient, TestServer
 
+from rtp_serve.core.block_hash import model_fingerprint
 from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.pb import (
     common_pb2,
     master_pb2,
@@ -180,6 +182,11 @@ async def serve_grpc(add, servicer) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+def kv_namespace(model_dir: Path, block_size: int = 16) -> KVNamespace:
+    """The KV namespace a float32 worker of `model_dir` registers (worker/serve.py)."""
+    return KVNamespace(block_size, model_fingerprint(model_dir).hex(), "float32")
+
+
 @contextlib.asynccontextmanager
 async def frontend(
     model_dir: Path,
@@ -196,7 +203,8 @@ async def frontend(
         for wid, (role, worker) in workers.items():
             server, address = await serve_grpc(worker_pb2_grpc.add_WorkerServicer_to_server, worker)
             servers.append(server)
-            members[wid] = ns_pb2.Member(id=wid, role=role, address=address)
+            member = ns_pb2.Member(id=wid, role=role, address=address)
+            members[wid] = kv_namespace(model_dir).stamp(member)  # as a worker registers
         if master is not None:
             master.members = members
             server, master_address = await serve_grpc(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from rtp_serve.services.common.flags import env
+from rtp_serve.services.common.env import env
 from rtp_serve.services.frontend import auth
 from rtp_serve.services.frontend.auth import ApiKeys
 

@@ -292,8 +292,7 @@ def test_worker_image_installs_torch_cpu_by_default() -> None:
     assert any('--index-url "${TORCH_INDEX_URL}"' in r and "^torch==" in r for r in runs)
     assert any("--no-deps /tmp/wheels/" in r for r in runs)
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
-    # The CPU kernel's sources and the compiler that builds them at start-up.
-    assert any(i.startswith("COPY kernels/csrc ") for i in instructions)
+    # The compiler that builds the CPU kernels at start-up, from the sources the wheel ships.
     assert any("apt-get install" in r and "g++" in r and "ninja-build" in r for r in runs)
     assert {"torch", "safetensors"} <= _requirements(REQUIREMENTS["rtp-serve-worker"])
 

@@ -17,7 +17,8 @@ from rtp_serve.services.cache.redis_tier import DEFAULT_TTL_S, RedisTier
 from rtp_serve.services.cache.servicer import CacheServicer
 from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
-from rtp_serve.services.common.flags import add_common_flags, advertised, env, redact
+from rtp_serve.services.common.env import env
+from rtp_serve.services.common.flags import add_common_flags, advertised, redact
 from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)

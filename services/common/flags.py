@@ -4,8 +4,11 @@ variable, so compose and Kubernetes configure services by environment alone."""
 from __future__ import annotations
 
 import argparse
-import os
 import socket
+
+from rtp_serve.core.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
+from rtp_serve.services.common.env import env
+from rtp_serve.services.common.tls import add_tls_flags
 
 # --advertise-host value meaning "this machine's own address": in a container that is the
 # container's address on its network, so every replica of a scaled service registers a
@@ -18,20 +21,6 @@ DEFAULT_MODEL_HELP = (
     "default: smollm2-135m, built once into $RTP_SERVE_MODEL_CACHE; tiny-llama where it "
     "cannot be downloaded"
 )
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    """Value of RTP_<NAME> (upper-cased, dashes as underscores); else the contents of the
-    file RTP_<NAME>_FILE names (how compose and Kubernetes secrets arrive: as files, kept
-    out of the environment), without its trailing newline; else `default`."""
-    var = "RTP_" + name.upper().replace("-", "_")
-    if var in os.environ:
-        return os.environ[var]
-    path = os.environ.get(var + "_FILE")
-    if path:
-        with open(path) as f:
-            return f.read().rstrip("\r\n")
-    return default
 
 
 def int_or_none(value: str | None) -> int | None:
@@ -72,11 +61,41 @@ def add_common_flags(
             default=env("nats_token"),
             help="NATS auth token (or put user:password in --nats-url)",
         )
-    from rtp_serve.services.common.tls import (
-        add_tls_flags,  # here: tls imports env() from this module
-    )
-
     add_tls_flags(p)
+
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's numerics and KV block size, for the workers (and the launcher, which
+    passes them on). They decide the block hash keys: the frontend learns them from the
+    workers' registration, so only the workers take them."""
+    p.add_argument(
+        "--dtype",
+        default=env("dtype", "auto"),
+        choices=MODEL_DTYPES,
+        help="compute dtype; auto: the checkpoint's (config.json torch_dtype)",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        default=env("weight_dtype", "auto"),
+        choices=WEIGHT_DTYPES,
+        help="auto: projections in --dtype; int8: weight-only INT8 per output channel, "
+        "quantized at load (half of bf16's bytes for decode; ~1%% higher perplexity)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=env("kv_dtype", "auto"),
+        choices=KV_DTYPES,
+        help="KV cache storage; auto: --dtype (bfloat16 under float32 holds 2x the tokens)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=int(env("block_size", str(DEFAULT_BLOCK_SIZE))),
+        help="tokens per KV cache block (the unit of prefix caching and KV transfer)",
+    )
 
 
 DEFAULT_DRAIN_TIMEOUT_S = 5.0

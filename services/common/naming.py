@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.pb import nameservice_pb2 as pb
 from rtp_serve.services.common.pb import nameservice_pb2_grpc as pb_grpc
 
@@ -34,6 +35,9 @@ DEFAULT_TTL_S = 3.0
 RPC_TIMEOUT_S = 1.0
 WATCH_BACKOFF_S = (0.1, 2.0)  # first and largest wait between Watch reconnects
 WORKER_ROLES = frozenset((pb.ROLE_PREFILL, pb.ROLE_DECODE, pb.ROLE_FUSED))
+# Register's answers that retrying cannot change: the member itself is wrong (a missing id;
+# a KV namespace other than the registered workers' of its model).
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def make_member(
@@ -43,10 +47,12 @@ def make_member(
     capacity: int = 0,
     metrics_address: str = "",
     member_id: str | None = None,
+    kv: KVNamespace | None = None,
 ) -> pb.Member:
-    """A member with `member_id`, else a fresh unique id such as "decode-3f2a9c1b"."""
+    """A member with `member_id`, else a fresh unique id such as "decode-3f2a9c1b". Workers
+    give `kv`, the KV namespace of their model (the frontend hashes prompts with it)."""
     role_name = pb.Role.Name(role).removeprefix("ROLE_").lower()
-    return pb.Member(
+    member = pb.Member(
         id=member_id or f"{role_name}-{uuid.uuid4().hex[:8]}",
         role=role,
         address=address,
@@ -54,6 +60,7 @@ def make_member(
         capacity=capacity,
         metrics_address=metrics_address,
     )
+    return member if kv is None else kv.stamp(member)
 
 
 class MemberSet:
@@ -85,6 +92,7 @@ class NameClient:
         self._member: pb.Member | None = None
         self._registered = False
         self._outage = False  # an unreachable nameservice is logged once per outage
+        self._refused = False  # so is a refusal to take us back
         self._ttl = DEFAULT_TTL_S
         self._keepalive: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # old channels being closed
@@ -100,14 +108,15 @@ class NameClient:
 
     async def register(self, member: pb.Member) -> None:
         """Register `member` and keep it alive with heartbeats every ttl/3 until `close()`.
-        If the nameservice is unreachable this logs, and the heartbeat task retries."""
+        If the nameservice is unreachable this logs, and the heartbeat task retries; if it
+        refuses the member (REFUSED), the grpc.aio.AioRpcError is raised."""
         if self._keepalive is not None:
             raise RuntimeError("a NameClient registers one member")
         self._member = member
         try:
             await self._register_once()
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            if e.code() in REFUSED:
                 raise
             self._unreachable(e)
         self._keepalive = asyncio.create_task(self._keep_alive(), name=f"heartbeat-{member.id}")
@@ -207,7 +216,7 @@ class NameClient:
         if not self._registered:
             log.info("registered %s at %s", self._member.id, self.address)
         self._registered = True
-        self._outage = False
+        self._outage = self._refused = False
 
     async def _keep_alive(self) -> None:
         assert self._member is not None
@@ -226,6 +235,11 @@ class NameClient:
                     self._registered = False
                 await self._register_once(timeout)
             except grpc.aio.AioRpcError as e:
+                if e.code() in REFUSED:  # e.g. a restarted nameservice met others first
+                    level = logging.DEBUG if self._refused else logging.ERROR
+                    log.log(level, "nameservice refused %s: %s", self._member.id, e.details())
+                    self._refused, self._registered = True, False
+                    continue
                 self._reset_channel()
                 self._unreachable(e)
             except Exception:  # the heartbeat must outlive any surprise

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from rtp_serve.services.common.flags import env
+from rtp_serve.services.common.env import env
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import time
 import grpc
 from opentelemetry import trace
 
-from rtp_serve.core.block_hash import BlockHash, block_hash_keys
+from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
 from rtp_serve.core.cost_model import TIER_TRANSFER
 from rtp_serve.core.outputs import SampledToken
 from rtp_serve.engine.async_llm import AsyncLLM
@@ -80,11 +80,7 @@ class DecodeServicer(WorkerServicer):
         trace.get_current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         try:
             params = params_from_pb(request.params, request.structured)
-            # Hashed once here; the engine and the prefill worker reuse these keys.
-            salt = self.llm.salt_for(request.lora_name)
-            hashes = block_hash_keys(prompt, self.block_size, salt)
-            if request.block_hashes and list(request.block_hashes) != hashes:
-                self._salt_mismatch()
+            hashes = self._prompt_keys(prompt, list(request.block_hashes), request.lora_name)
         except (ValueError, LookupError) as exc:
             await abort(context, exc)
         if request.prefill_address:
@@ -101,15 +97,26 @@ class DecodeServicer(WorkerServicer):
         except (ValueError, LookupError, RuntimeError) as exc:
             await abort(context, exc)
 
+    def _prompt_keys(self, prompt: list[int], given: list[BlockHash], lora: str) -> list[BlockHash]:
+        """The frontend's keys (hashed there once, from the namespace the workers
+        registered; the engine and the prefill worker reuse them) after a cheap check of the
+        first; our own where none came or the check fails."""
+        salt = self.llm.salt_for(lora)  # UnknownAdapterError: NOT_FOUND
+        if given and verify_first_key(given, prompt, self.block_size, salt):
+            return given
+        if given:
+            self._salt_mismatch()
+        return block_hash_keys(prompt, self.block_size, salt)
+
     def _salt_mismatch(self) -> None:
         # Only routing suffers (the master's index never matches this worker's keys): serve
         # the request with our own keys, and say so once.
         if not self._warned_salt:
             self._warned_salt = True
             log.warning(
-                "the caller's block_hashes differ from this worker's: the frontend and this "
-                "worker disagree on the model, KV dtype or block size, so cache-aware routing "
-                "cannot match this worker's prefix cache"
+                "the caller's block_hashes differ from this worker's: the frontend hashed "
+                "with another worker's KV namespace (model, KV dtype or block size), so "
+                "cache-aware routing cannot match this worker's prefix cache"
             )
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):

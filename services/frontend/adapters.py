@@ -1,8 +1,9 @@
 """The LoRA adapters this frontend serves as models: `model: NAME` selects one.
 
-The frontend reads each adapter's directory once (torch-free: engine/lora/peft_config.py)
-for the content fingerprint that salts its block hashes exactly as the workers' engines
-do, so cache-aware routing matches each adapter's own KV namespace. Adapters come from
+The frontend reads each adapter's directory once (torch-free: core/peft_config.py) for the
+content fingerprint that salts its block hashes, with the base model's salt parts the
+workers registered (KVNamespace.salt), exactly as the workers' engines do, so cache-aware
+routing matches each adapter's own KV namespace. Adapters come from
 --lora flags (given to the workers alike) and from the admin endpoints, which fan the change
 out to every worker (Worker.LoadLoraAdapter / UnloadLoraAdapter) before it takes effect here.
 """
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from rtp_serve.core.block_hash import salt_of
 from rtp_serve.core.peft_config import AdapterError, LoraConfig, check_name
 from rtp_serve.services.common.naming import WORKER_ROLES
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
@@ -33,14 +33,12 @@ ADMIN_TIMEOUT_S = 30.0
 class Adapter:
     name: str
     path: str
-    salt: bytes  # block-hash salt of its requests (core.block_hash.salt_of)
+    fingerprint: str  # content hash (hex): with the base model's, it salts its requests
     created: int  # unix seconds, for /v1/models
 
 
 class Adapters:
-    def __init__(self, model_id: str, kv_numerics: str) -> None:
-        self._model_id = model_id  # core.block_hash.model_fingerprint(base).hex()
-        self._numerics = kv_numerics
+    def __init__(self) -> None:
         self._by_name: dict[str, Adapter] = {}
 
     def __iter__(self):
@@ -52,12 +50,7 @@ class Adapters:
     def add(self, name: str, path: str) -> Adapter:
         """Read and register (AdapterError: not a servable PEFT adapter)."""
         cfg = LoraConfig.load(name, path)
-        adapter = Adapter(
-            name,
-            cfg.path,
-            salt_of(self._model_id, self._numerics, cfg.fingerprint),
-            int(time.time()),
-        )
+        adapter = Adapter(name, cfg.path, cfg.fingerprint, int(time.time()))
         self._by_name[name] = adapter
         return adapter
 

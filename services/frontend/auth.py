@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rtp_serve.services.common.flags import env
+from rtp_serve.services.common.env import env
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 
 log = logging.getLogger(__name__)

@@ -2,9 +2,11 @@
 
 1. prepare (inputs.py): check the prompt ids against the model (vocabulary, context
    length), validate the sampling parameters, fan `n` out into one GenerateInput per choice;
-2. start: prompt block hash keys -> route (master, or local fallback) -> Worker.Generate on
-   the chosen decode/fused worker; returns once the first tokens arrived, so a request
-   that cannot be served fails before any response has gone out;
+2. start: prompt block hash keys (hashed here once, in the KV namespace the workers
+   registered; the workers check them, not recompute them) -> route (master, or local
+   fallback) -> Worker.Generate on the chosen decode/fused worker; returns once the first
+   tokens arrived, so a request that cannot be served fails before any response has gone
+   out;
 3. stream: detokenize incrementally, apply stop strings, yield Deltas.
 
 A worker that fails before its first token is swapped for another (excluded from the next
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from rtp_serve.core.block_hash import block_hash_keys
+from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util, tracing
 from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
@@ -108,7 +110,7 @@ class Generator:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.model = model
         self.max_migrations = max_migrations
-        self.adapters = adapters or Adapters(model.model_id, model.kv_numerics)
+        self.adapters = adapters or Adapters()
         self.tokenizer = tokenizer
         self.router = router
         self.admission = Admission(max_concurrent)
@@ -168,11 +170,17 @@ class Generator:
             "model_not_found",
         )
 
-    def salt(self, lora: str) -> bytes:
+    def block_hashes(self, prompt: list[int], lora: str) -> list[BlockHash]:
+        """The prompt's keys in the KV namespace the workers registered; none while no
+        worker has (nothing to route to then, unless a fixed --master without a
+        nameservice: it routes without them, and the workers hash for themselves)."""
         adapter = self.adapters.get(lora) if lora else None
         if lora and adapter is None:  # unloaded since the request was accepted
             raise not_found(lora)
-        return self.model.cache_salt if adapter is None else adapter.salt
+        kv = self.router.membership.kv_namespace()
+        if kv is None:
+            return []
+        return kv.keys(prompt, adapter.fingerprint if adapter is not None else "")
 
     async def start(self, inp: GenerateInput) -> DeltaStream:
         """Route and open the worker stream; returns once the first output arrived.
@@ -207,7 +215,7 @@ class Generator:
                 yield self._deadline_passed(inp, produced)
                 return
             prompt = inp.prompt_token_ids + produced
-            hashes = block_hash_keys(prompt, self.model.block_size, self.salt(inp.lora))
+            hashes = self.block_hashes(prompt, inp.lora)
             try:
                 route = await self.router.route(
                     master_pb2.RouteRequest(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rtp_serve.services.common.flags import env
+from rtp_serve.services.common.env import env
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, invalid
 
 

@@ -13,21 +13,14 @@ import os
 
 from aiohttp import web
 
-from rtp_serve.core.dtypes import (
-    KV_DTYPES,
-    MODEL_DTYPES,
-    WEIGHT_DTYPES,
-    kv_numerics,
-    resolve_dtype,
-)
 from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import (
     add_common_flags,
     add_drain_flag,
     add_lora_flags,
     advertised,
-    env,
     int_or_none,
 )
 from rtp_serve.services.common.naming import NameClient, make_member
@@ -56,21 +49,14 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "--model",
         default=env("model"),
         required=env("model") is None,
-        help="model directory, exactly as the workers get it (it salts the block hashes)",
+        help="model directory (its tokenizer and config.json; block size and cache salt "
+        "are learnt from the workers' registration)",
     )
     p.add_argument(
         "--served-model-name",
         default=env("served_model_name"),
         help="the model's name in the API (default: the model directory's name)",
     )
-    p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
-    # The workers' numerics salt the block hashes: give the frontend the same three.
-    p.add_argument("--dtype", default=env("dtype", "auto"), choices=MODEL_DTYPES,
-                   help="the workers' --dtype (part of the block hash salt)")  # fmt: skip
-    p.add_argument("--weight-dtype", default=env("weight_dtype", "auto"), choices=WEIGHT_DTYPES,
-                   help="the workers' --weight-dtype (part of the block hash salt)")  # fmt: skip
-    p.add_argument("--kv-dtype", default=env("kv_dtype", "auto"), choices=KV_DTYPES,
-                   help="the workers' --kv-dtype (part of the block hash salt)")  # fmt: skip
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -106,14 +92,14 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    numerics = kv_numerics(resolve_dtype(args.dtype, args.model), args.weight_dtype, args.kv_dtype)
-    model = ModelInfo.load(
-        args.model, args.served_model_name, args.block_size, numerics, args.max_model_len
-    )
+    model = ModelInfo.load(args.model, args.served_model_name, args.max_model_len)
     tokenizer = await asyncio.to_thread(Tokenizer, args.model)
     names = NameClient(args.nameservice) if args.nameservice else None
     router = Router(args.master, names.watch if names is not None else None)
-    adapters = Adapters(model.model_id, model.kv_numerics)
+    if names is None:
+        log.warning("no --nameservice: the workers' block size and cache salt stay unknown, "
+                    "so requests are routed without their prefix's block hashes")  # fmt: skip
+    adapters = Adapters()
     adapters.load_flags(args.loras)
     limits = Limits.from_args(args)
     generator = Generator(

@@ -8,47 +8,32 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtp_serve.core.block_hash import model_fingerprint, salt_of
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
 
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
+    """The model's tokenizer-side facts. Its KV namespace (block size, cache salt) is the
+    workers': the frontend learns it from their registration (router_client.Membership)."""
+
     path: str
     served_name: str
     vocab_size: int
     context_len: int
-    block_size: int
-    cache_salt: bytes  # core.block_hash.cache_salt, as the workers compute it
     byte_level: bool  # the tokenizer is a byte-level BPE (token bytes are recoverable)
-    # The cache salt's parts (core.block_hash.salt_of): each LoRA adapter salts its own.
-    model_id: str = ""
-    kv_numerics: str = ""
 
     @classmethod
     def load(
-        cls,
-        path: str,
-        served_name: str | None = None,
-        block_size: int = 16,
-        kv_numerics: str = "float32",
-        max_model_len: int | None = None,
+        cls, path: str, served_name: str | None = None, max_model_len: int | None = None
     ) -> ModelInfo:
         cfg = ModelConfig.from_dir(path)
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        model_id = model_fingerprint(path).hex()
         return cls(
             path=path,
             served_name=served_name or Path(path).name,
             vocab_size=cfg.vocab_size,
             context_len=max_model_len or cfg.max_position_embeddings,
-            block_size=block_size,
-            cache_salt=salt_of(model_id, kv_numerics),
             byte_level=_byte_level_decoder(Path(path) / "tokenizer.json"),
-            model_id=model_id,
-            kv_numerics=kv_numerics,
         )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.naming import WORKER_ROLES, MemberSet
 from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
@@ -58,10 +59,28 @@ class Membership(MemberSet):
     def __init__(self) -> None:
         super().__init__()
         self._turn = itertools.count()
+        self._kv: KVNamespace | None = None
 
     def num_workers(self) -> int:
         """Workers of any role known now."""
         return sum(m.role in WORKER_ROLES for m in self.members.values())
+
+    def apply(self, event: ns_pb2.MembershipEvent) -> None:
+        super().apply(event)
+        # The KV namespace the workers registered (the first's by id: the nameservice
+        # admits no other for the same model); None while no worker is known.
+        workers = sorted(
+            (m for m in self.members.values() if m.role in WORKER_ROLES), key=lambda m: m.id
+        )
+        kv = next((kv for m in workers if (kv := KVNamespace.of(m)) is not None), None)
+        if kv is not None and kv != self._kv:
+            log.info("the workers' KV namespace: block size %d, cache salt %s (%s)",
+                     kv.block_size, kv.cache_salt.hex(), kv.kv_numerics)  # fmt: skip
+        self._kv = kv
+
+    def kv_namespace(self) -> KVNamespace | None:
+        """Block size and cache salt of the workers' model, learnt from their registration."""
+        return self._kv
 
     def has_route(self) -> bool:
         roles = {m.role for m in self.members.values()}

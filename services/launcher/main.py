@@ -31,9 +31,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rtp_serve.core.dtypes import KV_DTYPES, MODEL_DTYPES, WEIGHT_DTYPES
-from rtp_serve.services.common.flags import DEFAULT_MODEL_HELP, add_drain_flag, add_lora_flags, env
+from rtp_serve.services.common.env import env
+from rtp_serve.services.common.flags import (
+    DEFAULT_MODEL_HELP,
+    add_drain_flag,
+    add_lora_flags,
+    add_model_flags,
+)
 from rtp_serve.services.launcher import certs, servers
+from rtp_serve.services.launcher.process import CLI
 from rtp_serve.services.launcher.secrets import ClusterSecrets
 from rtp_serve.services.launcher.supervisor import RESTART_POLICIES, Supervisor
 
@@ -86,12 +92,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="PD: prompts with fewer uncached tokens are prefilled on the decode worker "
         "(the master's default unless given; 0: always disaggregate)",
     )
-    p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
-                   help="compute dtype; auto: the checkpoint's (config.json torch_dtype)")  # fmt: skip
-    p.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
-                   help="int8: weight-only INT8 projections, quantized at load")  # fmt: skip
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
-                   help="KV cache storage (auto: --dtype)")  # fmt: skip
+    add_model_flags(p)  # passed to every worker (the frontend learns them from those)
     p.add_argument(
         "--kv-cache-mib",
         default="auto",
@@ -189,9 +190,7 @@ class Cluster:
 
     def spawn(self, name: str, *flags: str) -> subprocess.Popen:
         common = ["--log-level", self.args.log_level, "--log-format", self.args.log_format]
-        proc = _child(
-            [sys.executable, "-m", "rtp_serve.services.cli", name, *common, *flags], self.secrets
-        )
+        proc = _child([*CLI, name, *common, *flags], self.secrets)
         self.procs.append((name, proc))
         log.info("started %s pid=%d", name, proc.pid)
         return proc
@@ -298,7 +297,7 @@ def _start(cluster: Cluster, model: str) -> str:
     threads = args.threads or _default_threads(args)
     drain = ["--drain-timeout", str(args.drain_timeout)]
     numerics = ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
-                "--kv-dtype", args.kv_dtype]  # fmt: skip
+                "--kv-dtype", args.kv_dtype, "--block-size", str(args.block_size)]  # fmt: skip
     worker = [*common, *drain, "--model", model, *numerics, "--threads", str(threads),
               "--kv-cache-mib", str(args.kv_cache_mib),
               "--host-kv-cache-mib", str(args.host_kv_cache_mib),
@@ -324,7 +323,7 @@ def _start(cluster: Cluster, model: str) -> str:
     port = args.port or servers.free_port()
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     keys += ["--log-requests"] if args.log_requests else []
-    cluster.spawn("frontend", *common, *drain, "--model", model, *numerics, *keys, *loras,
+    cluster.spawn("frontend", *common, *drain, "--model", model, *keys, *loras,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]

@@ -12,12 +12,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from rtp_serve.services.launcher.servers import free_port
+
+# The rtp-serve command run as a child. -P keeps the working directory off sys.path: from a
+# checkout's root its rtp_serve/ folder would shadow the installed package's.
+CLI = (sys.executable, "-P", "-m", "rtp_serve.services.cli")
 
 UP_TIMEOUT_S = 240.0
 
@@ -46,13 +50,18 @@ def alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def launch(
-    model: str, work_dir: Path, *flags: str, stderr: IO[str] | None = None
+    model: str,
+    work_dir: Path,
+    *flags: str,
+    stderr: IO[str] | None = None,
+    command: Sequence[str] = CLI,
 ) -> Iterator[LaunchedCluster]:
     """The cluster, up and ready, for the body; stopped with SIGTERM afterwards. Every
-    service logs to `stderr` (default: this process's)."""
+    service logs to `stderr` (default: this process's). `command` is the `rtp-serve` to run
+    (another installation's script, for one)."""
     port = free_port()
     info_file = work_dir / "cluster.json"
-    argv = [sys.executable, "-m", "rtp_serve.services.cli", "up", "--model", model, "--port", str(port),
+    argv = [*command, "up", "--model", model, "--port", str(port),
             "--info-file", str(info_file), *flags]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True

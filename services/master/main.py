@@ -17,7 +17,8 @@ from prometheus_client import REGISTRY
 
 from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
-from rtp_serve.services.common.flags import add_common_flags, advertised, env
+from rtp_serve.services.common.env import env
+from rtp_serve.services.common.flags import add_common_flags, advertised
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import master_pb2_grpc, nameservice_pb2
 from rtp_serve.services.master.cluster import ClusterView, SnapshotClient

@@ -32,12 +32,19 @@ import grpc
 
 from rtp_serve.services.common import grpc_util, metrics, subjects
 from rtp_serve.services.common.bus import Bus
-from rtp_serve.services.common.flags import add_common_flags, advertised, env, redact
+from rtp_serve.services.common.env import env
+from rtp_serve.services.common.flags import add_common_flags, advertised, redact
 from rtp_serve.services.common.naming import SNAPSHOT_SIZE_KEY
 from rtp_serve.services.common.pb import nameservice_pb2 as pb
 from rtp_serve.services.common.pb import nameservice_pb2_grpc as pb_grpc
 from rtp_serve.services.nameservice import metrics as ns_metrics
-from rtp_serve.services.nameservice.registry import REASON_EXPIRED, Event, Registry, snapshot
+from rtp_serve.services.nameservice.registry import (
+    REASON_EXPIRED,
+    Event,
+    NamespaceConflict,
+    Registry,
+    snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,9 @@ class NameService(pb_grpc.NameServiceServicer):
     async def Register(self, request: pb.Member, context: grpc.aio.ServicerContext):
         try:
             events = self.registry.register(request)
+        except NamespaceConflict as e:
+            log.error("refused a worker: %s", e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._broadcast(events)

@@ -35,6 +35,22 @@ def snapshot(member: pb.Member) -> Event:
     return Event(kind=Event.KIND_SNAPSHOT, member=member)
 
 
+class NamespaceConflict(ValueError):
+    """A worker's KV namespace (cache salt, block size) differs from that of a worker already
+    registered for the same model: their block hash keys would never agree, so routing by
+    cache would send requests where their prefix is not, and KV would not move between them."""
+
+    def __init__(self, member: pb.Member, other: pb.Member) -> None:
+        self.member, self.other = member, other
+        super().__init__(
+            f"worker {member.id} of model {member.model!r} has cache salt "
+            f"{member.cache_salt.hex()} and block size {member.block_size}, but worker "
+            f"{other.id} registered with cache salt {other.cache_salt.hex()} and block size "
+            f"{other.block_size} (another model checkpoint, --dtype, --weight-dtype, --kv-dtype "
+            "or --block-size?)"
+        )
+
+
 @dataclass(slots=True)
 class _Entry:
     member: pb.Member
@@ -66,6 +82,7 @@ class Registry:
         """
         if not member.id:
             raise ValueError("member id is required")
+        self._check_namespace(member)
         member = _copy(member)
         old = self._entries.get(member.id)
         self._entries[member.id] = _Entry(member, self._clock())
@@ -74,6 +91,18 @@ class Registry:
         if old.member == member:
             return []
         return [left(old.member, REASON_REPLACED), joined(member)]
+
+    def _check_namespace(self, member: pb.Member) -> None:
+        """NamespaceConflict if `member` carries a KV namespace other than a registered
+        worker's of the same model (members without one, such as frontends, pass)."""
+        if not member.cache_salt:
+            return
+        for entry in self._entries.values():
+            other = entry.member
+            if other.id == member.id or not other.cache_salt or other.model != member.model:
+                continue
+            if (other.cache_salt, other.block_size) != (member.cache_salt, member.block_size):
+                raise NamespaceConflict(member, other)
 
     def heartbeat(self, member_id: str) -> bool:
         """Refresh `member_id`; False if it is unknown (it must register again)."""

@@ -5,23 +5,18 @@ from __future__ import annotations
 import argparse
 import logging
 
-from rtp_serve.core.dtypes import (
-    KV_DTYPES,
-    MODEL_DTYPES,
-    WEIGHT_DTYPES,
-    resolve_dtype,
-    resolve_kv_dtype,
-)
+from rtp_serve.core.dtypes import resolve_dtype, resolve_kv_dtype
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig
 from rtp_serve.engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
+from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import (
     DEFAULT_MODEL_HELP,
     add_common_flags,
     add_drain_flag,
     add_lora_flags,
-    env,
+    add_model_flags,
     int_or_none,
 )
 
@@ -42,25 +37,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
     add_drain_flag(p, "requests in flight")
     p.add_argument("--model", default=env("model"), help=f"model directory ({DEFAULT_MODEL_HELP})")
-    p.add_argument(
-        "--dtype",
-        default=env("dtype", "auto"),
-        choices=MODEL_DTYPES,
-        help="compute dtype; auto: the checkpoint's (config.json torch_dtype)",
-    )
-    p.add_argument(
-        "--weight-dtype",
-        default=env("weight_dtype", "auto"),
-        choices=WEIGHT_DTYPES,
-        help="auto: projections in --dtype; int8: weight-only INT8 per output channel, "
-        "quantized at load (half of bf16's bytes for decode; ~1%% higher perplexity)",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        default=env("kv_dtype", "auto"),
-        choices=KV_DTYPES,
-        help="KV cache storage; auto: --dtype (bfloat16 under float32 holds 2x the tokens)",
-    )
+    add_model_flags(p)
     p.add_argument(
         "--worker-id",
         default=env("worker_id"),
@@ -75,7 +52,6 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint mapped on the CPU (pages shared by workers), read on a "
         "device; fastsafetensors: that package's loader (the gpu extra; GPUDirect Storage)",
     )
-    p.add_argument("--block-size", type=int, default=int(env("block_size", "16")))
     p.add_argument(
         "--kv-cache-mib",
         type=kv_cache_mib,

@@ -11,10 +11,15 @@ import os
 import time
 from collections.abc import Callable
 
+import grpc
+
+from rtp_serve.core.block_hash import model_fingerprint
+from rtp_serve.core.dtypes import kv_numerics
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.flags import advertised
+from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2_grpc
 from rtp_serve.services.worker import metrics as worker_metrics
@@ -45,6 +50,7 @@ async def serve_worker(
         capacity=args.max_num_seqs,
         metrics_address=advertised(args, metrics_port),
         member_id=args.worker_id,
+        kv=await asyncio.to_thread(kv_namespace, llm),
     )
     bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
     feed = KVEventFeed(llm, bus, member.id, args.namespace)
@@ -59,7 +65,7 @@ async def serve_worker(
     await grpc_util.set_serving(health, "rtp.v1.Worker", True)
     try:
         if names is not None:
-            await names.register(member)
+            await _register(names, member)
         log.info(
             "worker ready role=%s id=%s incarnation=%d address=%s pid=%d",
             nameservice_pb2.Role.Name(role),
@@ -77,6 +83,26 @@ async def serve_worker(
         await asyncio.to_thread(llm.shutdown)
         await server.stop(grace=STOP_GRACE_S)
         await bus.close()
+
+
+def kv_namespace(llm: AsyncLLM) -> KVNamespace:
+    """The KV namespace this worker registers: its engine's block size and cache salt."""
+    cfg = llm.config
+    numerics = kv_numerics(cfg.dtype, cfg.weight_dtype, cfg.kv_dtype)
+    kv = KVNamespace(llm.block_size, model_fingerprint(llm.model).hex(), numerics)
+    if kv.cache_salt != llm.salt_for():  # the engine salts alike; a guard against drift
+        raise RuntimeError("the registered cache salt differs from the engine's")
+    return kv
+
+
+async def _register(names: NameClient, member: nameservice_pb2.Member) -> None:
+    """Register; a worker the nameservice refuses (another KV namespace than the model's
+    other workers) must not serve: it logs why and exits non-zero."""
+    try:
+        await names.register(member)
+    except grpc.aio.AioRpcError as exc:
+        log.error("the nameservice refused this worker (%s): %s", exc.code().name, exc.details())
+        raise SystemExit(1) from exc
 
 
 async def _drain(

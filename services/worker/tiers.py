@@ -26,7 +26,7 @@ from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.outputs import PromptKV, StagedKV
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.cache.integrity import KVIntegrity
-from rtp_serve.services.common.flags import env
+from rtp_serve.services.common.env import env
 from rtp_serve.services.common.naming import MemberSet, NameClient
 from rtp_serve.services.common.pb import common_pb2, nameservice_pb2
 from rtp_serve.services.worker.kv_wire import join_blocks, split_blocks

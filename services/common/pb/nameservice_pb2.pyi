@@ -25,20 +25,28 @@ ROLE_FUSED: Role
 ROLE_CACHE: Role
 
 class Member(_message.Message):
-    __slots__ = ("id", "role", "address", "model", "capacity", "metrics_address")
+    __slots__ = ("id", "role", "address", "model", "capacity", "metrics_address", "block_size", "cache_salt", "model_id", "kv_numerics")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_NUMERICS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
     model: str
     capacity: int
     metrics_address: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    block_size: int
+    cache_salt: bytes
+    model_id: str
+    kv_numerics: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., model_id: _Optional[str] = ..., kv_numerics: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("ttl_ms",)
