@@ -3,7 +3,7 @@
     python bench/engine.py [--model llama-100m] [--configs fp32,bf16,...] [--threads 2]
                            [--quick]
 
-Header: the CPU's ISA level and flags (kernels/isa.py), the kernels chosen, and the machine
+Header: the CPU's ISA level and flags (rtp_serve/kernels/isa.py), the kernels chosen, and the machine
 measured in this run: memory bandwidth (a large tensor copy) and GEMM peaks (fp32 MKL; bf16
 through the path the engine takes for large batches).
 

@@ -113,7 +113,7 @@ def time_read(model_dir: Path) -> float:
 
 
 # `--up` cells: how the CPU kernels reach the workers. "installed" is ours (compiled by the
-# install, kernels/cpu.py only imports them); the two "jit" ones are how it was before, the
+# install, rtp_serve/kernels/cpu.py only imports them); the two "jit" ones are how it was before, the
 # kernels compiled on a worker's first start (afresh: a new TORCH_EXTENSIONS_DIR, what a
 # fresh install cost) or found in torch's cache from an earlier start.
 UP_CELLS = {

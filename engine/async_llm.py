@@ -98,7 +98,7 @@ class AsyncLLM:
         self.kv_layout: KVLayout = self.engine.kv_layout
         self.cache_salt: bytes = self.engine.cache_salt
         # What the worker runs on, for Stats: the CPU's ISA level and the kernels it chose
-        # (projections, attention: kernels/backends.py).
+        # (projections, attention: rtp_serve/kernels/backends.py).
         self.cpu_isa: str = self.engine.runner.cpu_isa
         self.linear_kernels: str = self.engine.runner.linear_kernels
         self.attention_backend: str = self.engine.runner.attention_backend

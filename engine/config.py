@@ -49,7 +49,7 @@ class EngineConfig:
     num_threads: int | None = None
     # Picks the random seeds of requests that bring none (engine/sampling_noise.py).
     seed: int = 0
-    # Speculative decoding (engine/spec/): None (off), "ngram" or "draft"; each decoding
+    # Speculative decoding (engine/spec_decode/): None (off), "ngram" or "draft"; each decoding
     # request proposes up to num_speculative_tokens drafts a step (adaptive; per request too).
     speculative: str | None = None
     num_speculative_tokens: int = 3

@@ -12,7 +12,7 @@ Both sides run with the GIL released (llguidance's mask fill and numpy's take; t
 kernels), so on a GPU host the masks are free and on a CPU host they take only idle cores.
 
 Speculative rows: a request verifying drafts d_1..d_k samples k + 1 rows, row i after
-d_1..d_i (engine/spec/rejection.py). llguidance computes them in one call, advancing
+d_1..d_i (engine/spec_decode/rejection.py). llguidance computes them in one call, advancing
 through the drafts and rolling back. It stops at the first draft d_m its grammar refuses;
 rows past m keep the buffer's "everything allowed". That is exact: row m's own mask is
 right, so its sampled token is not d_m, the drafts are accepted at most up to m, and rows
@@ -53,7 +53,7 @@ class Entry:
 
 
 def entries_of(rows: list[Request | DraftRow]) -> list[Entry]:
-    """The constrained requests among a step's sampled rows (engine/spec/rejection.rows_of
+    """The constrained requests among a step's sampled rows (engine/spec_decode/rejection.rows_of
     puts a request's draft rows right after its own)."""
     out = []
     for i, r in enumerate(rows):

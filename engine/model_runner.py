@@ -221,7 +221,7 @@ class ModelRunner:
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> dict[str, list[SampledToken]]:
         """Per request that samples: its new tokens (with drafts, the accepted ones plus the
-        target's next, engine/spec/rejection.py; else the one sampled token)."""
+        target's next, engine/spec_decode/rejection.py; else the one sampled token)."""
         if not out.scheduled:
             return {}
         # Decodes (one new token) first, so attention can batch them in one call. A request
@@ -297,7 +297,7 @@ class ModelRunner:
                 sample_rows.extend(range(q_start + n - 1 - k, q_start + n))
             if not _is_prefill(item):
                 # Row j sees positions 0 .. start + j: its own K/V and that of the rows
-                # before it are written before any row attends (kernels/attention.py).
+                # before it are written before any row attends (rtp_serve/kernels/attention.py).
                 for pos in range(start, start + n):
                     decode_pos.append(pos)
                     decode_slots.append(table[pos // bs] * bs + pos % bs)

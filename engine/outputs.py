@@ -22,7 +22,7 @@ class PromptKV:
     """KV of prompt positions [start, start + n) of a request, as the cache stores it.
 
     An int8 cache's KV carries the scales of the blocks it covers, [layers, blocks, kv_heads]
-    float32 each (kernels/kv_quant.py); `start` is then a multiple of the block size.
+    float32 each (rtp_serve/kernels/kv_quant.py); `start` is then a multiple of the block size.
     """
 
     start: int

@@ -4,7 +4,7 @@
 a decode step and a recompute after preemption are all the same rule. At a decode step the
 last token (just sampled) is the only one without KV, so num_computed = len(token_ids) - 1.
 
-Speculative decoding (engine/spec/) is the same rule too: a request's draft tokens
+Speculative decoding (engine/spec_decode/) is the same rule too: a request's draft tokens
 (`spec_token_ids`) are just more tokens to compute in its next step; the accepted ones
 join `token_ids`, and `num_computed_tokens` advances past them only.
 

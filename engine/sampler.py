@@ -4,7 +4,7 @@ structured outputs.
 Greedy rows are decided by one batched argmax. A random row's draw is a function of its
 request's seed and the token's position (engine/sampling_noise.py), so a seeded request
 samples the same tokens whatever else shares its batch, and with or without speculative
-decoding (a row may be a draft position, engine/spec/rejection.py). Logprobs are of the raw model distribution (before temperature/top-k/p
+decoding (a row may be a draft position, engine/spec_decode/rejection.py). Logprobs are of the raw model distribution (before temperature/top-k/p
 and grammars).
 
 A row with a grammar (`Request.guide`, or a draft row of such a request) may only take the
@@ -42,7 +42,7 @@ class Sampler:
         masks: PendingMasks | None = None,
     ) -> list[SampledToken]:
         """logits [N, V] float32, one row per request that samples this step (or per row of
-        its verification, engine/spec/rejection.py). `masks`: the grammar masks of these
+        its verification, engine/spec_decode/rejection.py). `masks`: the grammar masks of these
         rows, started before the forward pass (computed here if not given)."""
         raw = logits
         processed = process_logits(logits, requests)  # bias and penalties

@@ -4,7 +4,7 @@ A random row picks `argmax(probs / E)` with E_i ~ Exp(1) i.i.d. (the exponential
 exact sampler of `probs`: the Gumbel-max trick in another form). E comes from a generator
 seeded by the request's seed mixed with the position the token will occupy, so a token
 depends only on its own distribution, seed and position: not on the batch it ran in, how
-many steps came before, or whether it was verified as a speculative draft (engine/spec/)
+many steps came before, or whether it was verified as a speculative draft (engine/spec_decode/)
 or sampled one step at a time. A PD decode worker continues a prefill worker's seeded
 stream by position alone, and a stream resumed on another worker too.
 """

@@ -7,7 +7,7 @@ a prefix hit starts `num_computed_tokens` above zero, and preemption resets it t
 (recompute). When blocks run out, the lowest-priority, newest running request is preempted.
 
 Speculative decoding adds no phase either: a decoding request's draft tokens
-(`Request.spec_token_ids`, set by engine/spec/speculator.py before the step) are more new
+(`Request.spec_token_ids`, set by engine/spec_decode/speculator.py before the step) are more new
 tokens, 1 + k in all, trimmed to the budget and dropped before anyone is preempted for
 them. After the step `num_computed_tokens` advances past the accepted drafts only, and
 the blocks that held nothing but rejected drafts go back to the pool.

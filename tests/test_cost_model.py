@@ -1,4 +1,4 @@
-"""The online-fitted cost models (engine/cost_model.py): they converge on the coefficients
+"""The online-fitted cost models (rtp_serve/core/cost_model.py): they converge on the coefficients
 that generated the measurements, follow a change, and predict with the chunking rule."""
 
 from __future__ import annotations

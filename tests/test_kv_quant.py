@@ -1,4 +1,4 @@
-"""The INT8 KV cache's writes: the adaptive per-block, per-head scale (kernels/kv_quant.py)
+"""The INT8 KV cache's writes: the adaptive per-block, per-head scale (rtp_serve/kernels/kv_quant.py)
 and the compiled kernel against that reference."""
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ binary beside the interpreter, where the launcher looks for it).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -35,10 +36,17 @@ def _run(*argv: str | Path, **kw) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of what git would commit (setuptools writes build/ and egg-info
+    beside the sources it builds)."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    listed = _run("git", "ls-files", "-co", "--exclude-standard", cwd=ROOT).splitlines()
+    for name in listed:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     env = {**os.environ, "RTP_SERVE_BUILD_KERNELS": "0"}
     _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", out, ROOT, cwd=out, env=env)  # fmt: skip
+         "-w", out, source, cwd=out, env=env)  # fmt: skip
     (built,) = out.glob("rtp_serve-*.whl")
     return built
 

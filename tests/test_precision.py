@@ -201,6 +201,7 @@ def test_a_worker_reports_its_numerics_and_cpu(model_dir):
     assert (s.dtype, s.weight_dtype, s.kv_dtype) == ("float32", "int8", "bfloat16")
     assert s.cpu_isa == cpu_isa().describe()
     assert s.linear_kernels.startswith("rows_gemm")  # INT8 projections stream through it
-    assert s.attention_backend == "cpu-kernels"  # kernels/backends.py, on a CPU that builds them
+    # rtp_serve/kernels/backends.py, on a CPU that builds them
+    assert s.attention_backend == "cpu-kernels"
     # tiny-llama: 4 layers x 2 kv heads x 32 dims x K and V x 2 bytes = 1 KiB per token.
     assert s.total_blocks * s.block_size == (8 << 20) // 1024

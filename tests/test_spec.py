@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec/): the proposer, the acceptance rule, the scheduler's
+"""Speculative decoding (engine/spec_decode/): the proposer, the acceptance rule, the scheduler's
 draft accounting, and end to end: output with speculation == without, token for token."""
 
 from __future__ import annotations

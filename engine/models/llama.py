@@ -4,7 +4,7 @@ The three families differ only in config (qkv bias, tied embeddings, rope scalin
 implementation serves all of them. q/k/v and gate/up projections are fused into one matmul
 each at load time: fewer, larger kernels are what a CPU (and a GPU at batch 1) wants.
 
-Each projection is a `LinearOp` (kernels/linear.py), prepared once at load for its storage
+Each projection is a `LinearOp` (rtp_serve/kernels/linear.py), prepared once at load for its storage
 (float32, bf16, or weight-only INT8) and the CPU; the model only calls it.
 """
 

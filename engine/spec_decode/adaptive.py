@@ -7,15 +7,15 @@ this request's drafts are right, k drafts yield on average
     E(k) = 1 + alpha + alpha^2 + ... + alpha^k          tokens in one step,
 
 and the step grows by k rows. Step time is close to linear in its rows, S(R) = M + C R
-(fitted online from the engine's own steps, engine/cost_model.py, where a verified draft
+(fitted online from the engine's own steps, rtp_serve/core/cost_model.py, where a verified draft
 is one more decode row): M the fixed part (on a CPU, streaming the weights once), C a
 row's compute. Relative to the time one token costs
 without speculation, S(B) / B for a batch of B, a draft row costs
 
     beta = C B / (M + C B)          (about 0.15 at batch 1 on a CPU, 0.75 at batch 16)
 
-A proposer that runs a model of its own (engine/spec/draft_model.py) adds its passes: k
-drafts take k of them, D seconds each for the batch (timed by engine/spec/speculator.py),
+A proposer that runs a model of its own (engine/spec_decode/draft_model.py) adds its passes: k
+drafts take k of them, D seconds each for the batch (timed by engine/spec_decode/speculator.py),
 so a draft costs beta + D / S(B) instead (with S(B) about 60 ms at batch 1 for smollm2-135m
 on a CPU and its 2-layer draft at about 20 ms a pass, drafting pays only at a high
 acceptance rate: the draft pass, not the verification row, is most of a draft's price).
@@ -60,7 +60,7 @@ class SpecState:
     tried: float = 0.0
     pause: int = 0  # steps left to sit out
     next_pause: int = 1
-    # n-gram with advice (engine/spec/ngram.py): where the advice was last matched, so the
+    # n-gram with advice (engine/spec_decode/ngram.py): where the advice was last matched, so the
     # next match is looked for from there on (the output follows the advice in order).
     advice_cursor: int = 0
 
@@ -117,7 +117,7 @@ def draft_row_cost(
     step: StepCost, batch: int, draft_pass_s: float = 0.0, pass_ratio_prior: float = 0.0
 ) -> float:
     """beta: a draft's cost relative to one token's time at this batch size: its row in the
-    engine's fitted step time (engine/cost_model.py; a prior ratio until it is fitted),
+    engine's fitted step time (rtp_serve/core/cost_model.py; a prior ratio until it is fitted),
     plus `draft_pass_s`, the proposer's own pass for the batch, over that step time (until
     both are known, `pass_ratio_prior`: the proposer's own guess of that ratio, which also
     caps a timed ratio at twice itself: a pass timed across a pause of the process says

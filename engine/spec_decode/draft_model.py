@@ -3,7 +3,7 @@
 The draft is any model with the target's tokenizer (`--draft-model DIR`), or the target cut
 to its first m layers plus its final norm and head (`--draft-layers M`, the built-in option:
 self-speculation, no second checkpoint). It drafts greedily, so each draft is a function of
-the context, which is all the acceptance rule (engine/spec/rejection.py) needs: the output
+the context, which is all the acceptance rule (engine/spec_decode/rejection.py) needs: the output
 is the target's, token for token, whatever the draft proposes.
 
 Each request that speculates has a shadow here: an engine Request over the draft's own block

@@ -5,12 +5,12 @@ speculation on) and how many drafts each may have; it returns up to that many to
 guesses come next after each request's `token_ids`. It never touches KV blocks or the
 scheduler: the drafts become part of the request's next step (engine/scheduler.py gives
 it 1 + len(drafts) tokens), the target model computes them all in the same batched pass,
-and engine/spec/rejection.py keeps the longest prefix the target agrees with, plus one.
+and engine/spec_decode/rejection.py keeps the longest prefix the target agrees with, plus one.
 
 How a proposer plugs in:
 
-* n-gram / prompt lookup (engine/spec/ngram.py): pure token matching, no model.
-* a draft model (engine/spec/draft_model.py: a smaller model with the same tokenizer, or
+* n-gram / prompt lookup (engine/spec_decode/ngram.py): pure token matching, no model.
+* a draft model (engine/spec_decode/draft_model.py: a smaller model with the same tokenizer, or
   the target's first layers): runs its own forward passes over its own paged KV inside
   `propose`, k tokens autoregressively, batched over the requests; greedy drafting keeps
   every draft a function of the context, which is what the acceptance rule needs (see

@@ -3,11 +3,11 @@ came of it.
 
 Before each schedule, every running request that is decoding (exactly one token without
 KV) and has speculation on gets drafts from the proposer, as many as pay
-at this batch size given how often its drafts have been right (engine/spec/adaptive.py),
+at this batch size given how often its drafts have been right (engine/spec_decode/adaptive.py),
 never past its max_tokens or the context limit. After the step, the accepted counts feed
 that estimate and the counters. The proposer's own time is measured too (a draft model's
 passes): per draft, it is part of what a draft costs. A proposer with a `timer`
-(engine/spec/proposer.PassTimer) times its own passes, leaving out the catch-up over a
+(engine/spec_decode/proposer.PassTimer) times its own passes, leaving out the catch-up over a
 request's whole context; the others are timed here, per call.
 
 A request with a grammar keeps its drafts up to the first one the grammar refuses (the

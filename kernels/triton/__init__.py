@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV cache (kernels/attention.py has the layout).
+"""Triton kernels over the paged KV cache (rtp_serve/kernels/attention.py has the layout).
 
 One kernel per file, each with the torch reference as its test oracle:
 
@@ -7,7 +7,7 @@ One kernel per file, each with the torch reference as its test oracle:
     paged_prefill.py   a varlen batch of chunks after a cached prefix, causal within the
                        new tokens, K/V read through each chunk's block table
     kv_write.py        new K/V rows into their slots (slot mapping); the int8 cache's
-                       adaptive per-block scales (kernels/kv_quant.py) decided in-kernel
+                       adaptive per-block scales (rtp_serve/kernels/kv_quant.py) decided in-kernel
     rms_norm.py        RMSNorm, optionally fused with the residual add before it
     rotary.py          rotary embedding (rotate-half layout), HF's rounding in bf16
 

@@ -1,4 +1,4 @@
-"""The attention backend over the Triton kernels (the AttentionBackend of kernels/attention.py).
+"""The attention backend over the Triton kernels (the AttentionBackend of rtp_serve/kernels/attention.py).
 
 Per layer: the new K/V go into their slots (int8 with in-kernel scales where the cache is
 int8), the decode rows attend in one split-K launch, and every prefill chunk of the step in

@@ -1,7 +1,7 @@
 """New K/V rows into their cache slots: a plain copy, or int8 with adaptive block scales.
 
 `write_kv` copies rows [T, H, D] into the cache [S, H, D] at `slot_mapping`, converting to
-the cache's dtype. `write_int8` does what kernels/kv_quant.py's reference does, per (run
+the cache's dtype. `write_int8` does what rtp_serve/kernels/kv_quant.py's reference does, per (run
 of consecutive tokens in one block, kv head): one program per (token, kv head), of which
 only those starting a run work:
 

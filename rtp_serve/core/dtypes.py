@@ -12,7 +12,7 @@ MODEL_DTYPES = ("auto", *DTYPES)
 # How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized.
 WEIGHT_DTYPES = ("auto", "int8")
 # How the KV cache is stored: "auto" as the model dtype, any of DTYPES, or "int8" with a
-# float32 scale per block and kv head (kernels/kv_quant.py).
+# float32 scale per block and kv head (rtp_serve/kernels/kv_quant.py).
 KV_DTYPES = ("auto", *DTYPES, "int8")
 # Every dtype a tensor here is stored in: compute dtypes and the int8 KV cache.
 STORAGE_DTYPES = (*DTYPES, "int8")

@@ -24,7 +24,7 @@ class SamplingParams:
     min_tokens: int = 0
     # Return the log-probability of each sampled token plus this many top alternatives.
     logprobs: int | None = None
-    # The output must match this grammar (JSON schema, regex, choice, ...): engine/structured.py.
+    # The output must match this grammar (JSON schema, regex, choice, ...): rtp_serve/core/structured.py.
     structured: StructuredOutputs | None = None
     # Logits processing (engine/logits_processors.py), vLLM's semantics: presence and
     # frequency over the output, repetition over prompt and output.
@@ -33,7 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits; a dict is taken too.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Speculative decoding (engine/spec/), where the engine runs it: at most this many draft
+    # Speculative decoding (engine/spec_decode/), where the engine runs it: at most this many draft
     # tokens a step (None: the engine's setting; 0: off for this request). `advice`: token
     # ids the output is expected to repeat (an edited file), searched first for drafts.
     num_speculative_tokens: int | None = None

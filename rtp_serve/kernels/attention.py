@@ -10,13 +10,13 @@ A step's new tokens come as one flat batch, decodes first:
                sequence, any context    after `ctx_len` tokens already cached
 
 The cache may be stored in a narrower dtype than the model computes in (bf16 KV for float32
-weights, or int8 with a scale per block and kv head: kernels/kv_quant.py): writes round to
+weights, or int8 with a scale per block and kv head: rtp_serve/kernels/kv_quant.py): writes round to
 it, reads widen from it. Every layer writes the new K/V into their slots first, then
 attends, so a block computed in this step can already be read by another sequence of the
 same step. Over a narrower cache a prompt attends to its own K/V as stored too: the values
 a later prefix hit reads. `CpuKernelAttention` (the compiled CPU kernels, reading the blocks
 in place) implements the same interface, as do the GPU backends (kernels/triton/backend.py,
-kernels/flash_attn.py, kernels/flashinfer.py); kernels/backends.py chooses among them.
+rtp_serve/kernels/flash_attn.py, rtp_serve/kernels/flashinfer.py); rtp_serve/kernels/backends.py chooses among them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
                                                    and cache (any block size)
             triton                                 triton importable (kernels/triton)
             torch                                  nothing (the reference ops)
-    cpu     cpu-kernels                            the compiled kernels build (kernels/cpu.py)
+    cpu     cpu-kernels                            the compiled kernels build (rtp_serve/kernels/cpu.py)
             torch
 
 The first that fits is used; the choice, and why each one before it was passed over, is

@@ -1,7 +1,7 @@
 """The compiled CPU kernels (kernels/csrc) for the ISA level in use.
 
 They are compiled when the project is installed (setup.py, one module per build in
-kernels/cpu_build.py), so a worker only imports them. Where the installed module is missing
+rtp_serve/kernels/cpu_build.py), so a worker only imports them. Where the installed module is missing
 (an install without a compiler, a source checkout never installed) or was built against
 another torch, they are compiled on first use instead, by torch's extension builder (cached
 under a name that carries the build and this checkout's path, so two checkouts sharing a

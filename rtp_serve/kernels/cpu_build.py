@@ -1,17 +1,17 @@
 """How the CPU kernels (kernels/csrc) are compiled: the sources, and one module per ISA build.
 
 The same table serves the install (setup.py compiles every build into the package, so a
-worker never waits on a compiler) and the fallback at run time (kernels/cpu.py compiles
+worker never waits on a compiler) and the fallback at run time (rtp_serve/kernels/cpu.py compiles
 one build on first use when the installed module is missing or was built against another
 torch). Each build names its instruction sets explicitly instead of -march=native, so a
 wheel or an editable install made on one CPU works on any CPU that has them:
 
-    build    compiled with                            used at ISA levels (kernels/isa.py)
+    build    compiled with                            used at ISA levels (rtp_serve/kernels/isa.py)
     avx2     AVX2, FMA, F16C                          avx2
     avx512   the above + AVX-512 F/BW/VL              avx512, avx512_bf16, amx
 
 The bf16 and AMX levels add nothing to these sources: what they enable is oneDNN's
-prepacked GEMMs inside torch (kernels/linear.py), so they share the AVX-512 build.
+prepacked GEMMs inside torch (rtp_serve/kernels/linear.py), so they share the AVX-512 build.
 
 Pure data and no torch import: setup.py reads it before torch is known to be there.
 """

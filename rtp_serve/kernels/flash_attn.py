@@ -5,7 +5,7 @@ flat slot layout viewed by block, through a block table per sequence. One varlen
 covers the whole step: decode rows are sequences of one query token, prefill chunks of
 `q_len`; with `causal=True` and more keys than queries the mask is aligned bottom-right,
 which is exactly "row i sees ctx_len + i keys". Its constraints (fp16/bf16 only, no int8
-cache, pages a multiple of 256 tokens) are checked by kernels/backends.py before choosing it.
+cache, pages a multiple of 256 tokens) are checked by rtp_serve/kernels/backends.py before choosing it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ slots viewed by block) and each sequence's pages in CSR form:
 One batch-prefill call covers the whole step: decode rows are sequences of one query
 token; with `causal=True` the mask is aligned to the last keys, so row i of a chunk sees
 ctx_len + i keys. Any block size works; fp16/bf16 only and no int8 cache (checked by
-kernels/backends.py). The plan is made once per step (the first layer's call).
+rtp_serve/kernels/backends.py). The plan is made once per step (the first layer's call).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ bf16 dot products, VNNI and AMX tiles. The engine picks its kernels from `cpu_is
 `RTP_SERVE_ISA=<level>` caps the level below what the CPU has, so every fallback can be
 forced and tested on a machine that has more (it never raises it above the hardware).
 The compiled kernels are built at install time for each level's instruction sets
-(kernels/cpu_build.py) and the module of the level in use is loaded; `RTP_SERVE_CPU_KERNELS=0`
+(rtp_serve/kernels/cpu_build.py) and the module of the level in use is loaded; `RTP_SERVE_CPU_KERNELS=0`
 (or level `scalar`) turns them off.
 """
 

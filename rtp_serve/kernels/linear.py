@@ -2,7 +2,7 @@
 
 `make_linear(w, ...)` takes a checkpoint weight [out, in] and returns a `LinearOp`, which
 computes `(residual +) x @ w.T (+ bias)` for x [T, in] in the model's dtype. Which kernel
-runs depends on the weight's storage, the number of rows and the CPU (kernels/isa.py):
+runs depends on the weight's storage, the number of rows and the CPU (rtp_serve/kernels/isa.py):
 
     storage          T <= SMALL_M (decode: memory-bound)       more rows (prefill: compute-bound)
     float32 [o,i]    rows_gemm (streams fp32 weights)           MKL sgemm

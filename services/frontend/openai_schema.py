@@ -211,7 +211,7 @@ class _GenerationRequest(_Strict):
     # expected to repeat, such as the file being edited (RTP-LLM's sp_advice_prompt).
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     speculative_advice: str | None = None
-    # Structured outputs (engine/structured.py): at most one of these per request.
+    # Structured outputs (rtp_serve/core/structured.py): at most one of these per request.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: JsonSchemaObject | str | None = Field(

@@ -2,8 +2,8 @@
 
 The master's plan is cache- and load-aware. Without it the frontend still serves: it keeps
 the membership the nameservice's watch reports and round-robins over fused workers, or
-over prefill + decode pairs (DESIGN: "the master being down degrades the service, it does
-not fail requests that could still be served").
+over prefill + decode pairs (docs/design.md, "Reliability rules": the master being down
+degrades the service, it does not fail requests that can still be served).
 """
 
 from __future__ import annotations

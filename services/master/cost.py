@@ -6,7 +6,7 @@
               + fetch of the prompt blocks it would copy from the remote tier
 
 each term with the candidate's own coefficients, fitted online from its measurements and
-published in its LoadReport (engine/cost_model.py: StepCost, FetchCost). Where each leading
+published in its LoadReport (rtp_serve/core/cost_model.py: StepCost, FetchCost). Where each leading
 prompt block comes from, for candidate w:
 
     prompt blocks  [ 0 .. local )  [ .. + host )      [ .. reachable )         [ reachable .. )

@@ -1,4 +1,4 @@
-"""`rtp-serve master`: the global scheduler service (DESIGN "The request path", step 3).
+"""`rtp-serve master`: the global scheduler service (docs/design.md "The request path", step 3).
 
 It follows the nameservice membership stream and, with --nats-url, every worker's KV events
 and load reports; Route answers from that view. Without NATS it still routes, by membership

@@ -2,7 +2,7 @@
 
 Fed by every worker's rtp.v1.KVEvents in order, and resynced from its snapshot, by
 services.master.index_sync (which owns the sequence numbers; this is only the sets). Keys
-are chained (DESIGN "KV cache"), so a worker that holds key_i normally holds key_0..key_{i-1}
+are chained (docs/design.md "KV cache"), so a worker that holds key_i normally holds key_0..key_{i-1}
 too; `match` still stops at the first miss, because a prefix with a hole in it is only
 reusable up to the hole.
 

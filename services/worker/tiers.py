@@ -147,7 +147,7 @@ class Tiers:
         except ValueError as exc:  # a bad remote block is a miss, not a failed request
             log.warning("ignoring remote KV blocks: %s", exc)
             return TierHits(device, 0), None
-        # What the master's cost model predicts a remote hit with (engine/cost_model.py).
+        # What the master's cost model predicts a remote hit with (rtp_serve/core/cost_model.py).
         self.llm.costs.observe_fetch(TIER_REMOTE, time.perf_counter() - started, kv.nbytes)
         return TierHits(device, len(found)), StagedKV(usable[device:end], kv)
 

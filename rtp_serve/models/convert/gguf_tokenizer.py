@@ -4,7 +4,7 @@ A GGUF carries the vocabulary (`tokenizer.ggml.tokens`, with a type per token), 
 merges (byte-level vocabularies) or scores (sentencepiece ones), the special token ids and
 `tokenizer.ggml.pre`, llama.cpp's name for how text is split before BPE. This module
 rebuilds the HF `tokenizers` pipeline those describe, so HF's `PreTrainedTokenizerFast` and
-`engine/tokenizer.py` tokenize exactly as the original checkpoint did.
+`rtp_serve/core/tokenizer.py` tokenize exactly as the original checkpoint did.
 """
 
 from __future__ import annotations
