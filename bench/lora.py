@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and would shadow `rtp_serve.engine`.
+# Run as a script, this file's folder comes first on sys.path: its siblings would shadow.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402

