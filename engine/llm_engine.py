@@ -170,7 +170,7 @@ class LLMEngine:
         check_prompt(token_ids, vocab, self.limits.max_model_len)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
-        check_speculative_advice(params.speculative_advice, vocab)
+        check_speculative_advice(params.speculative_advice, vocab, self.limits.max_model_len)
         guide = None
         if params.structured is not None:
             resumed = params.structured.resume_tokens

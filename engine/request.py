@@ -21,6 +21,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Guide
@@ -100,9 +102,14 @@ class Request:
     # them), and the adaptive state of this request's speculation (None: never proposed).
     spec_token_ids: list[int] = field(default_factory=list)
     spec: SpecState | None = None
+    # params.speculative_advice as a tensor, built once here: the n-gram proposer searches
+    # it every step (None: no advice).
+    advice: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        advice = self.params.speculative_advice
+        self.advice = torch.tensor(advice, dtype=torch.long) if advice else None
         if not self.block_hashes:
             self._extend_hashes()
         elif len(self.block_hashes) != len(self.token_ids) // self.block_size:

@@ -25,6 +25,8 @@ from rtp_serve.services.common.pb import (
     worker_pb2_grpc,
 )
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend.adapters import Adapters
+from rtp_serve.services.frontend.auth import ApiKeys
 from rtp_serve.services.frontend.generation import DEFAULT_MAX_MIGRATIONS, Generator
 from rtp_serve.services.frontend.http_api import build_app, server_options
 from rtp_serve.services.frontend.limits import Limits
@@ -196,8 +198,11 @@ async def frontend(
     max_concurrent: int = 256,
     max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     limits: Limits | None = None,
+    keys: ApiKeys | None = None,
+    lora_root: Path | None = None,
 ) -> AsyncIterator[Harness]:
-    """The HTTP app over fake workers (known from a fake nameservice watch) and master."""
+    """The HTTP app over fake workers (known from a fake nameservice watch) and master;
+    `keys` and `lora_root` as the frontend's auth flags and --lora-root give them."""
     servers, members = [], {}
     try:
         for wid, (role, worker) in workers.items():
@@ -229,8 +234,9 @@ async def frontend(
             max_concurrent=max_concurrent,
             limits=limits,
             max_migrations=max_migrations,
+            adapters=Adapters(lora_root),
         )
-        server = TestServer(build_app(gen))
+        server = TestServer(build_app(gen, keys))
         await server.start_server(**server_options(gen.limits))  # (not taken by __init__)
         async with TestClient(server) as client:
             yield Harness(client, gen, members, servers)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rtp_serve.services.common.pb import frontend_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
+from rtp_serve.services.frontend.auth import ApiKeys
 from rtp_serve.services.frontend.grpc_api import FrontendServicer
 from rtp_serve.services.frontend.limits import Limits
 from tests.frontend_fakes import FakeWorker, Harness, frontend, serve_grpc
@@ -34,9 +35,10 @@ class Served:
 
 @contextlib.contextmanager
 def served_frontend(
-    model_dir: Path, worker: FakeWorker, limits: Limits | None = None
+    model_dir: Path, worker: FakeWorker, limits: Limits | None = None, keys: ApiKeys | None = None
 ) -> Iterator[Served]:
-    """The HTTP app and the gRPC Frontend over one fused fake `worker`, until the block ends."""
+    """The HTTP app and the gRPC Frontend over one fused fake `worker`, until the block ends;
+    `keys`: the frontend's API keys (both ingresses)."""
     loop = asyncio.new_event_loop()
     ready: asyncio.Future[Served] = loop.create_future()
     stop = asyncio.Event()
@@ -44,8 +46,8 @@ def served_frontend(
     async def main() -> None:
         try:
             workers = {"w1": (ns_pb2.ROLE_FUSED, worker)}
-            async with frontend(model_dir, workers, limits=limits) as h:
-                servicer = FrontendServicer(h.generator)
+            async with frontend(model_dir, workers, limits=limits, keys=keys) as h:
+                servicer = FrontendServicer(h.generator, keys)
                 add = frontend_pb2_grpc.add_FrontendServicer_to_server
                 server, address = await serve_grpc(add, servicer)
                 url = str(h.client.make_url("")).rstrip("/")

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from hypothesis import strategies as st
 
-from tests.openapi_strategies import DEEP, OpenAPI
+from tests.openapi_strategies import DEEP, DIGIT_KEYS, HUGE, NON_FINITE, OpenAPI
 
 POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 GETS = ("/v1/models", "/health", "/openapi.json", "/metrics")
@@ -98,6 +98,9 @@ def http_cases(api: OpenAPI, served_model: str) -> st.SearchStrategy[HttpCase]:
             names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
             body = BASES[path] | {name: draw(fields[name]) for name in names}
             body["model"] = served_model
+            if "logit_bias" in fields and draw(st.integers(0, 4)) == 0:  # odd token-id keys
+                values = st.one_of(st.floats(-100, 100), NON_FINITE, HUGE)
+                body["logit_bias"] = draw(st.dictionaries(DIGIT_KEYS, values, max_size=3))
         else:
             body = draw(api.valid(schema) if kind == "valid" else api.hostile(schema))
         if isinstance(body, dict) and "model" in body and draw(st.integers(0, 3)):

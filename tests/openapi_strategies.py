@@ -9,8 +9,9 @@ process. The subset of JSON Schema here is what pydantic emits for the request m
 
 `valid(schema)` follows the schema (types, bounds, enums, required, unions), leaving
 out optional fields at random; `hostile(schema)` is a valid body with some fields replaced
-by any JSON value (wrong types, huge numbers, odd unicode, deep nesting) or unknown fields
-added.
+by any JSON value (wrong types, huge numbers, odd unicode, deep nesting, NaN and the
+infinities, dicts keyed by unicode digits or integers of thousands of digits, giant strings
+in string fields) or unknown fields added.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ ODD_TEXT = st.sampled_from(
 TEXT = st.one_of(st.text(max_size=40), ODD_TEXT, st.text(st.characters(), max_size=8))
 HUGE = st.sampled_from([2**31, 2**32, 2**63, -(2**63) - 1, 10**30, -(10**30), 1e308, -1e308])
 NUMBER = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), HUGE)
+# Digits int() or str.isdigit() disagree on (superscripts, circled, Arabic-Indic, full-width),
+# and integers past Python's 4,300-digit int/str limit, as text: dict keys and values.
+UNICODE_DIGITS = st.sampled_from(["²", "⁵", "①", "٣", "１２", "𝟘", "߁"])
+HUGE_DIGITS = st.sampled_from(["9" * 4301, "1" * 10_000, "-" + "7" * 5000, "0" * 4400 + "1"])
+DIGIT_KEYS = st.one_of(UNICODE_DIGITS, HUGE_DIGITS, st.integers(-5, 10**12).map(str))
+# A giant string: every string field gets one now and then (bodies stay under the limit).
+GIANT = st.sampled_from([10_000, 200_000]).flatmap(
+    lambda n: st.sampled_from(["a", "🙂", "\u0301", "9", " "]).map(lambda c: c * n)
+)
+# NaN and the infinities as JSON text: Python's json.dumps writes NaN / Infinity.
+NON_FINITE = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 
 
 def json_values(max_leaves: int = 12) -> st.SearchStrategy[Any]:
@@ -141,15 +153,30 @@ class OpenAPI:
                 return body
             for _ in range(draw(st.integers(1, 3))):
                 name = draw(st.sampled_from(names))
-                match draw(st.integers(0, 4)):
+                match draw(st.integers(0, 7)):
                     case 0:
                         body.pop(name, None)
                     case 1:
                         body[name] = draw(DEEP)
                     case 2:
                         body[draw(TEXT)] = draw(json_values())
+                    case 3:  # a dict keyed and valued by odd digits (logit_bias, metadata)
+                        body[name] = draw(
+                            st.dictionaries(
+                                DIGIT_KEYS,
+                                st.one_of(NUMBER, NON_FINITE, DIGIT_KEYS),
+                                min_size=1,
+                                max_size=3,
+                            )
+                        )
+                    case 4:
+                        body[name] = draw(st.one_of(NON_FINITE, HUGE_DIGITS, UNICODE_DIGITS))
                     case _:
                         body[name] = draw(st.one_of(json_values(), HUGE))
+            if draw(st.integers(0, 5)) == 0:  # a giant string in one string field
+                strings = [k for k, v in body.items() if isinstance(v, str)]
+                if strings:
+                    body[draw(st.sampled_from(sorted(strings)))] = draw(GIANT)
             return body
 
         return mutate()

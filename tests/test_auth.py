@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+import pytest
+
 from rtp_serve.services.common.env import env
 from rtp_serve.services.frontend import auth
 from rtp_serve.services.frontend.auth import ApiKeys
@@ -24,7 +26,11 @@ def test_the_access_table():
     header = {k: f"Bearer {k}" for k in ("a", "b", "m", "x")}
     table = {
         # keys configured: (path, header) -> allowed
-        ApiKeys.of([]): {(API, None): True, ("/metrics", None): True},
+        ApiKeys.of([]): {
+            (API, None): True,
+            ("/metrics", None): True,
+            ("/v1/load_lora_adapter", None): False,  # no admin key: disabled
+        },
         ApiKeys.of(["a", "b"]): {
             (API, None): False,
             (API, header["x"]): False,
@@ -43,8 +49,15 @@ def test_the_access_table():
             ("/health", None): True,
         },
         ApiKeys.of([], metrics_key="m"): {
-            (API, None): False,  # a key is configured: nothing else is open
+            (API, None): True,  # the metrics key guards /metrics only
+            ("/metrics", None): False,
             ("/metrics", header["m"]): True,
+        },
+        ApiKeys.of(["a"], admin_key="x"): {
+            ("/v1/load_lora_adapter", header["a"]): False,  # an API key is no admin key
+            ("/v1/load_lora_adapter", header["x"]): True,
+            ("/v1/unload_lora_adapter", header["x"]): True,
+            (API, header["x"]): False,
         },
     }
     for keys, cases in table.items():
@@ -108,3 +121,21 @@ def test_unauthorized_is_an_openai_error():
     assert exc.kind.http_status == 401
     body = exc.body()["error"]
     assert body["type"] == "invalid_request_error" and body["code"] == "invalid_api_key"
+
+
+def test_key_entries_carry_a_priority_floor(monkeypatch):
+    """`KEY priority=N`: the most urgent priority the key may ask for (lower runs first);
+    other keys and an open API get --priority-floor (default 0)."""
+    monkeypatch.setenv("RTP_API_KEYS", "ops priority=-5,batch priority=10,plain")
+    keys = auth.from_args(_args())
+    assert keys.allows(API, "Bearer ops") and not keys.allows(API, "Bearer ops priority=-5")
+    floors = {k: keys.priority_floor(f"Bearer {k}") for k in ("ops", "batch", "plain", "x")}
+    assert floors == {"ops": -5, "batch": 10, "plain": 0, "x": 0}
+    assert (
+        auth.from_args(_args("--api-key", "k", "--priority-floor", "-3")).priority_floor("Bearer k")
+        == -3
+    )
+    assert ApiKeys.of([]).priority_floor(None) == 0
+    for bad in ("k prio=1", "k priority=high"):
+        with pytest.raises(ValueError):
+            auth.from_args(_args("--api-key", bad))

@@ -12,6 +12,14 @@ from tests.cluster import launch
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fib"
 MAX_TOKENS = 8
+ADMIN_KEY = "lora-admin"
+
+
+def launch_with(env: pytest.MonkeyPatch, model: str, run_dir, *flags: str):
+    """`launch`, the frontend given the admin key and the adapters' directory as its root."""
+    env.setenv("RTP_ADMIN_KEY", ADMIN_KEY)
+    env.setenv("RTP_LORA_ROOT", str(run_dir.parent))
+    return launch(model, run_dir, *flags)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +43,11 @@ def test_adapters_served_loaded_and_unloaded_on_a_pd_cluster(setup):
     model, root, a1, a2, expected = setup
     run_dir = root / "run"
     run_dir.mkdir()
+    # The frontend's --admin-key and --lora-root, by the environment the launcher passes on.
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with (
-        launch(model, run_dir, "--prefill", "1", "--decode", "1", f"--lora=a1={a1}") as c,
+        pytest.MonkeyPatch.context() as env,
+        launch_with(env, model, run_dir, "--prefill", "1", "--decode", "1", f"--lora=a1={a1}") as c,
         httpx.Client(base_url=c.url, timeout=60) as client,
     ):
         cards = client.get("/v1/models").json()["data"]
@@ -53,7 +64,9 @@ def test_adapters_served_loaded_and_unloaded_on_a_pd_cluster(setup):
         assert "`a2`" in missing.json()["error"]["message"]
         assert missing.json()["error"]["code"] == "model_not_found"
 
-        load = client.post("/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": a2})
+        body = {"lora_name": "a2", "lora_path": a2}
+        assert client.post("/v1/load_lora_adapter", json=body).status_code == 401  # no admin key
+        load = client.post("/v1/load_lora_adapter", json=body, headers=admin)
         assert load.status_code == 200, load.text
         assert "a2" in [m["id"] for m in client.get("/v1/models").json()["data"]]
         first = _complete(client, "a2").json()
@@ -63,11 +76,13 @@ def test_adapters_served_loaded_and_unloaded_on_a_pd_cluster(setup):
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its own KV
 
-        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root)})
+        body = {"lora_name": "x", "lora_path": str(root)}
+        bad = client.post("/v1/load_lora_adapter", json=body, headers=admin)
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
-        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 200
+        unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=admin)
+        assert unload.status_code == 200
         assert _complete(client, "a2").status_code == 404
-        gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "a2"})
+        gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=admin)
         assert gone.status_code == 404
         stats = c.wait_idle()
         assert all(s.integrity_ok and s.held_blocks == 0 for s in stats.values())

@@ -13,12 +13,14 @@ import httpx
 import pytest
 
 from rtp_serve.core.tokenizer import Tokenizer
+from rtp_serve.services.frontend.auth import ApiKeys
 from rtp_serve.services.frontend.http_api import LINGER_S
 from rtp_serve.services.frontend.limits import Limits
 from tests.frontend_fakes import FakeWorker
 from tests.fuzz_harness import served_frontend
 
 LIMIT_S = 1.0
+ADMIN = "admin-key"
 SLACK_S = 1.5  # the loop's timers, a loaded machine
 
 
@@ -26,7 +28,9 @@ SLACK_S = 1.5  # the loop's timers, a loaded machine
 def served(model_dir):
     tiny = model_dir("tiny-llama")
     limits = Limits(header_timeout_s=LIMIT_S, body_timeout_s=LIMIT_S)
-    with served_frontend(tiny, FakeWorker(Tokenizer(tiny).encode("slow"), eos=0), limits) as s:
+    keys = ApiKeys.of([], admin_key=ADMIN)  # the API open; the LoRA endpoints past auth
+    worker = FakeWorker(Tokenizer(tiny).encode("slow"), eos=0)
+    with served_frontend(tiny, worker, limits, keys) as s:
         yield s
 
 
@@ -87,12 +91,15 @@ def test_headers_sent_too_slowly_lose_the_connection(served) -> None:
     assert normal and set(normal) == {200}, normal
 
 
-def test_a_body_sent_too_slowly_is_408_and_closed(served) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/load_lora_adapter"])
+def test_a_body_sent_too_slowly_is_408_and_closed(served, path) -> None:
+    """Every route that reads a body reads it under --body-timeout (the LoRA admin ones
+    once read theirs without one)."""
     body = b'{"model": "tiny-llama", "prompt": "' + b"b" * 200 + b'"}'
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
-    )
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {ADMIN}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     (took, answer), normal = with_normal_client(served.url, lambda: dribble(served.url, head, body))
     assert took < LIMIT_S + LINGER_S + SLACK_S, took  # answered at LIMIT_S, closed LINGER_S on
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]

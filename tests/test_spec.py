@@ -17,6 +17,7 @@ from rtp_serve.core.cost_model import StepCost
 from rtp_serve.core.outputs import SampledToken
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import StructuredOutputs
+from rtp_serve.core.validation import InvalidRequestError
 from rtp_serve.engine.block_pool import BlockPool
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.llm_engine import LLMEngine
@@ -63,6 +64,24 @@ def test_ngram_reads_the_advice_first_and_in_order():
 
 
 # -- adaptive speculation length ---------------------------------------------------------
+def test_the_advice_is_a_tensor_built_once_with_the_request():
+    """The proposer searches the request's tensor (not one rebuilt from the tuple each step)."""
+    r = req([9, 10, 11], speculative_advice=(10, 11, 12, 13))
+    assert r.advice is not None and r.advice.tolist() == [10, 11, 12, 13]
+    built = r.advice
+    NgramProposer().propose([r], [2])
+    assert r.advice is built and req([1, 2]).advice is None
+
+
+def test_an_advice_longer_than_the_context_is_refused(model_dir):
+    engine = _engine(model_dir, 2)
+    context = engine.limits.max_model_len
+    long = replace(GREEDY, speculative_advice=(1,) * (context + 1))
+    with pytest.raises(InvalidRequestError) as exc:
+        engine.make_request("r", [1, 2, 3], long)
+    assert exc.value.param == "speculative_advice"
+
+
 def test_drafts_only_as_far_as_they_pay():
     assert best_k(0.9, 5, 0.0) == 5  # free rows: always all of them
     assert best_k(0.9, 5, 0.15) == 5

@@ -42,9 +42,9 @@ class NgramProposer:
     def _one(self, request: Request, k: int) -> list[int]:
         tokens = request.token_ids
         advice = request.params.speculative_advice
+        adv = request.advice  # the same ids, made a tensor once, with the request
         state = request.spec
         hay = torch.tensor(tokens[:-1])  # windows that end before the last token
-        adv = torch.tensor(advice) if advice else None
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             suffix = torch.tensor(tokens[-n:])
             if adv is not None:

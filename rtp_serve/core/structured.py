@@ -117,7 +117,10 @@ def _grammar(so: StructuredOutputs) -> str:
                 ) from None
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError("a JSON schema must be an object", _PARAM)
-            return M.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            try:
+                return M.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            except ValueError as exc:  # llguidance takes no integer past 64 bits (found by fuzzing)
+                raise InvalidRequestError(f"the JSON schema: {exc}", _PARAM) from None
         case GuideKind.JSON_OBJECT:
             return M.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         case GuideKind.REGEX:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -38,8 +39,34 @@ class Adapter:
 
 
 class Adapters:
-    def __init__(self) -> None:
+    def __init__(self, root: str | Path | None = None) -> None:
+        """`root` (--lora-root): the only directory the admin endpoint loads adapters from;
+        None: loading at run time is refused."""
         self._by_name: dict[str, Adapter] = {}
+        self.root = None if root is None else Path(root).resolve()
+
+    def under_root(self, path: str) -> str:
+        """`path` (relative to the root, or absolute) resolved, symlinks and `..` included;
+        FrontendError 403 naming lora_path if that is not inside the root, or there is none."""
+        if self.root is None:
+            raise FrontendError(
+                ErrorKind.FORBIDDEN,
+                "loading LoRA adapters at run time is disabled: the frontend needs --lora-root",
+                "lora_path",
+                "forbidden",
+            )
+        try:
+            resolved = (self.root / path).resolve()  # an absolute path replaces the root
+        except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte
+            raise invalid(f"lora_path cannot be resolved: {exc}", "lora_path") from None
+        if not resolved.is_relative_to(self.root):
+            raise FrontendError(
+                ErrorKind.FORBIDDEN,
+                "lora_path is outside the adapter root (--lora-root) once resolved",
+                "lora_path",
+                "forbidden",
+            )
+        return str(resolved)
 
     def __iter__(self):
         return iter(sorted(self._by_name.values(), key=lambda a: a.name))

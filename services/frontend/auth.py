@@ -1,18 +1,30 @@
-"""API keys for the frontend: who may use the model, and who may read its metrics.
+"""API keys for the frontend: who may use the model, how urgent a priority each may ask
+for, who may read its metrics, and who may load LoRA adapters.
 
     Authorization: Bearer <key>
 
-    path                 no key configured   API keys only     API keys + metrics key
-    /health, /ready      open                open              open
-    /metrics             open                an API key        the metrics key
-    everything else      open                an API key        an API key
+    path                       no API key          API keys
+    /health, /ready            open                open
+    /metrics                   the metrics key if one is configured, else as the API
+    /v1/load_lora_adapter,     the admin key (403 when none is configured)
+      /v1/unload_lora_adapter
+    everything else            open                an API key
 
-Keys come from `--api-key` (repeatable; without it RTP_API_KEY, or RTP_API_KEYS
-comma-separated) and `--api-key-file` (one per line; blank lines and `#` comments skipped); the metrics key from
-`--metrics-key` / RTP_METRICS_KEY. Only SHA-256 digests of the keys are kept, and a
-presented key is compared with every one of them in constant time (`hmac.compare_digest`),
-so neither the comparison's time nor a log line tells anything about a key. The gRPC
-ingress (rtp.v1.Frontend) takes the same header as `authorization` metadata.
+The metrics key and the admin key guard their own paths only: configuring one never closes
+(nor opens) the API. Keys come from `--api-key` (repeatable; without it RTP_API_KEY, or
+RTP_API_KEYS comma-separated) and `--api-key-file` (one per line; blank lines and `#`
+comments skipped); the metrics key from `--metrics-key` / RTP_METRICS_KEY; the admin key
+from `--admin-key` / RTP_ADMIN_KEY.
+
+An API key entry may carry, after whitespace, the most urgent `priority` its requests may
+ask for (lower runs first): `sk-batch priority=10`, `sk-ops priority=-5`. A key without
+one, and every client of a server without API keys, gets `--priority-floor` (default 0):
+a request asking for a priority below its floor is a 403 naming `priority`.
+
+Only SHA-256 digests of the keys are kept, and a presented key is compared with every one
+of them in constant time (`hmac.compare_digest`), so neither the comparison's time nor a log
+line tells anything about a key. The gRPC ingress (rtp.v1.Frontend) takes the same header as
+`authorization` metadata.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ready"})  # probes: they tell nothing about the model
 METRICS_PATH = "/metrics"
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+DEFAULT_PRIORITY_FLOOR = 0  # the default priority: nobody jumps the queue unless allowed
 _BEARER = "bearer "
 
 
@@ -43,37 +57,97 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _matches(digest: bytes, wanted: Iterable[bytes]) -> int:
+    """The index of `digest` in `wanted`, or -1. No early exit: every key is compared, each
+    in constant time."""
+    found = -1
+    for i, key in enumerate(wanted):
+        if hmac.compare_digest(digest, key):
+            found = i
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKeys:
     api: tuple[bytes, ...] = ()  # digests of the API keys
     metrics: bytes | None = None  # digest of the metrics key
+    admin: bytes | None = None  # digest of the admin key (LoRA endpoints)
+    floors: tuple[int, ...] = ()  # per API key: the most urgent priority it may ask for
+    default_floor: int = DEFAULT_PRIORITY_FLOOR  # keys without one, and an open API
 
     @classmethod
-    def of(cls, keys: Iterable[str], metrics_key: str | None = None) -> ApiKeys:
-        digests = tuple(dict.fromkeys(_digest(k) for k in keys if k))
-        return cls(digests, _digest(metrics_key) if metrics_key else None)
+    def of(
+        cls,
+        keys: Iterable[str | tuple[str, int | None]],
+        metrics_key: str | None = None,
+        admin_key: str | None = None,
+        default_floor: int = DEFAULT_PRIORITY_FLOOR,
+    ) -> ApiKeys:
+        """`keys`: keys, or (key, priority floor or None for the default)."""
+        by_digest: dict[bytes, int] = {}
+        for entry in keys:
+            key, floor = (entry, None) if isinstance(entry, str) else entry
+            if key:
+                by_digest[_digest(key)] = default_floor if floor is None else floor
+        return cls(
+            tuple(by_digest),
+            _digest(metrics_key) if metrics_key else None,
+            _digest(admin_key) if admin_key else None,
+            tuple(by_digest.values()),
+            default_floor,
+        )
 
     @property
     def enabled(self) -> bool:
-        return bool(self.api) or self.metrics is not None
+        """Whether the API (everything but the probes, metrics and admin paths) needs a key."""
+        return bool(self.api)
 
-    def allows(self, path: str, authorization: str | None) -> bool:
-        """May a request for `path` with this Authorization header (or metadata) go on?"""
-        if path in OPEN_PATHS or not self.enabled:
-            return True
-        if path == METRICS_PATH and self.metrics is not None:
-            wanted: tuple[bytes, ...] = (self.metrics,)
+    def refusal(self, path: str, authorization: str | None) -> FrontendError | None:
+        """Why a request for `path` with this Authorization header (or metadata) may not go
+        on (401: no or a wrong key; 403: the admin endpoints are disabled); None: it may."""
+        if path in OPEN_PATHS:
+            return None
+        if path in ADMIN_PATHS:
+            if self.admin is None:
+                return forbidden(
+                    "the LoRA admin endpoints are disabled: the frontend needs --admin-key "
+                    "(and --lora-root)"
+                )
+            wanted: tuple[bytes, ...] = (self.admin,)
+        elif path == METRICS_PATH and self.metrics is not None:
+            wanted = (self.metrics,)
+        elif not self.api:
+            return None
         else:
             wanted = self.api
         presented = bearer(authorization)
-        if presented is None:
-            return False
-        digest = _digest(presented)
-        # No early exit: every configured key is compared, each in constant time.
-        ok = False
-        for key in wanted:
-            ok |= hmac.compare_digest(digest, key)
-        return ok
+        if presented is None or _matches(_digest(presented), wanted) < 0:
+            return unauthorized()
+        return None
+
+    def allows(self, path: str, authorization: str | None) -> bool:
+        """May a request for `path` with this Authorization header (or metadata) go on?"""
+        return self.refusal(path, authorization) is None
+
+    def priority_floor(self, authorization: str | None) -> int:
+        """The most urgent priority a request with this (already admitted) header may ask."""
+        presented = bearer(authorization)
+        if not self.api or presented is None:
+            return self.default_floor
+        i = _matches(_digest(presented), self.api)
+        return self.default_floor if i < 0 else self.floors[i]
+
+    def check_priority(self, priority: int, authorization: str | None) -> None:
+        """403 naming `priority` when it is more urgent (lower) than the key may ask for."""
+        floor = self.priority_floor(authorization)
+        if priority < floor:
+            raise FrontendError(
+                ErrorKind.FORBIDDEN,
+                f"priority {priority} is more urgent than this key may ask for (the lowest "
+                f"allowed is {floor}; lower runs first)",
+                "priority",
+                "priority_not_allowed",
+            )
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -91,15 +165,22 @@ def unauthorized() -> FrontendError:
     )
 
 
+def forbidden(message: str, param: str | None = None) -> FrontendError:
+    return FrontendError(ErrorKind.FORBIDDEN, message, param, "forbidden")
+
+
 def middleware(keys: ApiKeys) -> Any:
-    """aiohttp middleware: 401 with an OpenAI error body unless `keys` allow the request."""
+    """aiohttp middleware: 401 (403) with an OpenAI error body unless `keys` allow the
+    request."""
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
-        if keys.allows(request.path, request.headers.get("Authorization")):
+        exc = keys.refusal(request.path, request.headers.get("Authorization"))
+        if exc is None:
             return await handler(request)
-        exc = unauthorized()
-        headers = {"WWW-Authenticate": 'Bearer realm="rtp-serve"'}
+        headers = None
+        if exc.kind == ErrorKind.UNAUTHORIZED:
+            headers = {"WWW-Authenticate": 'Bearer realm="rtp-serve"'}
         return web.json_response(exc.body(), status=exc.kind.http_status, headers=headers)
 
     return authenticate
@@ -124,23 +205,58 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-key",
         default=env("metrics_key"),
-        help="the key GET /metrics needs (default: any API key; open if there is none)",
+        help="the key GET /metrics needs (default: as the API: any API key, open if there "
+        "is none); it guards /metrics only",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=env("admin_key"),
+        help="the key the LoRA admin endpoints (/v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter) need; without it they are refused (403)",
+    )
+    p.add_argument(
+        "--priority-floor",
+        type=int,
+        default=int(env("priority_floor", str(DEFAULT_PRIORITY_FLOOR))),
+        help="the most urgent `priority` a request may ask for (lower runs first) unless its "
+        "API key carries its own (KEY priority=N); below it: 403",
     )
 
 
 def from_args(args: argparse.Namespace) -> ApiKeys:
-    keys = list(args.api_key or [])
-    if not keys:  # the environment is the flags' default, as for every flag
+    entries = list(args.api_key or [])
+    if not entries:  # the environment is the flags' default, as for every flag
         # Read directly: RTP_API_KEY_FILE names --api-key-file, not a file holding one key.
-        keys = [os.environ.get("RTP_API_KEY", ""), *os.environ.get("RTP_API_KEYS", "").split(",")]
+        entries = [
+            os.environ.get("RTP_API_KEY", ""),
+            *os.environ.get("RTP_API_KEYS", "").split(","),
+        ]
     if args.api_key_file:
-        keys += read_key_file(Path(args.api_key_file))
-    api_keys = ApiKeys.of((k.strip() for k in keys), args.metrics_key)
+        entries += read_key_file(Path(args.api_key_file))
+    keys = [parse_key(e) for e in entries if e.strip()]
+    api_keys = ApiKeys.of(keys, args.metrics_key, args.admin_key, args.priority_floor)
     if not api_keys.api:
         log.warning("no API key configured: anyone who reaches the frontend may use the model")
     else:
         log.info("API keys required: %d configured", len(api_keys.api))
     return api_keys
+
+
+def parse_key(entry: str) -> tuple[str, int | None]:
+    """`KEY` or `KEY priority=N` -> (key, floor or None); ValueError for anything else, so a
+    mistyped attribute stops the frontend at start rather than being taken as part of a key."""
+    key, *attrs = entry.split()
+    floor = None
+    for attr in attrs:
+        name, _, value = attr.partition("=")
+        if name != "priority":
+            # (the text is not echoed: it may be part of a key)
+            raise ValueError("an API key entry may carry only priority=N after the key")
+        try:
+            floor = int(value)
+        except ValueError:
+            raise ValueError("an API key entry's priority=N must be an integer") from None
+    return key, floor
 
 
 def read_key_file(path: Path) -> list[str]:

@@ -12,6 +12,8 @@ class ErrorKind(enum.Enum):
     # (HTTP status, OpenAI error type, gRPC status)
     INVALID = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     UNAUTHORIZED = (401, "invalid_request_error", grpc.StatusCode.UNAUTHENTICATED)
+    # A valid key that may not do this: a priority above its allowance, an admin endpoint.
+    FORBIDDEN = (403, "permission_error", grpc.StatusCode.PERMISSION_DENIED)
     NOT_FOUND = (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)
     # At odds with the server's state: an adapter in use, a request id (X-Request-Id) that a
     # request still in flight carries.

@@ -55,16 +55,19 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 GENERATOR = web.AppKey("generator", Generator)
+KEYS = web.AppKey("keys", ApiKeys)
 _STARTED = int(time.time())
 
 
 def build_app(generator: Generator, keys: ApiKeys | None = None) -> web.Application:
     """The app; with `keys`, requests without a valid API key get a 401 (see auth.py)."""
-    middlewares = [frontend_metrics.http_middleware(), auth.middleware(keys or ApiKeys())]
+    keys = keys or ApiKeys()
+    middlewares = [frontend_metrics.http_middleware(), auth.middleware(keys)]
     middlewares += [_traced, _errors]
     max_body = generator.limits.max_body_bytes
     app = web.Application(middlewares=middlewares, client_max_size=max_body)
     app[GENERATOR] = generator
+    app[KEYS] = keys
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -164,16 +167,17 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _load_lora(request: web.Request) -> web.Response:
     gen = request.app[GENERATOR]
-    req = parse(LoadLoraAdapterRequest, parse_json(await request.read()))
+    req = parse(LoadLoraAdapterRequest, parse_json(await read_body(request)))
     if req.lora_name == gen.model.served_name:
         raise invalid(f"`{req.lora_name}` is the base model's name", "lora_name")
-    await load_adapter(gen.adapters, gen.router, req.lora_name, req.lora_path)
+    path = gen.adapters.under_root(req.lora_path)  # 403 outside --lora-root, or without one
+    await load_adapter(gen.adapters, gen.router, req.lora_name, path)
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
 async def _unload_lora(request: web.Request) -> web.Response:
     gen = request.app[GENERATOR]
-    req = parse(UnloadLoraAdapterRequest, parse_json(await request.read()))
+    req = parse(UnloadLoraAdapterRequest, parse_json(await read_body(request)))
     await unload_adapter(gen.adapters, gen.router, req.lora_name)
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
@@ -208,6 +212,7 @@ async def _generate(
     """Both generation endpoints: validate, tokenize, fan out `n`, route, respond."""
     gen = request.app[GENERATOR]
     req = parse(kind, parse_json(await read_body(request)))
+    request.app[KEYS].check_priority(req.priority, request.headers.get("Authorization"))
     lora = gen.resolve_model(req.model)
     client_id = _client_request_id(request)
     with gen.admission.admit(client_id), gen.client_streams.admit(client_identity(request)):
@@ -215,6 +220,7 @@ async def _generate(
             ids = _prompt_ids(gen, req)
         opts = replace(req.options, lora=lora)
         if req.speculative_advice:
+            _check_advice_chars(req.speculative_advice, gen.model.context_len)
             advice = gen.tokenizer.encode(req.speculative_advice, add_special_tokens=False)
             opts = replace(opts, speculative_advice=tuple(advice))
         builder = ResponseBuilder(
@@ -239,6 +245,17 @@ async def _generate(
             choices = [Choice(text=echo) for _ in inputs]
         return await _respond(
             request, gen, builder, inputs, choices, req.stream, req.include_usage, opts.n
+        )
+
+
+def _check_advice_chars(advice: str, context_len: int) -> None:
+    """Refuse, before tokenizing it on the event loop, an advice longer than the context in
+    characters: a worker searches it every step, and past the context it cannot help."""
+    if len(advice) > context_len:
+        raise invalid(
+            f"speculative_advice has {len(advice)} characters; at most {context_len} (the "
+            "model's context length) are allowed",
+            "speculative_advice",
         )
 
 

@@ -130,13 +130,14 @@ def prepare(
     if opts.seed is not None and not _INT64[0] <= opts.seed <= _INT64[1] - candidates:
         raise invalid(f"seed must be a 64-bit integer, got {opts.seed}", "seed")
     try:
+        # Before SamplingParams scans it: an advice longer than the context is refused by length.
+        check_speculative_advice(opts.speculative_advice, vocab, limit)
         sampling = {f: getattr(opts, f) for f in _SAMPLING_FIELDS} | {"max_tokens": max_tokens}
         if candidates > opts.n and opts.logprobs is None:
             sampling["logprobs"] = 0  # the candidates are ranked by their tokens' logprobs
         params = SamplingParams(**sampling)
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_logit_bias(params.logit_bias, vocab)
-        check_speculative_advice(params.speculative_advice, vocab)
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param) from None
     if opts.timeout is not None and not opts.timeout > 0:

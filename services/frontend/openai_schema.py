@@ -34,6 +34,7 @@ from rtp_serve.services.frontend.tool_calls import ToolCallParser
 from rtp_serve.services.frontend.tool_calls import grammar as tool_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOKEN_ID_DIGITS = 10  # a token id is a uint32 on the wire
 
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 # What the wire (int32 protobuf fields) can carry: larger is a 400 naming the field.
@@ -249,8 +250,10 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            # ASCII digits only ("²".isdigit() is true, and int() refuses it), and few enough
+            # that int() takes them; the vocabulary bound is checked in inputs.prepare.
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
