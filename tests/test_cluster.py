@@ -20,6 +20,8 @@ from rtp_serve.engine import LLM, SamplingParams
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import (
     cache_pb2_grpc,
+    frontend_pb2,
+    frontend_pb2_grpc,
     master_pb2,
     master_pb2_grpc,
     nameservice_pb2,
@@ -178,6 +180,36 @@ ERRORS = [
     ({"max_tokens": 5}, 400, "prompt"),
     ({"prompt": [10**7], "max_tokens": 5}, 400, "prompt"),
 ]
+
+
+def test_grpc_ingress_carries_logprobs_as_http_does(cluster):
+    """Frontend.Generate with params.logprobs: each token's logprob and its top-n, the same
+    numbers the HTTP API returns for the same greedy request."""
+    prompt, top_n = PROMPTS[2], 2
+    body = {"model": _model_id(cluster), "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "logprobs": top_n}  # fmt: skip
+    reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    http = reply.json()["choices"][0]["logprobs"]
+    (frontend,) = cluster.members(nameservice_pb2.ROLE_FRONTEND)
+    request = frontend_pb2.FrontendGenerateRequest(text=prompt)
+    request.params.max_tokens, request.params.logprobs = MAX_TOKENS, top_n
+
+    async def generate() -> list[frontend_pb2.FrontendGenerateResponse]:
+        async with grpc_util.channel(frontend.address) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            return [m async for m in stub.Generate(request, timeout=60)]
+
+    out = asyncio.run(generate())
+    logprobs = [lp for m in out for lp in m.logprobs]
+    assert [lp.token_id for lp in logprobs] == [t for m in out for t in m.token_ids]
+    assert len(logprobs) == len(http["token_logprobs"]) > 0
+    assert [lp.logprob for lp in logprobs] == pytest.approx(http["token_logprobs"], abs=1e-5)
+    for lp, alternatives in zip(logprobs, http["top_logprobs"], strict=True):
+        assert len(lp.top) == top_n
+        # Two alternatives may share a text (one key in HTTP's dict): each value is one of ours.
+        for value in alternatives.values():
+            assert any(value == pytest.approx(t.logprob, abs=1e-5) for t in lp.top)
 
 
 def test_error_table(cluster):

@@ -557,6 +557,29 @@ def test_k8s_services_select_their_deployment() -> None:
 
 
 # -- the compose topology as local processes ----------------------------------------------------
+# -- the secure overlays ------------------------------------------------------------------------
+def test_secure_overlays_give_the_nats_token_to_exactly_the_services_on_nats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compose.secure.yaml and deploy/k8s/secure/: a service whose plain command connects to
+    NATS (a --nats-url it parses) gets the token, and no other does (the frontend: none)."""
+    secure = yaml.safe_load((ROOT / "compose.secure.yaml").read_text())["services"]
+    for name in _ours():
+        service = _services()[name]
+        args = _parse_cli(_argv(service), _environment(service), monkeypatch)
+        on_nats = getattr(args, "nats_url", None) is not None
+        overlay = secure.get(name, {}).get("environment", {})
+        assert on_nats == ("RTP_NATS_TOKEN_FILE" in overlay), name
+    for name, container in _pod_containers():
+        if container["name"] != name:  # an init container (make-model)
+            continue
+        args = _k8s_args(container, monkeypatch)
+        on_nats = getattr(args, "nats_url", None) is not None
+        patch = yaml.safe_load((K8S_DIR / "secure" / f"patch-{name}.yaml").read_text())
+        [patched] = patch["spec"]["template"]["spec"]["containers"]
+        assert on_nats == ("RTP_NATS_TOKEN" in {v["name"] for v in patched["env"]}), name
+
+
 # Containers each have a network namespace, so compose gives every service the same ports and
 # names them by service; local processes share one. This table turns one into the other.
 PORT_VARS = ("RTP_PORT", "RTP_GRPC_PORT", "RTP_METRICS_PORT")

@@ -310,6 +310,17 @@ def test_frontend_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.parametrize("flag", ["--nats-url=nats://127.0.0.1:4222", "--nats-token=t"])
+def test_the_frontend_takes_no_nats_flags(flag: str) -> None:
+    """It never connects to NATS, so it accepts no flag that would say it does."""
+    from rtp_serve.services.cli import build_parser
+
+    argv = ["frontend", "--model", "m", "--nameservice", "127.0.0.1:1"]
+    assert build_parser(argv).parse_args(argv).nameservice == "127.0.0.1:1"
+    with pytest.raises(SystemExit):
+        build_parser([*argv, flag]).parse_args([*argv, flag])
+
+
 def test_serve_starts_logs_its_url_and_stops_on_sigterm(tiny) -> None:
     argv = [sys.executable, "-m", "rtp_serve.services.cli", "frontend", "--model", str(tiny)]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)

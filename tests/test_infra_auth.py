@@ -5,6 +5,7 @@ secret never shows on the server's command line."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import nats as nats_py
@@ -27,7 +28,7 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
-def test_nats_with_a_token_refuses_a_client_without_it(tmp_path):
+def test_nats_with_a_token_refuses_a_client_without_it(tmp_path, caplog):
     async def refused(url: str, **auth: str) -> None:
         nc = nats_py.NATS()
         with pytest.raises((NoServersError, nats_py.errors.Error, OSError)):
@@ -54,6 +55,13 @@ def test_nats_with_a_token_refuses_a_client_without_it(tmp_path):
         without = await Bus.connect(url, "without")  # degrades (never connects), never raises
         assert not without.connected
         await without.close()
+        # ...but says why, as an error: a missing token is no outage that retrying ends.
+        errors = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.ERROR and r.name == "rtp_serve.services.common.bus"
+        ]
+        assert errors and "without" in errors[0] and "--nats-token" in errors[0], caplog.text
 
     with nats(tmp_path, token=TOKEN) as proc:
         assert TOKEN not in _cmdline(proc.pid)

@@ -33,6 +33,8 @@ from rtp_serve.services.common.pb import (
     cache_pb2_grpc,
     frontend_pb2,
     frontend_pb2_grpc,
+    master_pb2,
+    master_pb2_grpc,
     nameservice_pb2,
     nameservice_pb2_grpc,
     worker_pb2,
@@ -207,6 +209,52 @@ def test_nats_and_redis_need_their_secrets(cluster):
     for pid in cluster.pids():
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         assert not [s for s in SECRETS if s.encode() in cmdline], pid
+
+
+def test_each_service_gets_the_secrets_it_uses_by_environment(cluster):
+    """docs/deployment/security.md's table, read from each process's own environment."""
+    uses = {
+        "nameservice": {"RTP_NATS_TOKEN"},
+        "master": {"RTP_NATS_TOKEN"},
+        "cache": {"RTP_NATS_TOKEN", "RTP_REDIS_PASSWORD"},
+        "fused": {"RTP_NATS_TOKEN", "RTP_KV_INTEGRITY_KEY"},
+        "frontend": {"RTP_API_KEYS", "RTP_METRICS_KEY"},
+    }
+    secret_vars = set().union(*uses.values())
+    for entry in cluster.info["pids"]:
+        if entry["name"] not in uses:  # NATS and Redis read theirs from a config file
+            continue
+        environ = Path(f"/proc/{entry['pid']}/environ").read_bytes().split(b"\0")
+        names = {kv.split(b"=", 1)[0].decode() for kv in environ if b"=" in kv}
+        assert names & secret_vars == uses[entry["name"]], entry["name"]
+
+
+# -- the cache instance on the authenticated bus -------------------------------------------
+def test_the_masters_index_follows_the_cache_over_the_token_bus(cluster, member):
+    """The cache's memory (T2) reaches the master's prefix index by KV events on NATS, which
+    needs the token: without it the index keeps the cache's part from when it joined."""
+    (master,) = _members(cluster, member, nameservice_pb2.ROLE_MASTER)
+    (cache,) = _members(cluster, member, nameservice_pb2.ROLE_CACHE)
+    body = {"prompt": "a prompt long enough to fill several KV blocks, " * 6, "max_tokens": 2}
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        auth = {"Authorization": f"Bearer {API_KEYS[0]}"}
+        body["model"] = http.get("/v1/models", headers=auth).json()["data"][0]["id"]
+        assert http.post("/v1/completions", json=body, headers=auth).status_code == 200
+
+    async def state() -> tuple[set[bytes], set[bytes]]:
+        async with grpc_util.channel(master.address, member) as ch:
+            index = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest(), timeout=5)
+        async with grpc_util.channel(cache.address, member) as ch:
+            snap = await cache_pb2_grpc.CacheStub(ch).Snapshot(
+                worker_pb2.KVSnapshotRequest(), timeout=5
+            )
+        parts = {w.worker_id: set(w.block_hashes) for w in index.workers}
+        return parts.get(cache.id, set()), set(snap.block_hashes)
+
+    deadline = time.monotonic() + 20  # the worker writes back, the cache publishes: async
+    while (got := run_sync(state()))[0] != got[1] or not got[1]:
+        assert time.monotonic() < deadline, f"index {len(got[0])} != cache {len(got[1])} keys"
+        time.sleep(0.1)
 
 
 # -- a poisoned cache block ----------------------------------------------------------------

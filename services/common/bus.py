@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import AuthorizationError
 
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.flags import redact
@@ -205,7 +206,17 @@ class Bus:
         self._first_failure.set()
         if not self._outage_logged and not self._closing:
             self._outage_logged = True
-            log.warning("NATS error for %s: %r (retrying)", self._name, e)
+            if _refused_credentials(e):
+                # Not an outage: retrying never helps until the configuration changes, and
+                # meanwhile every event this service publishes or awaits is lost.
+                log.error(
+                    "NATS refused %s's credentials (%r): cluster events are off until it is "
+                    "given the right --nats-token (RTP_NATS_TOKEN)",
+                    self._name,
+                    e,
+                )
+            else:
+                log.warning("NATS error for %s: %r (retrying)", self._name, e)
 
     async def _on_disconnected(self) -> None:
         if not self._closing:
@@ -221,3 +232,9 @@ class Bus:
                 await callback()
             except Exception:
                 log.exception("reconnect callback of %s failed", self._name)
+
+
+def _refused_credentials(e: Exception) -> bool:
+    """The server refused the token (or user:password): nats-py raises AuthorizationError
+    once connected, a plain Error naming it during the first connect."""
+    return isinstance(e, AuthorizationError) or "authorization violation" in str(e).lower()

@@ -86,6 +86,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 else:
                     raise invalid("prompt is required (text or token_ids)", "prompt")
                 opts = options_from_pb(request, _deadline(context))
+                self.keys.check_priority(opts.priority, metadata.get("authorization"))
                 if request.model:
                     opts = replace(opts, lora=gen.resolve_model(request.model))
                 (inp,) = prepare(gen.model, gen.limits, request_id, ids, opts, DEFAULT_MAX_TOKENS)
@@ -95,6 +96,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                         yield frontend_pb2.FrontendGenerateResponse(
                             text=delta.text,
                             token_ids=delta.token_ids,
+                            logprobs=delta.logprobs,  # empty unless params.logprobs was set
                             finished=delta.finish_reason is not None,
                             finish_reason=delta.finish_reason or "",
                             prompt_tokens=delta.prompt_tokens,

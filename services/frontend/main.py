@@ -41,7 +41,7 @@ GRPC_SERVICE = "rtp.v1.Frontend"
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
-    add_common_flags(p)  # --port is the HTTP port
+    add_common_flags(p, nats=False)  # --port is the HTTP port; no NATS: it never uses it
     auth.add_auth_flags(p)
     add_drain_flag(p, "the streams in flight")
     p.add_argument("--grpc-port", type=int, default=int(env("grpc_port", "0")))
@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "time to first token term by term, and the actual one with the worker's queue and prefill",
     )
     add_lora_flags(p, max_loras=False)  # the workers' --lora: served as models, hashed alike
+    p.add_argument(
+        "--lora-root",
+        default=env("lora_root"),
+        metavar="DIR",
+        help="the directory POST /v1/load_lora_adapter may load adapters from (a path that "
+        "resolves outside it is refused); without it, loading at run time is refused (403)",
+    )
     add_limit_flags(p)
 
 
@@ -99,7 +106,7 @@ async def serve(args: argparse.Namespace) -> None:
     if names is None:
         log.warning("no --nameservice: the workers' block size and cache salt stay unknown, "
                     "so requests are routed without their prefix's block hashes")  # fmt: skip
-    adapters = Adapters()
+    adapters = Adapters(args.lora_root)
     adapters.load_flags(args.loras)
     limits = Limits.from_args(args)
     generator = Generator(

@@ -221,9 +221,9 @@ class Cluster:
 
 
 def _child(argv: list[str], secrets: ClusterSecrets) -> subprocess.Popen:
-    """A service process from its argv ([python, -m, rtp_serve.services.cli, SERVICE, ...]), with the
-    secrets SERVICE uses in its environment (a restart gets them again)."""
-    env = {**os.environ, **secrets.env(argv[3])}
+    """A service process from its argv ([*CLI, SERVICE, ...]), with the secrets SERVICE uses
+    in its environment (a restart gets them again)."""
+    env = {**os.environ, **secrets.env(argv[len(CLI)])}
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
 
 
@@ -323,7 +323,8 @@ def _start(cluster: Cluster, model: str) -> str:
     port = args.port or servers.free_port()
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     keys += ["--log-requests"] if args.log_requests else []
-    cluster.spawn("frontend", *common, *drain, "--model", model, *keys, *loras,
+    # The frontend is on no NATS: membership comes from the nameservice, routes from the master.
+    cluster.spawn("frontend", "--nameservice", nameservice, *drain, "--model", model, *keys, *loras,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]

@@ -3,7 +3,7 @@
     service       gets
     nameservice   NATS token, TLS
     master        NATS token, TLS
-    cache         Redis password, TLS
+    cache         NATS token (its index feed), Redis password, TLS
     workers       NATS token, KV integrity key, TLS
     frontend      API keys, metrics key, TLS
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rtp_serve.services.launcher.certs import CertFiles
 
 WORKERS = ("prefill", "decode", "fused")
-_NATS = ("nameservice", "master", *WORKERS)
+_NATS = ("nameservice", "master", "cache", *WORKERS)  # every service on the bus
 
 
 @dataclass(frozen=True, slots=True)

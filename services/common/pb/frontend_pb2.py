@@ -26,7 +26,7 @@ from rtp_serve.services.common.pb import common_pb2 as common__pb2
 from rtp_serve.services.common.pb import worker_pb2 as worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x66rontend.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\x1a\x0cworker.proto\"\xf3\x01\n\x17\x46rontendGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x10.rtp.v1.TokenIdsH\x00\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.rtp.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12,\n\nstructured\x18\x07 \x01(\x0b\x32\x18.rtp.v1.StructuredOutput\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xad\x01\n\x18\x46rontendGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r2[\n\x08\x46rontend\x12O\n\x08Generate\x12\x1f.rtp.v1.FrontendGenerateRequest\x1a .rtp.v1.FrontendGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x66rontend.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\x1a\x0cworker.proto\"\xf3\x01\n\x17\x46rontendGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x10.rtp.v1.TokenIdsH\x00\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.rtp.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12,\n\nstructured\x18\x07 \x01(\x0b\x32\x18.rtp.v1.StructuredOutput\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd5\x01\n\x18\x46rontendGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12&\n\x08logprobs\x18\x08 \x03(\x0b\x32\x14.rtp.v1.TokenLogprob2[\n\x08\x46rontend\x12O\n\x08Generate\x12\x1f.rtp.v1.FrontendGenerateRequest\x1a .rtp.v1.FrontendGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=300
   _globals['_TOKENIDS']._serialized_end=323
   _globals['_FRONTENDGENERATERESPONSE']._serialized_start=326
-  _globals['_FRONTENDGENERATERESPONSE']._serialized_end=499
-  _globals['_FRONTEND']._serialized_start=501
-  _globals['_FRONTEND']._serialized_end=592
+  _globals['_FRONTENDGENERATERESPONSE']._serialized_end=539
+  _globals['_FRONTEND']._serialized_start=541
+  _globals['_FRONTEND']._serialized_end=632
 # @@protoc_insertion_point(module_scope)
