@@ -12,7 +12,12 @@
    the measured bandwidth); prefill tokens/s against the prefill roofline (2 FLOPs per
    weight per token at the measured peak).
 
-Prints one table. Rows that could not run say why (`n/a: ...`) instead of failing the run.
+5. bf16 parity between attention backends: greedy tokens of each installed backend
+   (flash-attn, FlashInfer, Triton) equal the torch reference backend's, on the same engine.
+
+Prints one table. Rows that could not run for want of a package say why (`n/a: ...`); a
+parity mismatch (`DIFFERS`) or a stage that raised (`FAILED: ...`, section `error`) makes
+the exit status 1, after the whole table is printed.
 """
 
 from __future__ import annotations
@@ -125,6 +130,47 @@ def parity(model_dir: Path, n_tokens: int = 24) -> str:
             first = next(j for j, (a, b) in enumerate(zip(ours[i], theirs, strict=False)) if a != b)
             return f"DIFFERS (prompt {i}, token {first}; {backend})"
     return f"ok ({backend})"
+
+
+def backend_parity(model_dir: Path, backend: str, n_tokens: int = 8) -> str:
+    """'ok' if `backend`'s greedy tokens in bf16 equal the torch reference backend's (same
+    engine, weights and cache; CUDA graphs off, as they would replay the first backend)."""
+    from rtp_serve.core.model_config import ModelConfig
+    from rtp_serve.engine import LLM, SamplingParams
+    from rtp_serve.kernels import backends
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(40, 77)), [9] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+    block_size = backends.FLASH_ATTN_PAGE if backend == "flash-attn" else 16
+    scale = ModelConfig.from_dir(model_dir).head_dim ** -0.5
+    device = torch.device("cuda")
+    tokens = {}
+    for name in ("torch", backend):
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", block_size=block_size,
+                  cuda_graph_sizes=(), enable_prefix_caching=False)  # fmt: skip
+        llm.engine.runner.model.attention = backends.build(
+            backends.BackendChoice(name), scale, device
+        )
+        tokens[name] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+        del llm
+    for i, (ref, got) in enumerate(zip(tokens["torch"], tokens[backend], strict=True)):
+        if ref != got:
+            first = next(j for j, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b)
+            return f"DIFFERS (prompt {i}, token {first})"
+    return "ok"
+
+
+def available_backends() -> list[str]:
+    """The CUDA attention backends whose package imports here."""
+    from rtp_serve.kernels.backends import importable
+
+    packages = {"flash-attn": "flash_attn", "flashinfer": "flashinfer", "triton": "triton"}
+    return [name for name, module in packages.items() if importable(module)]
+
+
+def failures(rows: list[Row]) -> list[Row]:
+    """Rows that fail the check: a parity mismatch, or a stage that raised."""
+    return [r for r in rows if r.section == "error" or r.value.startswith(("DIFFERS", "FAILED"))]
 
 
 def kernel_rows() -> list[Row]:
@@ -265,7 +311,7 @@ def real_model(arg: str | None) -> Path | None:
         return None
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--real-model", help="a HF-format checkpoint directory")
     ap.add_argument("--quick", action="store_true", help="fewer decode tokens per timing")
@@ -294,26 +340,44 @@ def main() -> None:
             rows.append(Row("parity", "real model", "n/a: none here (--real-model)", "ok"))
         else:
             rows.append(Row("parity", real.name, _try(lambda: parity(real)), "ok"))
+        for backend in available_backends():
+            rows.append(Row("parity bf16", f"tiny-llama {backend}",
+                            _try(lambda b=backend: backend_parity(dirs["tiny-llama"], b)),
+                            "= torch backend"))  # fmt: skip
         rows += _try_rows(kernel_rows)
         rows += _try_rows(lambda: speed_rows("llama-100m", dirs["llama-100m"], machine, args.quick))
         if real is not None:
             rows += _try_rows(lambda: speed_rows(real.name, real, machine, args.quick))
     print(format_table(rows))
+    return exit_status(rows)
+
+
+def exit_status(rows: list[Row]) -> int:
+    """1 (after naming them) if any row failed, else 0."""
+    failed = failures(rows)
+    for r in failed:
+        print(f"gpu_check: FAILED {r.section} {r.what}: {r.value}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _try(fn: Callable[[], str]) -> str:
     try:
         return fn()
-    except Exception as exc:
+    except ImportError as exc:  # a package this machine lacks: not the code's failure
         return f"n/a: {type(exc).__name__}: {exc}"[:120]
+    except Exception as exc:
+        return f"FAILED: {type(exc).__name__}: {exc}"[:120]
 
 
 def _try_rows(fn: Callable[[], list[Row]]) -> list[Row]:
+    name = getattr(fn, "__name__", "rows")
     try:
         return fn()
+    except ImportError as exc:
+        return [Row("n/a", name, f"{type(exc).__name__}: {exc}"[:120])]
     except Exception as exc:
-        return [Row("error", getattr(fn, "__name__", "rows"), f"{type(exc).__name__}: {exc}"[:120])]
+        return [Row("error", name, f"{type(exc).__name__}: {exc}"[:120])]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,8 @@
 # 3. runs bench/gpu_check.py: greedy parity with HF on CUDA, kernel timings against the
 #    torch reference, decode (batch 1/16/128, eager and CUDA graphs) and prefill tokens/s
 #    against rooflines measured in the same run; one table.
-# Each stage has its own time limit, so the whole stays under 8 minutes.
+# Each stage has its own time limit, so the whole stays under 8 minutes. Both stages always
+# run; a failed (or timed-out) test, or a parity mismatch, makes the exit status non-zero.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -36,9 +37,12 @@ PY
 echo "== kernel tests on CUDA"
 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider \
   tests/test_triton_kernels.py tests/test_backends.py tests/test_cuda_graphs.py 2>&1 | tail -15
+tests_status=${PIPESTATUS[0]}  # pytest's (or timeout's), not tail's
+[ "$tests_status" -ne 0 ] && echo "gpu_check: kernel tests FAILED (status $tests_status)"
 
 echo "== parity, kernel timings, decode and prefill speed"
 timeout $((470 - (SECONDS - started))) "$PYTHON" bench/gpu_check.py "$@"
-status=$?
+check_status=$?
+[ "$check_status" -ne 0 ] && echo "gpu_check: bench/gpu_check.py FAILED (status $check_status)"
 echo "gpu_check: $((SECONDS - started)) s"
-exit $status
+[ "$tests_status" -eq 0 ] && [ "$check_status" -eq 0 ]

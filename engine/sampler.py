@@ -12,6 +12,10 @@ tokens its grammar allows next: the runner starts the masks of all such rows bef
 forward pass (engine/grammar_masks.py, on a worker thread) and every other token's logit
 gets -inf here, before greedy or random choice. Unconstrained rows in the same batch are
 not touched.
+
+The step's choice reaches the host in one device-to-host copy for all rows (argmaxes and
+the random rows' probabilities together), and its logprobs, where any row asks, in one
+more: never a copy per row, each of which would wait for the device on a GPU.
 """
 
 from __future__ import annotations
@@ -48,16 +52,25 @@ class Sampler:
         processed = process_logits(logits, requests)  # bias and penalties
         early = self._mask_early_stops(processed, requests)
         masked = self._mask_guided(early, requests, masks)
-        greedy = masked.argmax(dim=-1).tolist()
-        out = []
-        for i, request in enumerate(requests):
-            params = request.params
-            token = greedy[i] if params.greedy else self._sample_row(masked[i], request)
-            lp = None
-            if params.logprobs is not None:
-                lp = _logprobs(raw[i], token, params.logprobs)
-            out.append(SampledToken(token, lp))
-        return out
+        tokens = self._choose(masked, requests)
+        logprobs = _logprobs(raw, tokens, requests)
+        return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+
+    def _choose(self, masked: torch.Tensor, requests: list[Request | DraftRow]) -> list[int]:
+        """Every row's token: argmax, or a draw from its probabilities on the CPU."""
+        n, vocab = masked.shape
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        probs = [self._probs_row(masked[i], requests[i]) for i in random_rows]
+        # float64 holds the token ids exactly and every float32/bf16 probability losslessly.
+        parts = [masked.argmax(dim=-1).double(), *(p.double() for p in probs)]
+        host = to_host(torch.cat(parts))
+        tokens = [int(t) for t in host[:n].long().tolist()]
+        for j, i in enumerate(random_rows):
+            row = host[n + j * vocab : n + (j + 1) * vocab].to(probs[j].dtype)
+            request = requests[i]
+            assert request.sample_seed is not None
+            tokens[i] = draw(row, request.sample_seed, len(request.token_ids))
+        return tokens
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Forbid EOS and stop tokens until a request has produced min_tokens."""
@@ -90,7 +103,8 @@ class Sampler:
             return logits + biases
         return logits.index_add(0, torch.tensor(rows, device=logits.device), biases)
 
-    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
+    def _probs_row(self, row: torch.Tensor, request: Request) -> torch.Tensor:
+        """The row's sampling distribution (temperature, top-k, top-p), on its device."""
         params = request.params
         x = row / params.temperature
         if params.top_k > 0 and params.top_k < x.shape[-1]:
@@ -103,15 +117,37 @@ class Sampler:
             drop = (probs.cumsum(-1) - probs) >= params.top_p
             drop[0] = False
             x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        probs = x.softmax(-1).cpu()  # the noise is drawn on the CPU
-        assert request.sample_seed is not None
-        return draw(probs, request.sample_seed, len(request.token_ids))
+        return x.softmax(-1)  # the noise is drawn on the CPU (_choose)
 
 
-def _logprobs(row: torch.Tensor, token: int, n: int) -> TokenLogprobs:
-    lp = row.log_softmax(-1)
-    top: dict[int, float] = {}
-    if n:
-        values, ids = torch.topk(lp, n)
-        top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprobs(token_id=token, logprob=float(lp[token]), top=top)
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """The sampler's one way to the host: a copy that waits for the device."""
+    return t.cpu()
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], requests: list[Request | DraftRow]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the rows that ask for them (chosen token and top n of the raw model
+    distribution), computed on the device and read back in one copy."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(requests)
+    if not rows:
+        return out
+    parts = []
+    for i in rows:
+        lp = raw[i].log_softmax(-1)
+        parts.append(lp[tokens[i] : tokens[i] + 1])
+        n = requests[i].params.logprobs
+        if n:
+            values, ids = torch.topk(lp, n)
+            parts += [values, ids]
+    host = iter(to_host(torch.cat([p.double() for p in parts])).tolist())
+    for i in rows:
+        chosen = next(host)
+        n = requests[i].params.logprobs or 0
+        values = [next(host) for _ in range(n)]
+        ids = [int(next(host)) for _ in range(n)]
+        top = dict(zip(ids, values, strict=True))
+        out[i] = TokenLogprobs(token_id=tokens[i], logprob=chosen, top=top)
+    return out

@@ -94,3 +94,98 @@ def test_step_sequences_for_the_library_backends():
     assert seqs.k_lens.tolist() == [2, 7, 12]
     assert seqs.block_tables.tolist() == [[3, 0, 0], [5, 6, 0], [1, 2, 4]]
     assert seqs.block_tables.dtype == torch.int32
+
+
+def _mixed_meta(device: torch.device, block_size: int = 4) -> AttentionMetadata:
+    """Two decodes (2 and 7 keys) and a chunk of 7 after 5 cached, in blocks of 4."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(9, dtype=torch.int64, device=device),
+        block_size=block_size,
+        num_decodes=2,
+        decode_block_tables=torch.tensor([[3, 0], [5, 6]], device=device),
+        decode_seq_lens=torch.tensor([2, 7], device=device),
+        prefills=[PrefillChunk(2, 7, 5, torch.tensor([1, 2, 4], device=device))],
+    )
+
+
+def test_flash_attn_tables_of_a_step():
+    """What flash_attn_varlen_func is given, built in plain torch (so on CPU here)."""
+    from rtp_serve.kernels.flash_attn import FlashTables
+
+    t = FlashTables.of(_mixed_meta(torch.device("cpu")), torch.device("cpu"))
+    assert t.cu_seqlens_q.tolist() == [0, 1, 2, 9]
+    assert t.cu_seqlens_k.tolist() == [0, 2, 9, 21]
+    assert (t.max_seqlen_q, t.max_seqlen_k) == (7, 12)
+    assert type(t.max_seqlen_q) is int and type(t.max_seqlen_k) is int
+    assert t.block_table.tolist() == [[3, 0, 0], [5, 6, 0], [1, 2, 4]]
+    assert t.cu_seqlens_k.dtype == t.block_table.dtype == torch.int32
+
+
+def test_flash_attn_builds_a_steps_tables_once_for_all_layers():
+    from rtp_serve.kernels.flash_attn import StepTables
+
+    tables, cpu = StepTables(), torch.device("cpu")
+    step = _mixed_meta(cpu)
+    first = tables.get(step, cpu)
+    assert all(tables.get(step, cpu) is first for _ in range(3))  # layers 2..4
+    nxt = _mixed_meta(cpu)  # the next step: equal contents, a new metadata
+    assert tables.get(nxt, cpu) is not first
+
+
+def _library_step(device: torch.device, block_size: int):
+    """A mixed bf16 step over a cache of 8 blocks: q, k, v, two copies of the cache, meta."""
+    from rtp_serve.kernels.attention import LayerCache
+
+    torch.manual_seed(11)
+    hq, hkv, d, bs = 4, 2, 64, block_size
+    seqs = [(6, 1), (12, 1), (5, 7), (0, 9)]  # (cached, new); decodes first
+    tables = [[7 - i] for i in range(len(seqs))]  # blocks of 16 or more: one each
+
+    def slots(table, start, end):
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)])
+
+    k_all = torch.randn(8 * bs, hkv, d, dtype=torch.bfloat16, device=device)
+    v_all = torch.randn_like(k_all)
+    caches = [LayerCache(k_all.clone(), v_all.clone()) for _ in range(2)]
+    total = sum(n for _, n in seqs)
+    q, k, v = (torch.randn(total, h, d, device=device, dtype=torch.bfloat16)
+               for h in (hq, hkv, hkv))  # fmt: skip
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(
+            [slots(t, c, c + n) for (c, n), t in zip(seqs, tables, strict=True)]
+        ).to(device),
+        block_size=bs,
+        num_decodes=2,
+        decode_block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables[:2]], device=device
+        ),  # fmt: skip
+        decode_seq_lens=torch.tensor([7, 13], device=device),
+        prefills=[
+            PrefillChunk(2, 7, 5, torch.tensor(tables[2], device=device)),
+            PrefillChunk(9, 9, 0, torch.tensor(tables[3], device=device)),
+        ],
+    )
+    return q, k, v, caches, meta, d**-0.5
+
+
+@pytest.mark.parametrize("name,package,block_size", [
+    ("flash-attn", "flash_attn", backends.FLASH_ATTN_PAGE),
+    ("flashinfer", "flashinfer", 16),
+])  # fmt: skip
+def test_library_backend_matches_the_reference_on_a_mixed_step(name, package, block_size):
+    """Each library wrapper, built as a worker builds it, over two layers of one step (the
+    second reuses the step's tables/plan) against the torch reference in bf16."""
+    if not backends.importable(package):
+        pytest.skip(f"{package} is not installed (a GPU package: the `gpu` extra)")
+    if not torch.cuda.is_available():
+        pytest.skip(f"{package} runs on CUDA only, and there is no CUDA device here")
+    device = torch.device("cuda")
+    q, k, v, caches, meta, scale = _library_step(device, block_size)
+    backend = backends.build(backends.BackendChoice(name), scale, device)
+    reference = TorchAttention(scale)
+    for _layer in range(2):
+        expected = reference.forward(q, k, v, caches[0], meta)
+        got = backend.forward(q, k, v, caches[1], meta)
+        assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

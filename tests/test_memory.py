@@ -8,7 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from rtp_serve.engine.memory import MIN_KV_BYTES, available_memory_bytes, kv_budget, weights_bytes
+from rtp_serve.core.model_config import ModelConfig
+from rtp_serve.engine import memory
+from rtp_serve.engine.memory import (
+    CUDA_OVERHEAD_BYTES,
+    MIN_KV_BYTES,
+    activation_bytes,
+    available_memory_bytes,
+    cuda_kv_budget,
+    int8_dequant_bytes,
+    kv_budget,
+    kv_budget_for_device,
+    weights_bytes,
+)
 from tests.procs import grpc_service
 
 GIB = 1 << 30
@@ -84,3 +96,84 @@ def test_a_worker_sizes_its_cache_from_the_machine(model_dir):
     got = s.total_blocks * s.block_size * 2048
     assert s.block_size == 16
     assert 0.8 * expected < got <= 1.2 * expected  # MemAvailable moves a little meanwhile
+
+
+def test_a_gpu_budget_is_its_share_of_the_device_less_weights_and_activations():
+    w, reserved = 3 * GIB, GIB
+    # 80 GiB, 20 free (another process holds the rest): what is free bounds it.
+    b = cuda_kv_budget(w, free=20 * GIB, total=80 * GIB, reserved=reserved, fraction=0.9)
+    assert b.kv_bytes == 20 * GIB - w - reserved
+    # All free, four workers on it: each its share of 90%.
+    b = cuda_kv_budget(w, 80 * GIB, 80 * GIB, reserved, fraction=0.9, share=4, device="cuda:1")
+    assert b.kv_bytes == int(80 * GIB * 0.9 / 4) - w - reserved
+    assert "80.0 GiB free on cuda:1, 80.0 GiB x 0.9 / 4 worker(s)" in b.describe()
+    assert cuda_kv_budget(w, 4 * GIB, 80 * GIB, reserved).kv_bytes == MIN_KV_BYTES
+    with pytest.raises(ValueError, match="fraction"):
+        cuda_kv_budget(w, GIB, GIB, 0, fraction=1.5)
+
+
+def test_activations_count_tokens_and_sampled_rows(model_dir):
+    cfg = ModelConfig.from_dir(model_dir("tiny-llama"))
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = 4 * cfg.hidden_size + qkv + 3 * cfg.intermediate_size
+    assert activation_bytes(cfg, "bfloat16", 10, 3) == 10 * per_token * 2 + 3 * 16 * cfg.vocab_size
+    assert activation_bytes(cfg, "float32", 10, 0) == 10 * per_token * 4
+
+
+def test_a_cuda_device_is_sized_from_device_memory_not_the_hosts(model_dir):
+    tiny = model_dir("tiny-llama")
+    cfg = ModelConfig.from_dir(tiny)
+    asked: list[str] = []
+
+    def device_memory(device: str) -> tuple[int, int]:  # what mem_get_info would say
+        asked.append(device)
+        return 30 * GIB, 40 * GIB
+
+    b = kv_budget_for_device(
+        "cuda:1", tiny, cfg, "bfloat16", None, 1, "auto", 2048, 64, 128, device_memory
+    )
+    reserved = (
+        activation_bytes(cfg, "bfloat16", 2048, 64)
+        + activation_bytes(cfg, "bfloat16", 128, 128)
+        + CUDA_OVERHEAD_BYTES
+    )
+    assert asked == ["cuda:1"]
+    assert b.device == "cuda:1" and b.reserved_bytes == reserved
+    assert b.kv_bytes == 30 * GIB - weights_bytes(tiny, "bfloat16") - reserved  # 0.9 x 40 > 30
+
+    def no_device(device: str) -> tuple[int, int]:
+        raise AssertionError(f"asked device memory for {device}")
+
+    # INT8 weights: the largest projection's transient dequantized copies are held back too.
+    int8 = kv_budget_for_device(
+        "cuda:1", tiny, cfg, "bfloat16", None, 1, "int8", 2048, 64, 128, device_memory
+    )
+    assert int8.reserved_bytes == reserved + int8_dequant_bytes(cfg, "bfloat16")
+    gate_up = 2 * cfg.intermediate_size * cfg.hidden_size  # tiny-llama's largest
+    assert int8_dequant_bytes(cfg, "bfloat16") == gate_up * (4 + 4 + 2)
+
+    host = kv_budget_for_device("cpu", tiny, cfg, "float32", 0.02, 2, "auto", 2048, 64, 128,
+                                no_device)  # fmt: skip
+    assert host.device == "host" and host.fraction == 0.02 and host.share == 2
+
+
+def test_worker_flags_size_a_cuda_cache_from_the_device(model_dir, monkeypatch):
+    """`--device cuda --kv-cache-mib auto` takes the device branch (the driver's numbers
+    stood in for by memory.cuda_memory, the one function that asks torch)."""
+    import argparse
+
+    from rtp_serve.services.worker.config import add_worker_arguments, engine_config
+
+    free = 700 << 20  # under the cap of 64 sequences at full context (256 MiB of KV)
+    monkeypatch.setattr(memory, "cuda_memory", lambda device: (free, 2 * GIB))
+    p = argparse.ArgumentParser()
+    add_worker_arguments(p)
+    tiny = model_dir("tiny-llama")
+    config = engine_config(p.parse_args(["--model", str(tiny), "--device", "cuda"]))
+    cfg = ModelConfig.from_dir(tiny)
+    reserved = (
+        activation_bytes(cfg, "float32", 2048, 64)
+        + activation_bytes(cfg, "float32", 128, 128)
+        + CUDA_OVERHEAD_BYTES
+    )
+    assert config.kv_cache_memory_bytes == free - weights_bytes(tiny, "float32") - reserved

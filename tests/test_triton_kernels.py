@@ -15,7 +15,7 @@ import torch
 from rtp_serve.engine.models.llama import apply_rope
 from rtp_serve.engine.models.llama import rms_norm as ref_rms_norm
 from rtp_serve.kernels import kv_quant
-from rtp_serve.kernels.attention import LayerCache, paged_decode, paged_prefill
+from rtp_serve.kernels.attention import AttentionMetadata, LayerCache, paged_decode, paged_prefill
 from tests.test_attention_kernels import empty_cache, padded, scatter_cache, slots_of
 
 pytest.importorskip("triton")
@@ -284,7 +284,13 @@ def test_engine_on_the_triton_kernels_matches_hf(model_dir, hf_greedy, prompts):
     from rtp_serve.kernels.triton.backend import TritonAttention
     from tests import helpers
 
-    llm = helpers.make_llm(model_dir(preset), "float32", max_num_batched_tokens=16)
+    # On the test device: compiled Triton on a CUDA host must get device pointers. Graphs
+    # off, so every step runs the modules swapped in below.
+    llm = helpers.make_llm(
+        model_dir(preset), "float32", max_num_batched_tokens=16, device=str(DEVICE),
+        cuda_graph_sizes=(),
+    )  # fmt: skip
+    assert llm.engine.runner.device.type == DEVICE.type
     model = llm.engine.runner.model
     model.attention = TritonAttention(model.attention.scale)
     model.norm, model.rope = tri_norm.rms_norm, rotary.apply_rope
@@ -292,3 +298,70 @@ def test_engine_on_the_triton_kernels_matches_hf(model_dir, hf_greedy, prompts):
     outs = llm.generate(chosen, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(chosen, outs, strict=True):
         assert out.token_ids == hf_greedy(preset, prompt)[0][:5], f"prompt of {len(prompt)}"
+
+
+def test_write_int8_under_graph_padding_stays_in_its_slots():
+    """A decode step through DecodeGraphs with INT8 KV: 3 live rows padded to 16, so 13
+    padding rows (over three blocks' worth) all write the scratch slot, as do all 16 while
+    capturing. The Triton kernel must write each token to its own slot: the whole cache
+    (scratch block included) and its scales equal the reference's, and the guard regions
+    after the last layer's V and after the scales are untouched."""
+    from rtp_serve.engine.cuda_graphs import DecodeGraphs
+
+    torch.manual_seed(6)
+    layers, hkv, d, bs, live_blocks, guard = 2, 2, 16, 4, 6, 64
+    scratch = live_blocks  # one block past the pool's, as ModelRunner lays it out
+    slots = (live_blocks + 1) * bs
+    shape, scale_shape = (layers, 2, slots, hkv, d), (layers, 2, live_blocks + 1, hkv)
+
+    def guarded(n: int, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.int8:
+            return torch.randint(-100, 100, (n + guard,), dtype=dtype)
+        return torch.rand(n + guard, dtype=dtype) + 0.1
+
+    kv_flat = guarded(torch.Size(shape).numel(), torch.int8).to(DEVICE)
+    sc_flat = guarded(torch.Size(scale_shape).numel(), torch.float32).to(DEVICE)
+    kv, scales = kv_flat[:-guard].view(shape), sc_flat[:-guard].view(scale_shape)
+    ref_kv, ref_scales = kv.cpu().clone(), scales.cpu().clone()
+    kv_guard, sc_guard = kv_flat[-guard:].clone(), sc_flat[-guard:].clone()
+    embed = torch.randn(32, layers, 2, hkv, d)  # token id -> its K/V rows per layer
+
+    def write_all(cache, scale, ids, slot_mapping, write):
+        x = embed[ids.cpu()].to(cache.device)
+        for layer in range(layers):
+            for kv_i in range(2):
+                write(cache[layer, kv_i], scale[layer, kv_i], x[:, layer, kv_i], slot_mapping, bs)
+
+    def forward(ids, positions, meta, rows):
+        write_all(kv, scales, ids, meta.slot_mapping, kv_write.write_int8)
+        return torch.zeros(ids.shape[0], 1, device=ids.device)
+
+    def capture(fn):
+        fn(), fn()  # as cuda_capture runs it: a warm-up, then the captured run
+        return fn
+
+    graphs = DecodeGraphs(forward, (4, 16), 3, scratch, bs, DEVICE, capture)
+    # What capturing wrote: every row padding, all at the scratch slot.
+    pad = graphs.buffers.meta(16, bs).slot_mapping.cpu()
+    for _ in range(2 * len(graphs.sizes)):
+        write_all(ref_kv, ref_scales, torch.zeros(16, dtype=torch.int64), pad, kv_quant.write_int8)
+    assert torch.equal(kv_flat[-guard:], kv_guard), "wrote past the end of the cache"
+    assert torch.equal(kv.cpu(), ref_kv) and torch.equal(scales.cpu(), ref_scales)
+
+    # A step of 3 live rows (blocks 1, 2, 5: 5 just before the scratch block) padded to 16.
+    tables, positions = [[0, 1], [2], [4, 5]], [5, 2, 7]
+    slot_list = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+    ids = torch.tensor([3, 9, 17])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_list, device=DEVICE),
+        block_size=bs,
+        num_decodes=3,
+        decode_block_tables=torch.tensor([t + [0] * (2 - len(t)) for t in tables], device=DEVICE),
+        decode_seq_lens=torch.tensor(positions, device=DEVICE) + 1,
+    )
+    graphs.run(ids.to(DEVICE), torch.tensor(positions, device=DEVICE), meta)
+    padded_ids = torch.cat([ids, torch.zeros(13, dtype=torch.int64)])
+    padded_slots = torch.tensor(slot_list + [scratch * bs] * 13)
+    write_all(ref_kv, ref_scales, padded_ids, padded_slots, kv_quant.write_int8)
+    assert torch.equal(kv.cpu(), ref_kv) and torch.equal(scales.cpu(), ref_scales)
+    assert torch.equal(kv_flat[-guard:], kv_guard) and torch.equal(sc_flat[-guard:], sc_guard)

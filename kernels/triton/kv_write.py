@@ -10,7 +10,9 @@ only those starting a run work:
                                   the block's rows first) -> quantize rows 0..2
 
 The tokens of one block are contiguous and in position order (as a step lays them out),
-so no two programs touch the same block and head.
+so no two programs touch the same block and head. Each token is stored at its own slot, as
+the reference does: CUDA-graph padding rows repeat one scratch slot (engine/cuda_graphs.py),
+and a run of them is longer than a block.
 """
 
 from __future__ import annotations
@@ -91,7 +93,10 @@ def _write_int8(
         for i in range(n):
             x = tl.load(x_ptr + (t + i) * stride_xt + h * stride_xh + d, mask=d_mask, other=0)
             q = tl.clamp(_round_half_even(x.to(tl.float32) * inv), -QMAX, QMAX)
-            dst = base + (slot % block_size + i) * stride_cs + d
+            # Each token to its own slot, not `slot + i`: a run may repeat a slot (CUDA-graph
+            # padding rows all share one scratch slot) and must never step past its block.
+            own = tl.load(slots_ptr + t + i).to(tl.int64)
+            dst = cache_ptr + own * stride_cs + h * stride_ch + d
             tl.store(dst, q.to(tl.int8), mask=d_mask)
 
 

@@ -9,7 +9,13 @@ from rtp_serve.core.dtypes import resolve_dtype, resolve_kv_dtype
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.config import LOAD_FORMATS, SPECULATIVE_METHODS, EngineConfig
-from rtp_serve.engine.memory import DEFAULT_FRACTION, kv_budget, kv_bytes_per_block
+from rtp_serve.engine.cuda_graphs import LADDER
+from rtp_serve.engine.memory import (
+    DEFAULT_CUDA_FRACTION,
+    DEFAULT_FRACTION,
+    kv_budget_for_device,
+    kv_bytes_per_block,
+)
 from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import (
     DEFAULT_MODEL_HELP,
@@ -21,6 +27,10 @@ from rtp_serve.services.common.flags import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def float_or_none(value: str | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def kv_cache_mib(value: str) -> int | None:
@@ -57,7 +67,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         type=kv_cache_mib,
         default=kv_cache_mib(env("kv_cache_mib", "auto")),
         help="KV cache size in MiB, or auto: memory-fraction of the available memory (a "
-        "container's limit counts), split among memory-share workers, less the weights",
+        "container's limit counts; on --device cuda the GPU's), split among memory-share "
+        "workers, less the weights",
     )
     p.add_argument(
         "--host-kv-cache-mib",
@@ -69,8 +80,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-fraction",
         type=float,
-        default=float(env("memory_fraction", str(DEFAULT_FRACTION))),
-        help="with --kv-cache-mib auto: the fraction of available memory for all workers here",
+        default=float_or_none(env("memory_fraction")),
+        help="with --kv-cache-mib auto: the fraction of available memory for all workers here "
+        f"(default {DEFAULT_FRACTION:g} of the host's; {DEFAULT_CUDA_FRACTION:g} of a GPU's "
+        "with --device cuda, less weights, activations and CUDA graphs)",
     )
     p.add_argument(
         "--memory-share",
@@ -140,15 +153,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model = str(ensure_model())
     dtype = resolve_dtype(args.dtype, model)
     if args.kv_cache_mib is None:
-        budget = kv_budget(
+        cfg = ModelConfig.from_dir(model)
+        # Device memory on --device cuda, host memory otherwise.
+        budget = kv_budget_for_device(
+            args.device,
             model,
+            cfg,
             dtype,
             args.memory_fraction,
             args.memory_share,
-            weight_dtype=args.weight_dtype,
+            args.weight_dtype,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            graph_rows=max(LADDER),
         )
         # No more than every sequence at full context could use.
-        cfg = ModelConfig.from_dir(model)
         useful = args.max_num_seqs * cfg.max_position_embeddings
         kv_dtype = resolve_kv_dtype(dtype, args.kv_dtype)
         useful_blocks = -(-useful // args.block_size)
