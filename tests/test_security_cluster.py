@@ -49,7 +49,9 @@ METRICS_KEY = "metrics-test-key"
 NATS_TOKEN = "nats-test-token"
 REDIS_PASSWORD = "redis-test-password"
 KV_KEY = "kv-test-secret"
-SECRETS = (*API_KEYS, METRICS_KEY, NATS_TOKEN, REDIS_PASSWORD, KV_KEY)
+ADMIN_KEY = "admin-test-key"
+SECRETS = (*API_KEYS, METRICS_KEY, NATS_TOKEN, REDIS_PASSWORD, KV_KEY, ADMIN_KEY)
+PRIORITY_FLOOR = -1  # more urgent than the default floor (0): the flag must reach the frontend
 MAX_TOKENS = 8
 
 
@@ -60,8 +62,11 @@ def model(model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
+    lora_root = tmp_path_factory.mktemp("adapters")
     flags = ["--fused", "2", "--tls", "--metrics-key", METRICS_KEY, "--nats-token", NATS_TOKEN,
-             "--redis-password", REDIS_PASSWORD, "--kv-integrity-key", KV_KEY]  # fmt: skip
+             "--redis-password", REDIS_PASSWORD, "--kv-integrity-key", KV_KEY,
+             "--admin-key", ADMIN_KEY, "--lora-root", str(lora_root),
+             "--priority-floor", str(PRIORITY_FLOOR)]  # fmt: skip
     for key in API_KEYS:
         flags += ["--api-key", key]
     with launch(model, tmp_path_factory.mktemp("secure"), *flags) as c:
@@ -218,7 +223,7 @@ def test_each_service_gets_the_secrets_it_uses_by_environment(cluster):
         "master": {"RTP_NATS_TOKEN"},
         "cache": {"RTP_NATS_TOKEN", "RTP_REDIS_PASSWORD"},
         "fused": {"RTP_NATS_TOKEN", "RTP_KV_INTEGRITY_KEY"},
-        "frontend": {"RTP_API_KEYS", "RTP_METRICS_KEY"},
+        "frontend": {"RTP_API_KEYS", "RTP_METRICS_KEY", "RTP_ADMIN_KEY"},
     }
     secret_vars = set().union(*uses.values())
     for entry in cluster.info["pids"]:
@@ -227,6 +232,28 @@ def test_each_service_gets_the_secrets_it_uses_by_environment(cluster):
         environ = Path(f"/proc/{entry['pid']}/environ").read_bytes().split(b"\0")
         names = {kv.split(b"=", 1)[0].decode() for kv in environ if b"=" in kv}
         assert names & secret_vars == uses[entry["name"]], entry["name"]
+
+
+def test_the_launchers_admin_key_lora_root_and_priority_floor_reach_the_frontend(cluster):
+    """`up --admin-key --lora-root --priority-floor`: the LoRA admin endpoints take the admin
+    key (not an API key) and only paths under the root; a priority below the floor is a 403."""
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        api = {"Authorization": f"Bearer {API_KEYS[0]}"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        outside = {"lora_name": "x", "lora_path": "/etc"}
+        assert http.post("/v1/load_lora_adapter", json=outside, headers=api).status_code == 401
+        refused = http.post("/v1/load_lora_adapter", json=outside, headers=admin)
+        assert refused.status_code == 403 and refused.json()["error"]["param"] == "lora_path"
+        model = http.get("/v1/models", headers=api).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hi", "max_tokens": 1}
+        urgent = http.post(
+            "/v1/completions", json={**body, "priority": PRIORITY_FLOOR - 1}, headers=api
+        )
+        assert urgent.status_code == 403 and urgent.json()["error"]["param"] == "priority"
+        allowed = http.post(
+            "/v1/completions", json={**body, "priority": PRIORITY_FLOOR}, headers=api
+        )
+        assert allowed.status_code == 200
 
 
 # -- the cache instance on the authenticated bus -------------------------------------------

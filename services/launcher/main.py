@@ -153,6 +153,13 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="frontend API keys, one per line")  # fmt: skip
     s.add_argument("--metrics-key", default=None, help="the key the frontend's /metrics needs")
+    s.add_argument("--admin-key", default=None,
+                   help="the key the frontend's LoRA admin endpoints need (with --lora-root)")  # fmt: skip
+    s.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="the only directory the LoRA admin endpoints load adapters from")  # fmt: skip
+    s.add_argument("--priority-floor", type=int, default=None, metavar="N",
+                   help="the most urgent priority a request may ask for, unless its API key "
+                   "carries its own (frontend default: 0)")  # fmt: skip
     s.add_argument("--nats-token", default=env("nats_token"),
                    help="NATS token: the NATS started here requires it, every service sends it")  # fmt: skip
     s.add_argument("--redis-password", default=env("redis_password"),
@@ -322,6 +329,10 @@ def _start(cluster: Cluster, model: str) -> str:
             cluster.spawn("decode", *worker)
     port = args.port or servers.free_port()
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    keys += ["--lora-root", args.lora_root] if args.lora_root else []
+    keys += (
+        ["--priority-floor", str(args.priority_floor)] if args.priority_floor is not None else []
+    )
     keys += ["--log-requests"] if args.log_requests else []
     # The frontend is on no NATS: membership comes from the nameservice, routes from the master.
     cluster.spawn("frontend", "--nameservice", nameservice, *drain, "--model", model, *keys, *loras,

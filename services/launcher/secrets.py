@@ -5,7 +5,7 @@
     master        NATS token, TLS
     cache         NATS token (its index feed), Redis password, TLS
     workers       NATS token, KV integrity key, TLS
-    frontend      API keys, metrics key, TLS
+    frontend      API keys, metrics key, admin key, TLS
 
 Secrets travel to each child as RTP_* environment variables, never on its command line
 (which `ps` shows to every user), and each service gets only the ones it uses.
@@ -26,6 +26,7 @@ _NATS = ("nameservice", "master", "cache", *WORKERS)  # every service on the bus
 class ClusterSecrets:
     api_keys: tuple[str, ...] = ()
     metrics_key: str | None = None
+    admin_key: str | None = None
     nats_token: str | None = None
     redis_password: str | None = None
     kv_integrity_key: str | None = None
@@ -39,6 +40,7 @@ class ClusterSecrets:
         return cls(
             keys,
             args.metrics_key,
+            args.admin_key,
             args.nats_token,
             args.redis_password,
             args.kv_integrity_key,
@@ -65,4 +67,6 @@ class ClusterSecrets:
                 out["RTP_API_KEYS"] = ",".join(self.api_keys)
             if self.metrics_key:
                 out["RTP_METRICS_KEY"] = self.metrics_key
+            if self.admin_key:
+                out["RTP_ADMIN_KEY"] = self.admin_key
         return out
