@@ -86,7 +86,11 @@ def _patched() -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("where_doc", _documents(), ids=lambda wd: wd[0])
+@pytest.mark.parametrize(
+    "where_doc",
+    [*_documents(), *((f"{n} + secure/patch-{n}.yaml", d) for n, d in _patched())],
+    ids=lambda wd: wd[0],
+)
 def test_manifest_is_valid_in_strict_mode(
     where_doc: tuple[str, dict[str, Any]], version: str
 ) -> None:
@@ -95,18 +99,6 @@ def test_manifest_is_valid_in_strict_mode(
         validate(doc, version, strict=True)
     except ValidationError as exc:
         pytest.fail(f"{where} is not a valid {doc['kind']} in Kubernetes {version}: {exc}")
-
-
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("name_doc", _patched(), ids=lambda nd: nd[0])
-def test_secure_patched_deployment_is_valid_in_strict_mode(
-    name_doc: tuple[str, dict[str, Any]], version: str
-) -> None:
-    name, doc = name_doc
-    try:
-        validate(doc, version, strict=True)
-    except ValidationError as exc:
-        pytest.fail(f"{name} with secure/patch-{name}.yaml is not valid in {version}: {exc}")
 
 
 def test_every_deployment_has_a_secure_patch_that_changes_it() -> None:
