@@ -366,7 +366,10 @@ def test_compose_model_service_is_a_no_op_once_the_checkpoint_is_there(tmp_path:
     served = f"{cache}/{done.name}"
     for name in ("prefill", "decode", "frontend"):
         assert _environment(_services()[name])["RTP_MODEL"] == served, name
-    assert _environment(_services()["frontend"])["RTP_SERVED_MODEL_NAME"] == DEFAULT_PRESET
+    # Served under the checkpoint's folder name, as `rtp-serve up` serves it: the README's
+    # requests (model "smollm2-135m-v1") work against compose unchanged.
+    assert "RTP_SERVED_MODEL_NAME" not in _environment(_services()["frontend"])
+    assert done.name == "smollm2-135m-v1"
 
 
 @pytest.mark.parametrize("name", ["nats", "redis"])
@@ -1164,7 +1167,7 @@ def test_compose_topology_serves_a_request(
             if name != "model":
                 assert topology.check(name), f"{name} healthcheck fails:\n{topology.tail(name)}"
         url = f"http://127.0.0.1:{topology.port('frontend', '8000')}/v1/completions"
-        model = _environment(_services()["frontend"])["RTP_SERVED_MODEL_NAME"]
+        model = Path(_environment(_services()["frontend"])["RTP_MODEL"]).name
         body = {"model": model, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code == 200, reply.text
