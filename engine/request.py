@@ -26,6 +26,7 @@ import torch
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Guide
+from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
 from rtp_serve.engine.outputs import StagedKV
 from rtp_serve.engine.spec_decode.adaptive import SpecState
 
@@ -65,7 +66,8 @@ class Request:
     block_size: int
     salt: bytes = b""  # core.block_hash.cache_salt of the engine's model, KV dtype, adapter
     lora: str = ""  # the LoRA adapter it runs under (engine/lora/); "" for the base model
-    priority: int = 0  # lower runs first; FCFS within a level
+    priority: int = 0  # lower runs first; within a level, tenants share (engine/fair_queue.py)
+    tenant: TenantShare = DEFAULT_SHARE
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     # time.monotonic() when it arrived, and when it was first admitted to run (None until
     # then): its time to first token here splits into the queue and the prefill.

@@ -2,9 +2,12 @@
 
 There is no prefill or decode phase: every step each running request gets
 `len(token_ids) - num_computed_tokens` new tokens (capped by the step's token budget), then
-waiting requests are admitted in (priority, arrival) order. Chunked prefill is the budget cap,
-a prefix hit starts `num_computed_tokens` above zero, and preemption resets it to zero
-(recompute). When blocks run out, the lowest-priority, newest running request is preempted.
+waiting requests are admitted by priority, then, within a priority class, by tenant (the
+least-served by weighted tokens first, engine/fair_queue.py), then by arrival. Chunked prefill
+is the budget cap, a prefix hit starts `num_computed_tokens` above zero, and preemption resets
+it to zero (recompute). When blocks run out, the least urgent class's most-served tenant's
+newest running request is preempted. With one tenant (or `fair` off) that is (priority,
+arrival) order, and the lowest-priority, newest request is preempted.
 
 Speculative decoding adds no phase either: a decoding request's draft tokens
 (`Request.spec_token_ids`, set by engine/spec_decode/speculator.py before the step) are more new
@@ -28,13 +31,13 @@ the first token from a prefill worker included, and stops when the grammar is co
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rtp_serve.core.outputs import SampledToken
+from rtp_serve.engine.fair_queue import FairQueue
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.request import Request, RequestStatus
 
@@ -49,6 +52,9 @@ class SchedulerConfig:
     max_num_waiting: int = 256
     # Distinct LoRA adapters running at once (the resident set, engine/lora/registry.py).
     max_loras: int = 1
+    # Share each priority class between tenants by weighted tokens served (VTC); False:
+    # first come, first served within a class.
+    fair: bool = True
 
 
 class QueueFullError(RuntimeError):
@@ -93,7 +99,7 @@ class Scheduler:
         self.prepare = prepare
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # RUNNING and WAITING_FOR_REMOTE_KV
-        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
+        self._waiting = FairQueue(config.fair)
         self._held: dict[str, Request] = {}  # WAITING, until their tier fetch is released
         # The last schedule() did nothing: until a request arrives, leaves or gets its
         # remote KV, another one would do nothing either.
@@ -133,17 +139,18 @@ class Scheduler:
                 f"{self.num_waiting} requests are already waiting (max_num_waiting)"
             )
         self.requests[request.request_id] = request
+        self._waiting.arrive(request)
         if held:
             self._held[request.request_id] = request
             return
-        heapq.heappush(self._waiting, (request.sort_key, request))
+        self._waiting.push(request)
         self._stalled = False
 
     def release(self, request_id: str) -> Request | None:
         """Let a held request be admitted, in its arrival order (None: it is not held)."""
         request = self._held.pop(request_id, None)
         if request is not None:
-            heapq.heappush(self._waiting, (request.sort_key, request))
+            self._waiting.push(request)
             self._stalled = False
         return request
 
@@ -154,10 +161,10 @@ class Scheduler:
         if request_id in self._held:
             del self._held[request_id]
         elif request.status == RequestStatus.WAITING:
-            self._waiting = [(k, r) for k, r in self._waiting if r is not request]
-            heapq.heapify(self._waiting)
+            self._waiting.remove(request)
         else:
             self.running.remove(request)
+        self._waiting.leave(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._stalled = False
@@ -197,10 +204,7 @@ class Scheduler:
                 # No room for the drafts: run without them rather than preempt anyone.
                 drafts, num_new = [], min(uncomputed, budget)
             while not drafts and not self.kv.allocate_slots(request, num_new):
-                victim = max(
-                    (r for r in self.running if r.status == RequestStatus.RUNNING),
-                    key=lambda r: r.sort_key,
-                )
+                victim = self._waiting.victim(self.running)
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     budget += undone.num_new_tokens
@@ -218,7 +222,7 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self._waiting[0][1]
+            request = self._waiting.peek()
             loras = self._running_loras()
             if request.lora and request.lora not in loras and len(loras) >= self.config.max_loras:
                 break  # its adapter waits for one of the running ones to drain
@@ -252,7 +256,7 @@ class Scheduler:
         return {r.lora for r in self.running if r.lora}
 
     def _admit(self, request: Request, num_hit_tokens: int, status: RequestStatus) -> None:
-        heapq.heappop(self._waiting)
+        self._waiting.pop()
         request.staged_kv = None  # what a tier fetch gave it is in its blocks now
         request.num_computed_tokens += num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -269,7 +273,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
-        heapq.heappush(self._waiting, (request.sort_key, request))
+        self._waiting.push(request)
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
@@ -289,6 +293,7 @@ class Scheduler:
             # writes over it before attending) and their own blocks are released below.
             rejected = len(item.spec_token_ids) - max(0, len(tokens or ()) - 1)
             request.num_computed_tokens += item.num_new_tokens - rejected
+            self._waiting.charge(request, item.num_new_tokens - rejected)
             if not tokens:
                 continue  # a prompt chunk that does not reach the end yet
             appended: list[SampledToken] = []
@@ -311,6 +316,7 @@ class Scheduler:
             return False
         request.status = status
         self.running.remove(request)
+        self._waiting.leave(request)
         del self.requests[request.request_id]
         self.kv.free(request)
         return True
@@ -346,7 +352,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running = set(map(id, self.running))
-        waiting = {id(r) for _, r in self._waiting}
+        waiting = set(map(id, self._waiting))
         held = set(map(id, self._held.values()))
         assert not running & waiting, "a request is both running and waiting"
         assert not held & (running | waiting), "a held request is also queued or running"
@@ -356,5 +362,5 @@ class Scheduler:
         for r in self.running:
             assert r.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV)
             assert 0 <= r.num_computed_tokens <= len(r.token_ids)
-        for r in [r for _, r in self._waiting] + list(self._held.values()):
+        for r in [*self._waiting, *self._held.values()]:
             assert r.status == RequestStatus.WAITING
