@@ -31,18 +31,15 @@ from rtp_serve.core.peft_config import LoraConfig
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.block_pool import KVEvent
 from rtp_serve.engine.config import EngineConfig, KVLayout
-from rtp_serve.engine.llm_engine import EngineCheck, EngineStats, LLMEngine
+from rtp_serve.engine.errors import EngineStoppedError, QueueFullError
+from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 from rtp_serve.engine.request import Request
-from rtp_serve.engine.scheduler import QueueFullError
+from rtp_serve.engine.stats import EngineCheck, EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine shut down with this request unfinished (the caller may retry elsewhere)."""
 
 
 @dataclass(slots=True)

@@ -116,6 +116,9 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    # The engine's KV arrays: torch tensors, or numpy arrays (the simulated engine, which
+    # has no torch).
+    numpy: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,6 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,11 +27,9 @@ from rtp_serve.core.validation import (
     check_stop_token_ids,
 )
 from rtp_serve.engine.config import EngineConfig, KVLayout
-from rtp_serve.engine.host_tier import HostTierStats
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.kv_tiers import KVTiers
 from rtp_serve.engine.lora.admin import LoraAdmin
-from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 from rtp_serve.engine.request import Request, RequestStatus
@@ -41,32 +38,9 @@ from rtp_serve.engine.spec_decode.draft_model import DraftModelProposer, TargetK
 from rtp_serve.engine.spec_decode.ngram import NgramProposer
 from rtp_serve.engine.spec_decode.proposer import Proposer
 from rtp_serve.engine.spec_decode.speculator import Speculator
-from rtp_serve.engine.spec_decode.stats import SpecCounts
+from rtp_serve.engine.stats import EngineCheck, EngineStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot for load reports and metrics."""
-
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_queued_tokens: int  # prompt/recompute tokens not yet computed
-    host_tier: HostTierStats | None = None  # T1, where configured
-    spec: SpecCounts | None = None  # speculative decoding, where configured
-    loras: LoraStats | None = None  # LoRA adapters served and resident
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCheck:
-    """A worker's answer to "is anything leaking?": stats, held blocks, integrity."""
-
-    stats: EngineStats
-    num_held_blocks: int  # blocks some request references right now
-    integrity_error: str  # empty when every invariant holds
 
 
 class LLMEngine:

@@ -38,7 +38,7 @@ class PromptKV:
     @property
     def nbytes(self) -> int:
         tensors = (self.k, self.v, self.k_scale, self.v_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.nbytes for t in tensors if t is not None)  # torch tensors or numpy arrays
 
 
 @dataclass(frozen=True, slots=True)

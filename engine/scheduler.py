@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rtp_serve.core.outputs import SampledToken
+from rtp_serve.engine.errors import QueueFullError
 from rtp_serve.engine.fair_queue import FairQueue
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
 from rtp_serve.engine.request import Request, RequestStatus
@@ -55,10 +56,6 @@ class SchedulerConfig:
     # Share each priority class between tenants by weighted tokens served (VTC); False:
     # first come, first served within a class.
     fair: bool = True
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound: this worker cannot take the request now."""
 
 
 @dataclass(slots=True)

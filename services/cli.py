@@ -22,6 +22,7 @@ SERVICES = {
     "prefill": "rtp_serve.services.prefill.main",
     "decode": "rtp_serve.services.decode.main",
     "fused": "rtp_serve.services.decode.main",
+    "sim-worker": "rtp_serve.services.sim.main",
     "frontend": "rtp_serve.services.frontend.main",
     "up": "rtp_serve.services.launcher.main",
 }

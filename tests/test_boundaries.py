@@ -118,3 +118,18 @@ def test_services_reach_the_engine_only_through_its_interface() -> None:
     for path in _sources(ROOT / "services"):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not internals.search(line), f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+
+
+def test_the_simulated_worker_loads_without_torch() -> None:
+    """`rtp-serve sim-worker` runs the workers' serving code over the simulated engine: a
+    thousand of them in one process must not load torch (nor the torch engine)."""
+    modules = [_module(p) for p in _sources(ROOT / "services" / "sim")]
+    modules += [_module(p) for p in _sources(ROOT / "engine" / "sim")]
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')"
+        " or m in ('rtp_serve.engine.async_llm', 'rtp_serve.engine.llm_engine'))\n"
+        "assert not loaded, loaded"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

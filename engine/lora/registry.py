@@ -12,27 +12,16 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.peft_config import LoraConfig, UnknownAdapterError
 from rtp_serve.engine.lora.stacked import Stacked
+from rtp_serve.engine.lora.stats import LoraStats
 from rtp_serve.engine.lora.weights import LoraWeights, load_lora_weights
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class LoraStats:
-    known: tuple[str, ...]
-    resident: tuple[str, ...]  # least recently used first
-    loads: int  # from disk, registration included
-    evictions: int
-    swaps: int  # loads a step needed (the adapter was evicted before), of `loads`
-    max_loras: int = 0
-    requests: tuple[tuple[str, int], ...] = ()  # per adapter: requests admitted (cumulative)
 
 
 class LoraRegistry:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -20,7 +21,6 @@ from opentelemetry import trace
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
 from rtp_serve.core.cost_model import TIER_TRANSFER
 from rtp_serve.core.outputs import SampledToken
-from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.outputs import RequestOutput
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import grpc_util, tracing
@@ -33,6 +33,9 @@ from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import join_blocks
 from rtp_serve.services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
 from rtp_serve.services.worker.tiers import Tiers
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 

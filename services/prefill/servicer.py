@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
 
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
-from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.convert import logprob_to_pb, params_from_pb
@@ -26,6 +26,9 @@ from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import split_blocks
 from rtp_serve.services.worker.servicer import WorkerServicer, abort
 from rtp_serve.services.worker.tiers import TierHits, Tiers
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 

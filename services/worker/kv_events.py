@@ -13,14 +13,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.block_pool import KVEvent, KVEventKind, KVTier
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.kv_feed import EVENT_INTERVAL_S, Changes, Held, KVFeed
 from rtp_serve.services.common.pb import events_pb2
 from rtp_serve.services.worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.async_llm import AsyncLLM
 
 __all__ = ["EVENT_INTERVAL_S", "KVEventFeed", "load_report", "publish_events"]
 

@@ -5,19 +5,31 @@ each [layers, tokens, kv_heads, head_dim], exactly as the sender's cache stores 
 block also carries its scales, float32 [layers, kv_heads] for K and for V. The receiver checks
 shapes, dtype and that the tokens it expects are covered, and (for full blocks) the hash key,
 before writing a byte.
+
+The arrays are torch tensors, or numpy arrays for the simulated engine (which has no torch:
+torch is imported only for tensors).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from rtp_serve.core.dtypes import STORAGE_DTYPES
 from rtp_serve.engine.config import KVLayout
-from rtp_serve.engine.dtypes import dtype_name, torch_dtype
 from rtp_serve.engine.outputs import PromptKV
 from rtp_serve.services.common.pb import common_pb2
 
+if TYPE_CHECKING:
+    import torch
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
+
+def tensor_bytes(t: torch.Tensor | np.ndarray) -> bytes:
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).tobytes()
+    import torch
+
     t = t.contiguous()
     # bfloat16 has no numpy dtype: move the raw bits as int16.
     return (
@@ -25,7 +37,22 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     )
 
 
+def array_from_bytes(data: bytes, dtype: str, shape: list[int]) -> np.ndarray:
+    """A numpy array (the simulated engine's KV) from the wire; ValueError on a mismatch."""
+    if dtype not in STORAGE_DTYPES or dtype == "bfloat16":
+        raise ValueError(f"unsupported dtype {dtype!r} for numpy KV")
+    expected = int(np.prod(shape, dtype=np.int64))
+    raw = np.frombuffer(data, dtype=dtype)
+    if raw.size != expected:
+        raise ValueError(f"KV payload has {raw.size} elements, shape {shape} needs {expected}")
+    return raw.reshape(shape)
+
+
 def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    import torch
+
+    from rtp_serve.engine.dtypes import torch_dtype
+
     t_dtype = torch_dtype(dtype)  # ValueError for an unknown name
     raw_dtype = torch.int16 if t_dtype == torch.bfloat16 else t_dtype
     expected = 1
@@ -61,7 +88,7 @@ def split_blocks(
             block_hash=block_hashes[index] if index < len(block_hashes) else b"",
             index=index,
             num_tokens=kb.shape[1],
-            dtype=dtype_name(k.dtype),
+            dtype=_dtype_name(k),
             shape=list(kb.shape),
             k=tensor_bytes(kb),
             v=tensor_bytes(vb),
@@ -88,6 +115,7 @@ def join_blocks(
     expected_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     scale_shape = [layout.num_layers, 1, layout.num_kv_heads]
     quantized = layout.dtype == "int8"
+    decode = array_from_bytes if layout.numpy else tensor_from_bytes
     blocks = sorted(blocks, key=lambda b: b.index)
     ks, vs, k_scales, v_scales = [], [], [], []
     pos = start
@@ -106,17 +134,31 @@ def join_blocks(
             and block.block_hash != block_hashes[block.index]
         ):
             raise ValueError(f"KV block {block.index} hash does not match the prompt")
-        ks.append(tensor_from_bytes(block.k, block.dtype, list(block.shape)))
-        vs.append(tensor_from_bytes(block.v, block.dtype, list(block.shape)))
+        ks.append(decode(block.k, block.dtype, list(block.shape)))
+        vs.append(decode(block.v, block.dtype, list(block.shape)))
         if quantized:  # a block without its scales fails the size check here
-            k_scales.append(tensor_from_bytes(block.k_scale, "float32", scale_shape))
-            v_scales.append(tensor_from_bytes(block.v_scale, "float32", scale_shape))
+            k_scales.append(decode(block.k_scale, "float32", scale_shape))
+            v_scales.append(decode(block.v_scale, "float32", scale_shape))
         pos += tokens
     if pos != end:
         raise ValueError(f"KV covers positions [{start}, {pos}), expected [{start}, {end})")
     if not ks:
         raise ValueError("no KV blocks received")
-    k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+    if layout.numpy:
+        cat = np.concatenate
+    else:
+        import torch
+
+        cat = torch.cat
+    k, v = cat(ks, 1), cat(vs, 1)
     if not quantized:
         return PromptKV(start, k, v)
-    return PromptKV(start, k, v, torch.cat(k_scales, dim=1), torch.cat(v_scales, dim=1))
+    return PromptKV(start, k, v, cat(k_scales, 1), cat(v_scales, 1))
+
+
+def _dtype_name(t: torch.Tensor | np.ndarray) -> str:
+    if isinstance(t, np.ndarray):
+        return t.dtype.name
+    from rtp_serve.engine.dtypes import dtype_name
+
+    return dtype_name(t.dtype)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from rtp_serve.engine.host_tier import HostTierStats
-from rtp_serve.engine.lora.registry import LoraStats
+from rtp_serve.engine.lora.stats import LoraStats
 from rtp_serve.engine.spec_decode.stats import SpecCounts
 from rtp_serve.services.common.metrics import (
     TIER_DEVICE,
@@ -18,6 +18,9 @@ from rtp_serve.services.common.metrics import (
     default_families,
     role_label,
 )
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.host_tier import HostTierStats
 
 _W = ("role", "model_name")  # every family is per worker role and served model
 

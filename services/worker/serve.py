@@ -10,12 +10,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from rtp_serve.core.block_hash import model_fingerprint
 from rtp_serve.core.dtypes import kv_numerics
-from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.flags import advertised
@@ -23,9 +23,11 @@ from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2_grpc
 from rtp_serve.services.worker import metrics as worker_metrics
-from rtp_serve.services.worker.config import build_llm
 from rtp_serve.services.worker.kv_events import KVEventFeed, publish_events
 from rtp_serve.services.worker.servicer import WorkerServicer
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 0.5  # after the drain: for the calls just ended to send their status
@@ -35,20 +37,30 @@ async def serve_worker(
     args: argparse.Namespace,
     role: int,
     make_servicer: Callable[[AsyncLLM, argparse.Namespace], WorkerServicer],
+    build_llm: Callable[[argparse.Namespace], AsyncLLM] | None = None,
+    metrics_address: str | None = None,
 ) -> None:
-    """Run one worker until cancelled: engine, gRPC server, registration, event publishing."""
+    """Run one worker until cancelled: engine, gRPC server, registration, event publishing.
+
+    `build_llm`: the engine (default: the torch engine the flags describe; the simulated
+    worker passes its own). `metrics_address`: a metrics server already serving this
+    process (several workers in one process share one), else one is started here."""
+    if build_llm is None:
+        from rtp_serve.services.worker.config import build_llm
     llm = await asyncio.to_thread(build_llm, args)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     servicer = make_servicer(llm, args)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = advertised(args, port)
-    metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
+    if metrics_address is None:
+        metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
+        metrics_address = advertised(args, metrics_port)
     member = make_member(
         role,
         address,
         model=llm.model,
         capacity=args.max_num_seqs,
-        metrics_address=advertised(args, metrics_port),
+        metrics_address=metrics_address,
         member_id=args.worker_id,
         kv=await asyncio.to_thread(kv_namespace, llm),
     )

@@ -4,12 +4,12 @@ refusals as gRPC statuses."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 
 from rtp_serve.core.peft_config import UnknownAdapterError
-from rtp_serve.engine.async_llm import AsyncLLM, EngineStoppedError
-from rtp_serve.engine.scheduler import QueueFullError
+from rtp_serve.engine.errors import EngineStoppedError, QueueFullError
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
@@ -17,6 +17,9 @@ from rtp_serve.services.worker.drain import Drain
 from rtp_serve.services.worker.kv_events import KVEventFeed
 from rtp_serve.services.worker.metrics import WorkerMetrics
 from rtp_serve.services.worker.tiers import Tiers
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 

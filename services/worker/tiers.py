@@ -19,10 +19,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.cost_model import TIER_REMOTE
-from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.outputs import PromptKV, StagedKV
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.cache.integrity import KVIntegrity
@@ -31,6 +31,9 @@ from rtp_serve.services.common.naming import MemberSet, NameClient
 from rtp_serve.services.common.pb import common_pb2, nameservice_pb2
 from rtp_serve.services.worker.kv_wire import join_blocks, split_blocks
 from rtp_serve.services.worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from rtp_serve.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 MAX_PENDING_PUTS = 16

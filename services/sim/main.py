@@ -1,0 +1,120 @@
+"""`rtp-serve sim-worker`: N simulated workers of one role in this process.
+
+Each is a whole worker as `rtp-serve fused|prefill|decode` runs it (services/worker/serve.py:
+its own gRPC port, member id, registration and heartbeats, numbered KV-event stream, load
+reports, Snapshot, drain), with the engine swapped for a SimLLM. They share the event loop
+and one metrics server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from rtp_serve.core.dtypes import resolve_dtype
+from rtp_serve.engine.sim.cost import SimCost
+from rtp_serve.engine.sim.engine import SimConfig, SimLLM
+from rtp_serve.services.common import metrics
+from rtp_serve.services.common.env import env
+from rtp_serve.services.common.flags import (
+    add_common_flags,
+    add_drain_flag,
+    add_model_flags,
+    advertised,
+)
+from rtp_serve.services.common.pb import nameservice_pb2
+from rtp_serve.services.decode.servicer import DecodeServicer
+from rtp_serve.services.prefill.servicer import PrefillServicer
+from rtp_serve.services.worker.serve import serve_worker
+from rtp_serve.services.worker.tiers import add_tier_arguments, cache_client
+
+log = logging.getLogger(__name__)
+ROLES = {
+    "fused": nameservice_pb2.ROLE_FUSED,
+    "prefill": nameservice_pb2.ROLE_PREFILL,
+    "decode": nameservice_pb2.ROLE_DECODE,
+}
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    add_common_flags(p)
+    add_drain_flag(p, "requests in flight")
+    add_model_flags(p)
+    add_tier_arguments(p)
+    p.add_argument("--role", choices=sorted(ROLES), default=env("role", "fused"))
+    p.add_argument("--count", type=int, default=int(env("count", "1")), help="workers here")
+    p.add_argument(
+        "--model",
+        default=env("model"),
+        required=env("model") is None,
+        help="checkpoint directory: its config.json and fingerprint (weights are not loaded)",
+    )
+    p.add_argument(
+        "--cost",
+        default=env("sim_cost"),
+        help="step-time profile, JSON (bench/fit_sim.py writes one; default: built-in)",
+    )
+    p.add_argument(
+        "--worker-id",
+        default=env("worker_id"),
+        help="member id (with --count > 1, a prefix: ID-0, ID-1, ...); default: fresh ones",
+    )
+    p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", "4096")))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", "64")))
+    p.add_argument("--max-num-waiting", type=int, default=int(env("max_num_waiting", "256")))
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", "2048"))
+    )
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=args.model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_waiting=args.max_num_waiting,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=resolve_dtype(args.dtype, args.model),
+        weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    if args.count <= 0:
+        raise SystemExit("--count must be positive")
+    if args.count > 1 and args.port:
+        raise SystemExit("with --count > 1 each worker takes a free port: leave --port 0")
+    role = ROLES[args.role]
+    config = sim_config(args)
+    cost = SimCost.load(args.cost) if args.cost else SimCost()
+    metrics_address = advertised(args, metrics.start_metrics_server(args.metrics_port, args.host))
+
+    def build(_: argparse.Namespace) -> SimLLM:
+        return SimLLM(config, cost)
+
+    def make(llm, worker_args):
+        if role == nameservice_pb2.ROLE_PREFILL:
+            return PrefillServicer(llm, cache_client(worker_args))
+        return DecodeServicer(llm, allow_fused=True, role=role, cache=cache_client(worker_args))
+
+    def one(i: int) -> argparse.Namespace:
+        worker_id = args.worker_id
+        if worker_id and args.count > 1:
+            worker_id = f"{worker_id}-{i}"
+        return _with(args, worker_id)
+
+    log.info(
+        "starting %d simulated %s workers (cost profile: %s)", args.count, args.role, cost.source
+    )
+    await asyncio.gather(
+        *(serve_worker(one(i), role, make, build, metrics_address) for i in range(args.count))
+    )
+
+
+def _with(args: argparse.Namespace, worker_id: str | None) -> argparse.Namespace:
+    copy = argparse.Namespace(**vars(args))
+    copy.worker_id = worker_id
+    return copy
