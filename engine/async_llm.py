@@ -29,6 +29,7 @@ from rtp_serve.core.cost_model import CostModel, StepCost
 from rtp_serve.core.outputs import SampledToken
 from rtp_serve.core.peft_config import LoraConfig
 from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
 from rtp_serve.engine.block_pool import KVEvent
 from rtp_serve.engine.config import EngineConfig, KVLayout
 from rtp_serve.engine.errors import EngineStoppedError, QueueFullError
@@ -128,6 +129,7 @@ class AsyncLLM:
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
+        tenant: TenantShare = DEFAULT_SHARE,
         prefetch: Callable[[], Awaitable[StagedKV | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas until the request finishes. Closing the iterator aborts it.
@@ -137,7 +139,8 @@ class AsyncLLM:
         `remote_prefill` (PD decode side): once blocks are reserved, an output with
         `waiting_for_kv` (and the prompt tokens cached here) comes first; the request then
         waits for `deliver_kv`. `block_hashes`: the prompt's keys, when the caller has them.
-        `lora`: the adapter to run under ("" the base model). `prefetch`: fetches the
+        `lora`: the adapter to run under ("" the base model). `tenant`: whom it is served
+        for (the scheduler shares each priority class between tenants). `prefetch`: fetches the
         prompt's prefix from a lower tier; it runs while the request is queued (which keeps
         its place, but is admitted only once the fetch is over; a failed fetch is a miss).
         Raises ValueError for bad input, UnknownAdapterError for an adapter not served,
@@ -154,6 +157,7 @@ class AsyncLLM:
             remote_prefill=remote_prefill,
             block_hashes=block_hashes,
             lora=lora,
+            tenant=tenant,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         tokens = 0 if remote_prefill else request.num_prompt_tokens  # as stats() counts

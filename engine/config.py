@@ -61,6 +61,9 @@ class EngineConfig:
     # more are added at run time. At most max_loras are resident and run in one step.
     loras: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
+    # Share each priority class between tenants by weighted tokens served
+    # (engine/fair_queue.py); False: first come, first served within a class.
+    fair_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

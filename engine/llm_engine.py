@@ -18,6 +18,7 @@ from rtp_serve.core.outputs import SampledToken
 from rtp_serve.core.peft_config import LoraConfig
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Grammars
+from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
 from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.core.validation import (
     InvalidRequestError,
@@ -72,6 +73,7 @@ class LLMEngine:
                 self.limits.max_model_len,
                 config.max_num_waiting,
                 config.max_loras,
+                config.fair_scheduling,
             ),
             self.kv,
             self.model_config.eos_token_ids,
@@ -129,6 +131,7 @@ class LLMEngine:
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
+        tenant: TenantShare = DEFAULT_SHARE,
     ) -> Request:
         """Validate and convert a prompt into an engine request (raises ValueError, or
         UnknownAdapterError for a `lora` adapter this engine does not serve).
@@ -162,6 +165,7 @@ class LLMEngine:
             salt=salt,
             lora=lora,
             priority=priority,
+            tenant=tenant,
             block_hashes=block_hashes or [],
             export_kv_from=export_kv_from,
             export_computed_only=export_computed_only,

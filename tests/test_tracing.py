@@ -143,6 +143,7 @@ def test_one_request_is_one_trace(cluster, receiver):
     usage = body["usage"]
     assert root.attributes[tracing.REQUEST_ID] == body["id"]
     assert root.attributes[tracing.REQUEST_MODEL] == model
+    assert root.attributes[tracing.TENANT] == "default"  # no API keys: the default tenant
     assert root.attributes[tracing.PROMPT_TOKENS] == usage["prompt_tokens"]
     assert root.attributes[tracing.COMPLETION_TOKENS] == usage["completion_tokens"]
     assert root.attributes[tracing.CACHED_TOKENS] == usage["prompt_tokens_details"]["cached_tokens"]

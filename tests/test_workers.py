@@ -329,3 +329,31 @@ def test_speculating_workers_serve_what_hf_does(model_dir, prompts, hf_greedy):
     for stats in (fused_stats, decode_stats):
         assert stats.integrity_ok, stats.integrity_error
         assert stats.held_blocks == 0
+
+
+def test_tenants_travel_to_the_scheduler_and_bad_weights_are_refused(workers, prompts):
+    """A tenant on Worker.Generate reaches the scheduler fused and through PD (the same
+    greedy tokens as without one); a weight that is negative or not finite is
+    INVALID_ARGUMENT naming `tenant`."""
+
+    async def call(address: str, prefill: str, tenant: worker_pb2.Tenant):
+        request = worker_pb2.GenerateRequest(
+            request_id=f"t-{tenant.name}-{tenant.weight}",
+            prompt_token_ids=prompts[1],
+            params=params_to_pb(GREEDY),
+            prefill_address=prefill,
+            tenant=tenant,
+        )
+        async with grpc_util.channel(address) as ch:
+            return [m async for m in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=30)]
+
+    plain = _tokens(asyncio.run(_generate(workers["fused"], prompts[1], GREEDY, rid="plain")))
+    for address, prefill in ((workers["fused"], ""), (workers["decode"], workers["prefill"])):
+        msgs = asyncio.run(call(address, prefill, worker_pb2.Tenant(name="acme", weight=2.5)))
+        assert _tokens(msgs) == plain
+        for weight in (-1.0, math.nan, math.inf):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                asyncio.run(call(address, prefill, worker_pb2.Tenant(name="acme", weight=weight)))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tenant" in err.value.details(), err.value.details()
+    assert asyncio.run(_stats(workers["decode"])).held_blocks == 0

@@ -9,6 +9,7 @@ from typing import Any
 from rtp_serve.core.outputs import TokenLogprobs
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import GuideKind, StructuredOutputs
+from rtp_serve.core.tenant import DEFAULT_TENANT, TenantShare
 from rtp_serve.core.validation import InvalidRequestError
 from rtp_serve.services.common.pb import common_pb2, worker_pb2
 
@@ -137,3 +138,16 @@ def logprob_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
 
 def logprob_from_pb(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, {t.token_id: t.logprob for t in msg.top})
+
+
+def tenant_to_pb(tenant: TenantShare) -> worker_pb2.Tenant:
+    return worker_pb2.Tenant(name=tenant.name, weight=tenant.weight)
+
+
+def tenant_from_pb(msg: worker_pb2.Tenant) -> TenantShare:
+    """A request's tenant (unset: the default one); InvalidRequestError naming `tenant` for a
+    weight that is negative or not finite."""
+    weight = msg.weight or 1.0
+    if not (math.isfinite(weight) and weight > 0):
+        raise InvalidRequestError(f"tenant weight must be positive, got {weight}", "tenant")
+    return TenantShare(msg.name or DEFAULT_TENANT, weight)

@@ -67,6 +67,7 @@ PREDICTED_PREFILL = "rtp.route.predicted_prefill_s"
 PREDICTED_FETCH = "rtp.route.predicted_fetch_s"
 WORKER_QUEUE = "rtp.worker.queue_s"
 WORKER_PREFILL = "rtp.worker.prefill_s"
+TENANT = "rtp.tenant"  # whom the request is served for (services/frontend/tenants.py)
 
 _provider: Any = None  # the SDK TracerProvider, once installed
 _pending: set[asyncio.Task[None]] = set()  # client spans waiting for their call's status

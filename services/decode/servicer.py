@@ -24,7 +24,12 @@ from rtp_serve.core.outputs import SampledToken
 from rtp_serve.engine.outputs import RequestOutput
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import grpc_util, tracing
-from rtp_serve.services.common.convert import logprob_from_pb, logprob_to_pb, params_from_pb
+from rtp_serve.services.common.convert import (
+    logprob_from_pb,
+    logprob_to_pb,
+    params_from_pb,
+    tenant_from_pb,
+)
 from rtp_serve.services.common.metrics import RECEIVED
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
@@ -137,6 +142,7 @@ class DecodeServicer(WorkerServicer):
             export_kv_from=0 if remote else None,
             export_computed_only=remote,
             lora=request.lora_name,
+            tenant=tenant_from_pb(request.tenant),
             prefetch=fetch,
         ):
             fetch.admitted(out.num_cached_tokens)
@@ -156,6 +162,7 @@ class DecodeServicer(WorkerServicer):
             remote_prefill=True,
             block_hashes=hashes,
             lora=request.lora_name,
+            tenant=tenant_from_pb(request.tenant),
         )
         call = None
         spans: list[trace.Span] = []  # kv_transfer, decode: ended however the call ends
@@ -175,6 +182,7 @@ class DecodeServicer(WorkerServicer):
                     block_hashes=hashes,
                     structured=request.structured if request.HasField("structured") else None,
                     lora_name=request.lora_name,
+                    tenant=request.tenant,
                 ),
                 timeout=context.time_remaining(),
             )

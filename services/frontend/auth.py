@@ -19,7 +19,9 @@ from `--admin-key` / RTP_ADMIN_KEY.
 An API key entry may carry, after whitespace, the most urgent `priority` its requests may
 ask for (lower runs first): `sk-batch priority=10`, `sk-ops priority=-5`. A key without
 one, and every client of a server without API keys, gets `--priority-floor` (default 0):
-a request asking for a priority below its floor is a 403 naming `priority`.
+a request asking for a priority below its floor is a 403 naming `priority`. It may also name
+its tenant and the tenant's weight and limits (`tenant=acme weight=2 tpm=60000`): the line
+format is in tenants.py.
 
 Only SHA-256 digests of the keys are kept, and a presented key is compared with every one
 of them in constant time (`hmac.compare_digest`), so neither the comparison's time nor a log
@@ -35,14 +37,22 @@ import hmac
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from rtp_serve.core.tenant import DEFAULT_TENANT
 from rtp_serve.services.common.env import env
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
+from rtp_serve.services.frontend.tenants import (
+    DEFAULT_LABELS,
+    KeyLine,
+    TenantSpec,
+    TenantTable,
+    parse_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,27 +84,32 @@ class ApiKeys:
     admin: bytes | None = None  # digest of the admin key (LoRA endpoints)
     floors: tuple[int, ...] = ()  # per API key: the most urgent priority it may ask for
     default_floor: int = DEFAULT_PRIORITY_FLOOR  # keys without one, and an open API
+    tenant_names: tuple[str, ...] = ()  # per API key: its tenant
+    tenants: TenantTable = field(default_factory=TenantTable, compare=False)  # (dicts: unhashable)
 
     @classmethod
     def of(
         cls,
-        keys: Iterable[str | tuple[str, int | None]],
+        keys: Iterable[str | tuple],
         metrics_key: str | None = None,
         admin_key: str | None = None,
         default_floor: int = DEFAULT_PRIORITY_FLOOR,
+        tenant_labels: int = DEFAULT_LABELS,
     ) -> ApiKeys:
-        """`keys`: keys, or (key, priority floor or None for the default)."""
-        by_digest: dict[bytes, int] = {}
-        for entry in keys:
-            key, floor = (entry, None) if isinstance(entry, str) else entry
-            if key:
-                by_digest[_digest(key)] = default_floor if floor is None else floor
+        """`keys`: keys, or KeyLines (key, priority floor or None for the default, tenant,
+        tenant attributes), as parse_key makes them."""
+        lines = [KeyLine(e) if isinstance(e, str) else KeyLine(*e) for e in keys]
+        lines = [line for line in lines if line.key]
+        by_digest: dict[bytes, KeyLine] = {_digest(line.key): line for line in lines}
+        floors = (default_floor if ln.floor is None else ln.floor for ln in by_digest.values())
         return cls(
             tuple(by_digest),
             _digest(metrics_key) if metrics_key else None,
             _digest(admin_key) if admin_key else None,
-            tuple(by_digest.values()),
+            tuple(floors),
             default_floor,
+            tuple(line.tenant for line in by_digest.values()),
+            TenantTable.of(lines, tenant_labels),
         )
 
     @property
@@ -136,6 +151,15 @@ class ApiKeys:
             return self.default_floor
         i = _matches(_digest(presented), self.api)
         return self.default_floor if i < 0 else self.floors[i]
+
+    def tenant(self, authorization: str | None) -> TenantSpec:
+        """The tenant of a request with this (already admitted) header: its key's, or the
+        default tenant without keys."""
+        presented = bearer(authorization)
+        if not self.api or presented is None:
+            return self.tenants.get(DEFAULT_TENANT)
+        i = _matches(_digest(presented), self.api)
+        return self.tenants.get(DEFAULT_TENANT if i < 0 else self.tenant_names[i])
 
     def check_priority(self, priority: int, authorization: str | None) -> None:
         """403 naming `priority` when it is more urgent (lower) than the key may ask for."""
@@ -221,6 +245,20 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
         help="the most urgent `priority` a request may ask for (lower runs first) unless its "
         "API key carries its own (KEY priority=N); below it: 403",
     )
+    p.add_argument(
+        "--frontend-replicas",
+        type=int,
+        default=int(env("frontend_replicas", "1")),
+        help="frontend replicas behind the load balancer: each enforces 1/N of every "
+        "tenant's limits (tpm=, rpm=, concurrency= in the key file)",
+    )
+    p.add_argument(
+        "--tenant-labels",
+        type=int,
+        default=int(env("tenant_labels", str(DEFAULT_LABELS))),
+        help="tenants with a metrics label of their own (the highest weights, then the "
+        "first in the key file); the rest are counted as 'other'",
+    )
 
 
 def from_args(args: argparse.Namespace) -> ApiKeys:
@@ -234,7 +272,9 @@ def from_args(args: argparse.Namespace) -> ApiKeys:
     if args.api_key_file:
         entries += read_key_file(Path(args.api_key_file))
     keys = [parse_key(e) for e in entries if e.strip()]
-    api_keys = ApiKeys.of(keys, args.metrics_key, args.admin_key, args.priority_floor)
+    api_keys = ApiKeys.of(
+        keys, args.metrics_key, args.admin_key, args.priority_floor, args.tenant_labels
+    )
     if not api_keys.api:
         log.warning("no API key configured: anyone who reaches the frontend may use the model")
     else:
@@ -242,21 +282,10 @@ def from_args(args: argparse.Namespace) -> ApiKeys:
     return api_keys
 
 
-def parse_key(entry: str) -> tuple[str, int | None]:
-    """`KEY` or `KEY priority=N` -> (key, floor or None); ValueError for anything else, so a
-    mistyped attribute stops the frontend at start rather than being taken as part of a key."""
-    key, *attrs = entry.split()
-    floor = None
-    for attr in attrs:
-        name, _, value = attr.partition("=")
-        if name != "priority":
-            # (the text is not echoed: it may be part of a key)
-            raise ValueError("an API key entry may carry only priority=N after the key")
-        try:
-            floor = int(value)
-        except ValueError:
-            raise ValueError("an API key entry's priority=N must be an integer") from None
-    return key, floor
+def parse_key(entry: str) -> KeyLine:
+    """`KEY [priority=N] [tenant=NAME ...]` -> KeyLine (tenants.py); ValueError for anything
+    else, so a mistyped attribute stops the frontend at start."""
+    return parse_line(entry)
 
 
 def read_key_file(path: Path) -> list[str]:

@@ -57,6 +57,7 @@ class FrontendError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after: int | None = None  # a 429's Retry-After, seconds (None: the default)
 
     def body(self) -> dict[str, dict[str, str | None]]:
         """The OpenAI error object."""

@@ -38,6 +38,7 @@ from opentelemetry import trace
 from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util, tracing
+from rtp_serve.services.common.convert import tenant_to_pb
 from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from rtp_serve.services.frontend import metrics
 from rtp_serve.services.frontend.adapters import Adapters, not_found
@@ -54,6 +55,8 @@ from rtp_serve.services.frontend.inputs import GenerateInput
 from rtp_serve.services.frontend.limits import Limits, max_token_chars
 from rtp_serve.services.frontend.model_info import Admission, ModelInfo
 from rtp_serve.services.frontend.router_client import Route, Router
+from rtp_serve.services.frontend.tenant_limits import TenantLimiter
+from rtp_serve.services.frontend.tenants import TenantTable
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,11 @@ class Generator:
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         adapters: Adapters | None = None,
         log_requests: bool = False,
+        tenants: TenantTable | None = None,
+        frontend_replicas: int = 1,
     ) -> None:
+        """`tenants`: whom API keys serve, and their limits (default: the default tenant
+        only, no limits), of which this frontend enforces 1/`frontend_replicas`."""
         if max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.model = model
@@ -120,6 +127,9 @@ class Generator:
         self.max_token_chars = max_token_chars(tokenizer.id_to_token, model.vocab_size)
         self.token_text = TokenText(tokenizer, model.byte_level)
         self.metrics = metrics.frontend(model.served_name)
+        self.tenants = TenantLimiter(
+            tenants or TenantTable(), self.metrics.tenant, frontend_replicas
+        )
         # One log line per request at its first token: where it went, predicted and actual.
         self.log_requests = log_requests
 
@@ -185,7 +195,7 @@ class Generator:
     async def start(self, inp: GenerateInput) -> DeltaStream:
         """Route and open the worker stream; returns once the first output arrived.
         The caller must `aclose()` the stream (contextlib.aclosing)."""
-        timer = self.metrics.sequence()
+        timer = self.metrics.sequence(inp.tenant.metrics if inp.tenant else None)
         messages = self._worker_messages(inp, timer)
         first = await anext(messages, None)
         if first is None:
@@ -254,6 +264,7 @@ class Generator:
                 block_hashes=hashes,
                 structured=_resumed(inp.structured, len(produced)),
                 lora_name=inp.lora,
+                tenant=tenant_to_pb(inp.tenant.share) if inp.tenant else None,
             )
             stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
             left = inp.remaining()
@@ -268,6 +279,8 @@ class Generator:
                 async for msg in grpc_util.responses(call):
                     first = timer.last_token is None
                     timer.tokens(len(msg.token_ids))
+                    if inp.tenant is not None:
+                        inp.tenant.output(len(msg.token_ids))
                     if first and timer.routed_ttft_s is not None:
                         self._first_token(inp.request_id, route, msg, timer.routed_ttft_s)
                     produced.extend(msg.token_ids)

@@ -90,18 +90,23 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 if request.model:
                     opts = replace(opts, lora=gen.resolve_model(request.model))
                 (inp,) = prepare(gen.model, gen.limits, request_id, ids, opts, DEFAULT_MAX_TOKENS)
-                stream = await gen.start(inp)
-                async with contextlib.aclosing(stream):
-                    async for delta in stream:
-                        yield frontend_pb2.FrontendGenerateResponse(
-                            text=delta.text,
-                            token_ids=delta.token_ids,
-                            logprobs=delta.logprobs,  # empty unless params.logprobs was set
-                            finished=delta.finish_reason is not None,
-                            finish_reason=delta.finish_reason or "",
-                            prompt_tokens=delta.prompt_tokens,
-                            completion_tokens=delta.completion_tokens,
-                            cached_tokens=delta.cached_tokens,
-                        )
+                tenant = self.keys.tenant(metadata.get("authorization"))
+                trace.get_current_span().set_attribute(tracing.TENANT, tenant.name)
+                with gen.tenants.admit(tenant, len(ids)) as lease:  # 429 over its limits
+                    stream = await gen.start(replace(inp, tenant=lease))
+                    async with contextlib.aclosing(stream):
+                        async for delta in stream:
+                            yield frontend_pb2.FrontendGenerateResponse(
+                                text=delta.text,
+                                token_ids=delta.token_ids,
+                                logprobs=delta.logprobs,  # empty unless params.logprobs was set
+                                finished=delta.finish_reason is not None,
+                                finish_reason=delta.finish_reason or "",
+                                prompt_tokens=delta.prompt_tokens,
+                                completion_tokens=delta.completion_tokens,
+                                cached_tokens=delta.cached_tokens,
+                            )
         except FrontendError as exc:
+            if exc.retry_after is not None:  # a tenant over its limit: when to come back
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after)),))
             await context.abort(exc.kind.grpc_code, exc.message)

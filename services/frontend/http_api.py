@@ -105,7 +105,9 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait: queues here drain in a
 
 
 def error_response(exc: FrontendError) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.kind == ErrorKind.OVERLOADED else None
+    headers = None
+    if exc.kind == ErrorKind.OVERLOADED:
+        headers = {"Retry-After": str(exc.retry_after or RETRY_AFTER_S)}
     resp = web.json_response(exc.body(), status=exc.kind.http_status, headers=headers)
     if exc.kind in (ErrorKind.SLOW_CLIENT, ErrorKind.TOO_LARGE):
         resp.force_close()  # the rest of the body is not worth reading
@@ -243,9 +245,13 @@ async def _generate(
         else:  # echo: each choice's text starts with the prompt
             echo = _prompt_text(gen, req, ids) if req.echo else ""
             choices = [Choice(text=echo) for _ in inputs]
-        return await _respond(
-            request, gen, builder, inputs, choices, req.stream, req.include_usage, opts.n
-        )
+        tenant = request.app[KEYS].tenant(request.headers.get("Authorization"))
+        trace.get_current_span().set_attribute(tracing.TENANT, tenant.name)
+        with gen.tenants.admit(tenant, len(ids)) as lease:  # 429 over the tenant's limits
+            inputs = [replace(inp, tenant=lease) for inp in inputs]
+            return await _respond(
+                request, gen, builder, inputs, choices, req.stream, req.include_usage, opts.n
+            )
 
 
 def _check_advice_chars(advice: str, context_len: int) -> None:

@@ -21,6 +21,7 @@ from rtp_serve.services.common.pb import common_pb2, worker_pb2
 from rtp_serve.services.frontend.errors import invalid
 from rtp_serve.services.frontend.limits import Limits
 from rtp_serve.services.frontend.model_info import ModelInfo
+from rtp_serve.services.frontend.tenant_limits import TenantLease
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -69,6 +70,9 @@ class GenerateInput:
     timeout: float | None = None  # as the client gave it
     deadline: float | None = None  # time.monotonic() when the request gives up
     lora: str = ""  # the LoRA adapter to run under ("" the base model)
+    # Its tenant's admission (set by the ingress after prepare): the share the workers
+    # schedule by, the output tokens it takes, the tenant's metrics. None: the default's.
+    tenant: TenantLease | None = None
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (<= 0: passed); None without one."""

@@ -109,6 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
     adapters = Adapters(args.lora_root)
     adapters.load_flags(args.loras)
     limits = Limits.from_args(args)
+    keys = auth.from_args(args)
     generator = Generator(
         model,
         tokenizer,
@@ -118,8 +119,9 @@ async def serve(args: argparse.Namespace) -> None:
         max_migrations=args.max_migrations,
         adapters=adapters,
         log_requests=args.log_requests,
+        tenants=keys.tenants,
+        frontend_replicas=args.frontend_replicas,
     )
-    keys = auth.from_args(args)
     runner = web.AppRunner(
         build_app(generator, keys),
         handler_cancellation=True,  # a client that goes away cancels its worker calls

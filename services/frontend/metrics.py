@@ -21,6 +21,7 @@ from rtp_serve.services.common.metrics import (
 )
 
 _MODEL = ("model_name",)  # every family is per served model
+_TENANT = (*_MODEL, "tenant")
 
 
 class FrontendFamilies(Families):
@@ -93,6 +94,34 @@ class FrontendFamilies(Families):
             "Sequences that failed because their worker failed again after --max-migrations.",
             _MODEL,
         ),
+        # Per tenant (services/frontend/tenants.py): only the top tenants have a label of
+        # their own, the rest share "other", so the series stay few whatever the key count.
+        MetricSpec(
+            "tenant_requests", "counter", "tenant_requests",
+            "Requests admitted, by tenant.",
+            _TENANT,
+        ),
+        MetricSpec(
+            "tenant_tokens", "counter", "tenant_tokens",
+            "Tokens by tenant and kind: prompt (counted on arrival), output (as they stream).",
+            (*_TENANT, "kind"),
+        ),
+        MetricSpec(
+            "tenant_rejections", "counter", "tenant_rejections",
+            "Requests refused (429) by tenant and the limit they were over: tokens_per_minute, "
+            "requests_per_minute or concurrency.",
+            (*_TENANT, "limit"),
+        ),
+        MetricSpec(
+            "tenant_time_to_first_token", "histogram", "tenant_time_to_first_token_seconds",
+            "Time from a sequence's arrival to its first output token, by tenant.",
+            _TENANT, TTFT_BUCKETS,
+        ),
+        MetricSpec(
+            "tenant_inter_token_latency", "histogram", "tenant_inter_token_latency_seconds",
+            "Time between consecutive output tokens, by tenant.",
+            _TENANT, ITL_BUCKETS,
+        ),
         MetricSpec(
             "http_requests", "counter", "http_requests",
             "HTTP requests by route and status (499: the client went away).",
@@ -112,6 +141,7 @@ class SequenceTimer:
     """
 
     metrics: FrontendMetrics
+    tenant: TenantMetrics | None = None  # its tenant's TTFT and ITL too
     arrival: float = field(default_factory=time.monotonic)
     opened: bool = False
     last_token: float | None = None
@@ -139,6 +169,8 @@ class SequenceTimer:
         now = time.monotonic()
         if self.last_token is None:
             self.metrics.ttft.observe(now - self.arrival)
+            if self.tenant is not None:
+                self.tenant.ttft.observe(now - self.arrival)
             if self.routed_at is not None:
                 self.routed_ttft_s = now - self.routed_at
             if self.routed_ttft_s is not None and self.predicted_ttft_s > 0:
@@ -149,6 +181,8 @@ class SequenceTimer:
         gap = (now - self.last_token) / n if n else 0.0
         for _ in range(n):
             self.metrics.itl.observe(gap)
+            if self.tenant is not None:
+                self.tenant.itl.observe(gap)
         self.last_token = now
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
@@ -203,9 +237,31 @@ class FrontendMetrics:
     def routed_by(self, source: str) -> None:
         self.families.routes.labels(self.model_name, source).inc()
 
-    def sequence(self) -> SequenceTimer:
-        """A timer for a sequence arriving now."""
-        return SequenceTimer(self)
+    def sequence(self, tenant: TenantMetrics | None = None) -> SequenceTimer:
+        """A timer for a sequence arriving now (of this tenant's)."""
+        return SequenceTimer(self, tenant)
+
+    def tenant(self, label: str) -> TenantMetrics:
+        """The metrics of a tenant label (a top tenant's name, or "other")."""
+        return TenantMetrics(self.families, self.model_name, label)
+
+
+class TenantMetrics:
+    """One tenant label's series."""
+
+    __slots__ = ("_rejections", "_key", "requests", "prompt_tokens", "output_tokens", "ttft", "itl")
+
+    def __init__(self, families: FrontendFamilies, model_name: str, label: str) -> None:
+        self.requests = families.tenant_requests.labels(model_name, label)
+        self.prompt_tokens = families.tenant_tokens.labels(model_name, label, "prompt")
+        self.output_tokens = families.tenant_tokens.labels(model_name, label, "output")
+        self.ttft = families.tenant_time_to_first_token.labels(model_name, label)
+        self.itl = families.tenant_inter_token_latency.labels(model_name, label)
+        self._rejections = families.tenant_rejections
+        self._key = (model_name, label)
+
+    def rejected(self, limit: str) -> None:
+        self._rejections.labels(*self._key, limit).inc()
 
 
 def frontend(model_name: str) -> FrontendMetrics:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import tracing
-from rtp_serve.services.common.convert import logprob_to_pb, params_from_pb
+from rtp_serve.services.common.convert import logprob_to_pb, params_from_pb, tenant_from_pb
 from rtp_serve.services.common.metrics import SENT
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2
@@ -69,6 +69,7 @@ class PrefillServicer(WorkerServicer):
                     export_kv_from=skip,
                     block_hashes=hashes,
                     lora=request.lora_name,
+                    tenant=tenant_from_pb(request.tenant),
                     prefetch=fetch,
                 ):
                     final = out

@@ -102,6 +102,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", "2048"))
     )
     p.add_argument(
+        "--scheduling",
+        choices=("fair", "fcfs"),
+        default=env("scheduling", "fair"),
+        help="within a priority class: share between tenants by weighted tokens served "
+        "(fair, the default), or first come, first served (fcfs)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=int(env("threads", "0")),
@@ -194,6 +201,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        fair_scheduling=args.scheduling == "fair",
         num_threads=args.threads or None,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,

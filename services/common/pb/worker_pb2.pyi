@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_address", "block_hashes", "structured", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_address", "block_hashes", "structured", "lora_name", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GenerateRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -25,7 +26,16 @@ class GenerateRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     structured: StructuredOutput
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    tenant: Tenant
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+
+class Tenant(_message.Message):
+    __slots__ = ("name", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "resume_tokens")
@@ -72,7 +82,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., stop_reason: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "skip_blocks", "block_hashes", "structured", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "skip_blocks", "block_hashes", "structured", "lora_name", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +91,7 @@ class PrefillRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -89,7 +100,8 @@ class PrefillRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     structured: StructuredOutput
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    tenant: Tenant
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "block")
