@@ -119,5 +119,6 @@ class KVFeed:
             removed=removed,
             host_stored=host_stored,
             host_removed=host_removed,
+            published_unix_ns=time.time_ns(),
         )
         await self.bus.publish(self._subject, msg)

@@ -309,6 +309,8 @@ class ClusterView:
             self.apply_membership(event)
 
     async def _on_kv_events(self, msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
+        blocks = len(msg.stored) + len(msg.removed) + len(msg.host_stored) + len(msg.host_removed)
+        metrics.master().kv_events(blocks, msg.published_unix_ns)
         try:
             self.apply_kv_events(msg)
         except ValueError as e:

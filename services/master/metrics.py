@@ -3,6 +3,7 @@ resyncs by reason, and the index's size per worker (read from the view at scrape
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily
@@ -10,9 +11,32 @@ from prometheus_client.registry import Collector
 
 from rtp_serve.services.common.metrics import PREFIX, Families, MetricSpec, default_families
 
+# Route decisions take tens of microseconds to milliseconds; event lag, milliseconds up.
+ROUTE_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
 
 class MasterMetrics(Families):
     SPECS = (
+        MetricSpec(
+            "route_duration", "histogram", "route_duration_seconds",
+            "Seconds the master took to answer a Route call (server side, from its arrival "
+            "at the servicer to the plan).",
+            (), ROUTE_BUCKETS,
+        ),
+        MetricSpec(
+            "index_event_blocks", "counter", "index_event_blocks",
+            "Block hashes received in workers' KV event batches (stored and removed, both "
+            "tiers), whether applied or buffered for a resync.",
+        ),
+        MetricSpec(
+            "index_event_lag", "histogram", "index_event_lag_seconds",
+            "Seconds from a worker publishing a KV event batch to the master taking it "
+            "(across machines this includes their clock offset).",
+            (), LAG_BUCKETS,
+        ),
         MetricSpec(
             "route_decisions", "counter", "route_decisions",
             "Route requests answered, by policy and reason (services.master.policy.RouteReason).",
@@ -37,6 +61,15 @@ class MasterMetrics(Families):
 
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()
+
+    def routed_in(self, seconds: float) -> None:
+        self.route_duration.observe(seconds)
+
+    def kv_events(self, blocks: int, published_unix_ns: int) -> None:
+        """A KV event batch arrived: its size, and its lag if the worker stamped it."""
+        self.index_event_blocks.inc(blocks)
+        if published_unix_ns:
+            self.index_event_lag.observe(max(0.0, (time.time_ns() - published_unix_ns) / 1e9))
 
     def resynced(self, reason: str) -> None:
         self.index_resyncs.labels(reason).inc()

@@ -5,6 +5,7 @@ and the prefix index as it stands (Index)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 from opentelemetry import trace
@@ -42,6 +43,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def Route(
         self, request: master_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RoutePlan:
+        started = time.perf_counter()
         span = trace.get_current_span()
         span.set_attribute(tracing.REQUEST_ID, request.request_id)
         extra = {"request_id": request.request_id}
@@ -71,6 +73,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         plan = decision.plan
         metrics.master().route(plan.policy, decision.reason)
+        metrics.master().routed_in(time.perf_counter() - started)
         log.debug("route %s: %s", request.request_id, plan.reason, extra=extra)
         if span.is_recording():
             span.set_attributes(

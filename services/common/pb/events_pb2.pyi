@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVEvents(_message.Message):
-    __slots__ = ("worker_id", "seq", "stored", "removed", "cleared", "incarnation", "host_stored", "host_removed")
+    __slots__ = ("worker_id", "seq", "stored", "removed", "cleared", "incarnation", "host_stored", "host_removed", "published_unix_ns")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KVEvents(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HOST_STORED_FIELD_NUMBER: _ClassVar[int]
     HOST_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     stored: _containers.RepeatedScalarFieldContainer[bytes]
@@ -24,7 +25,8 @@ class KVEvents(_message.Message):
     incarnation: int
     host_stored: _containers.RepeatedScalarFieldContainer[bytes]
     host_removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., incarnation: _Optional[int] = ..., host_stored: _Optional[_Iterable[bytes]] = ..., host_removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    published_unix_ns: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., incarnation: _Optional[int] = ..., host_stored: _Optional[_Iterable[bytes]] = ..., host_removed: _Optional[_Iterable[bytes]] = ..., published_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "incarnation", "kv_seq", "step_fixed_s", "step_token_s", "step_row_s", "step_token_budget", "fetch_costs", "kv_block_bytes", "remote_tier", "loras", "resident_loras")
