@@ -235,6 +235,7 @@ async def frontend(
             limits=limits,
             max_migrations=max_migrations,
             adapters=Adapters(lora_root),
+            tenants=keys.tenants if keys is not None else None,
         )
         server = TestServer(build_app(gen, keys))
         await server.start_server(**server_options(gen.limits))  # (not taken by __init__)

@@ -5,6 +5,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rtp_serve.core.tenant import TenantShare
+from rtp_serve.services.common.pb import worker_pb2
 from rtp_serve.services.frontend import auth, metrics
 from rtp_serve.services.frontend.auth import ApiKeys
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError
@@ -174,3 +175,49 @@ def test_admission_moves_the_tenants_counters():
     assert sample("rtp:tenant_requests_total", tenant="a") == requests + 1
     assert sample("rtp:tenant_tokens_total", tenant="a", kind="prompt") == prompt + 7
     assert sample("rtp:tenant_tokens_total", tenant="a", kind="output") == output + 3
+
+
+def test_the_frontend_sends_the_tenant_and_refuses_past_its_limit(model_dir):
+    """Through both ingresses over a fake worker: the key's tenant and weight reach the
+    worker's GenerateRequest; past the tenant's limit, HTTP 429 with Retry-After and gRPC
+    RESOURCE_EXHAUSTED with a retry-after trailer, while another tenant is served."""
+    import grpc
+    import httpx
+
+    from rtp_serve.core.tokenizer import Tokenizer
+    from rtp_serve.services.common.pb import common_pb2, frontend_pb2, frontend_pb2_grpc
+    from tests.frontend_fakes import FakeWorker
+    from tests.fuzz_harness import served_frontend
+
+    tiny = model_dir("tiny-llama")
+    worker = FakeWorker(Tokenizer(tiny).encode("one two three four"), eos=0)
+    lines = ["sk-a tenant=acme weight=3 rpm=1", "sk-b tenant=beta"]
+    keys = ApiKeys.of([auth.parse_key(line) for line in lines])
+    body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}
+    with served_frontend(tiny, worker, keys=keys) as served:
+        with httpx.Client(base_url=served.url, timeout=30) as c:
+
+            def post(key: str) -> httpx.Response:
+                return c.post("/v1/completions", json=body, headers={"Authorization": key})
+
+            assert post("Bearer sk-a").status_code == 200
+            assert worker.requests[-1].tenant == worker_pb2.Tenant(name="acme", weight=3.0)
+            refused = post("Bearer sk-a")
+            assert refused.status_code == 429 and 1 <= int(refused.headers["Retry-After"]) <= 60
+            assert refused.json()["error"]["param"] == "requests_per_minute"
+            assert post("Bearer sk-b").status_code == 200
+            assert worker.requests[-1].tenant == worker_pb2.Tenant(name="beta", weight=1.0)
+        request = frontend_pb2.FrontendGenerateRequest(
+            text="hi", params=common_pb2.SamplingParams(max_tokens=2)
+        )
+        with grpc.insecure_channel(served.grpc_address) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            with pytest.raises(grpc.RpcError) as exc:
+                list(
+                    stub.Generate(request, metadata=[("authorization", "Bearer sk-a")], timeout=30)
+                )
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "requests_per_minute" in exc.value.details()
+            trailers = dict(exc.value.trailing_metadata())
+            assert 1 <= int(trailers["retry-after"]) <= 60
+            assert list(stub.Generate(request, metadata=[("authorization", "Bearer sk-b")]))
