@@ -524,3 +524,30 @@ async def _first_and_all(llm: AsyncLLM, prompt):
         else:
             assert out.queue_s is None and out.prefill_s is None
     return first, collector.result()
+
+
+# -- tenants -------------------------------------------------------------------------------
+def test_tenants_take_turns_and_outputs_stay_the_same(llama_dir, prompts):
+    """One slot, a heavy tenant's four requests queued before a light tenant's one: fair
+    scheduling (engine/fair_queue.py) admits the light one second, first come first served
+    last; each request's greedy tokens are the same either way."""
+    from rtp_serve.core.tenant import TenantShare
+
+    heavy, light = TenantShare("heavy"), TenantShare("light", weight=0.5)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    orders, tokens = {}, {}
+    for fair in (True, False):
+        engine = make_llm(llama_dir, max_num_seqs=1, fair_scheduling=fair).engine
+        for i in range(4):
+            engine.add_request(engine.make_request(f"h{i}", prompts[i], params, tenant=heavy))
+        engine.add_request(engine.make_request("l0", prompts[4], params, tenant=light))
+        order, out = [], {}
+        while engine.has_unfinished_requests():
+            for delta in step_checked(engine):
+                out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+                if delta.finished:
+                    order.append(delta.request_id)
+        orders[fair], tokens[fair] = order, out
+        assert_pool_idle(engine)
+    assert orders == {True: ["h0", "l0", "h1", "h2", "h3"], False: ["h0", "h1", "h2", "h3", "l0"]}
+    assert tokens[True] == tokens[False]
