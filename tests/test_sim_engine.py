@@ -140,3 +140,15 @@ def test_simllm_streams_exports_kv_and_checks_clean(model_dir):
     assert again[0].num_cached_tokens == 3 * BS and again[-1].num_output_tokens == 3
     assert check.integrity_error == "" and check.num_held_blocks == 0
     assert set(device) == set(block_hash_keys(prompt, BS, llm.cache_salt)) and host == []
+
+
+def test_a_prompt_the_pool_cannot_hold_is_refused(model_dir):
+    llm = SimLLM(SimConfig(str(model_dir("tiny-llama")), num_blocks=8, block_size=BS), FREE)
+
+    async def main():
+        async for _ in llm.generate(list(range(40)), SamplingParams(max_tokens=1), "big"):
+            pass
+
+    with pytest.raises(ValueError, match="context length"):
+        asyncio.run(main())
+    assert llm.stats().num_waiting == 0

@@ -23,6 +23,7 @@ from rtp_serve.core.outputs import SampledToken
 from rtp_serve.core.peft_config import UnknownAdapterError
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
+from rtp_serve.core.validation import check_prompt
 from rtp_serve.engine.block_pool import BlockPool, KVEvent
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.errors import EngineStoppedError
@@ -75,7 +76,12 @@ class SimLLM:
         self.cost = cost
         self.costs = CostModel(config.max_num_batched_tokens)
         model = ModelConfig.from_dir(config.model)
-        self.max_model_len = model.max_position_embeddings
+        # As the real engine: no longer than the pool holds (a request that can never fit
+        # would wait forever).
+        self.max_model_len = min(
+            model.max_position_embeddings, config.num_blocks * config.block_size
+        )
+        self.vocab_size = model.vocab_size
         numerics = kv_numerics(config.dtype, config.weight_dtype, config.kv_dtype)
         self.cache_salt = salt_of(_model_id(config.model), numerics)
         self.pool = BlockPool(config.num_blocks, record_events=True)
@@ -118,8 +124,7 @@ class SimLLM:
         if self._stopped:
             raise EngineStoppedError("engine shut down")
         prompt = list(prompt)
-        if not prompt:
-            raise ValueError("the prompt is empty")
+        check_prompt(prompt, self.vocab_size, self.max_model_len)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
@@ -275,17 +280,30 @@ class SimLLM:
 
     async def _run(self) -> None:
         while True:
-            work = self.scheduler.schedule()
-            self._flush()
-            if not work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            seconds, prompt_tokens, rows = self._step_s(work)
-            await asyncio.sleep(seconds)
-            self.scheduler.complete(work)
-            self.costs.observe_step(seconds, prompt_tokens, rows)
-            self._flush()
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in a step must not strand callers
+                log.exception("simulated step failed; aborting %d requests", len(self._streams))
+                for request_id, stream in list(self._streams.items()):
+                    self.scheduler.abort(request_id)
+                    stream.put_nowait(exc)
+                self._streams.clear()
+
+    async def _step(self) -> None:
+        """One step, or a wait for work."""
+        work = self.scheduler.schedule()
+        self._flush()
+        if not work:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        seconds, prompt_tokens, rows = self._step_s(work)
+        await asyncio.sleep(seconds)
+        self.scheduler.complete(work)
+        self.costs.observe_step(seconds, prompt_tokens, rows)
+        self._flush()
 
     def _step_s(self, work: list[Work]) -> tuple[float, int, int]:
         prompt_tokens = rows = decode_ctx = 0

@@ -315,7 +315,7 @@ class CacheAware(Policy):
         matched = {w: device[w] for w in ids}
         if self.uses_cache:
             host = view.index.host
-            below = {w: host.match(w, hashes[n:]) for w, n in device.items()}
+            below = {w: host.match(w, hashes, n) for w, n in device.items()}
             # What the remote tier can give: what its instances hold (T2 and T3), and what
             # any worker holds (each wrote it back).
             reachable = max(

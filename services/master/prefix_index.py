@@ -59,17 +59,17 @@ class PrefixIndex:
     def holds(self, worker_id: str, block_hash: bytes) -> bool:
         return worker_id in self._holders.get(block_hash, ())
 
-    def match(self, worker_id: str, hashes: Sequence[bytes]) -> int:
-        """Number of leading `hashes` present on `worker_id` (stops at the first miss)."""
+    def match(self, worker_id: str, hashes: Sequence[bytes], start: int = 0) -> int:
+        """Number of leading `hashes[start:]` present on `worker_id` (stops at the first
+        miss). `start` instead of a slice: a prompt's keys are thousands, its candidates
+        hundreds, and most hold none of it."""
         blocks = self._blocks.get(worker_id)
         if not blocks:
             return 0
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
+        n = start
+        while n < len(hashes) and hashes[n] in blocks:
             n += 1
-        return n
+        return n - start
 
     def match_all(self, hashes: Sequence[bytes], worker_ids: Iterable[str]) -> dict[str, int]:
         """`match` for every worker in `worker_ids`, in one pass over `hashes`."""
