@@ -1,6 +1,9 @@
 """How the folders map onto the one import package, `rtp_serve`, and the CPU kernels
 (kernels/csrc) compiled into it when it is built or installed, one module per build in
 rtp_serve/kernels/cpu_build.py; rtp_serve/kernels/cpu.py picks one by the CPU's flags.
+An install compiles the host CPU's build only (RTP_SERVE_KERNEL_BUILDS=all: every build,
+for a wheel or an image that other CPUs run); a worker on a CPU whose build is missing
+compiles it on first use.
 
 Everything else about the package is in pyproject.toml. The install never fails on the
 kernels: without torch in the build environment, off x86-64, with RTP_SERVE_BUILD_KERNELS=0
@@ -18,7 +21,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rtp_serve.kernels import cpu_build  # noqa: E402
+from rtp_serve.kernels import cpu_build, isa  # noqa: E402
 
 # The design's top-level folders stay where they are and map into the namespace; the
 # packages without a folder of their own (core, models, the kernels' Python side) live
@@ -71,6 +74,11 @@ def kernel_modules() -> dict:
             except Exception as exc:  # no compiler, or it fails: the package still installs
                 _warn(f"{ext.name}: {exc}")
 
+    host = isa.best_level(isa.cpu_flags())
+    builds = cpu_build.builds_to_install(os.environ.get("RTP_SERVE_KERNEL_BUILDS", "host"), host)
+    if not builds:
+        _warn(f"no build for this CPU (ISA level {host})")
+        return {}
     modules = [
         CppExtension(
             f"rtp_serve.kernels.{cpu_build.module_name(build)}",
@@ -78,7 +86,7 @@ def kernel_modules() -> dict:
             extra_compile_args=cpu_build.flags(build),
             extra_link_args=list(cpu_build.LINK_FLAGS),
         )
-        for build in cpu_build.BUILD_FLAGS
+        for build in builds
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildKernels}}
 

@@ -106,3 +106,20 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one():
     (build_dir / "lock").write_text("")  # what a build killed mid-way leaves behind
     assert cpu._build(BUILD) is not None  # not waiting on it forever
     assert not (build_dir / "lock").exists()
+
+
+def test_an_install_compiles_the_hosts_build_unless_told_otherwise():
+    assert cpu_build.builds_to_install("", "avx2") == ["avx2"]
+    assert cpu_build.builds_to_install("host", "amx") == ["avx512"]
+    assert cpu_build.builds_to_install("host", "scalar") == []
+    assert cpu_build.builds_to_install("all", "scalar") == list(cpu_build.BUILD_FLAGS)
+    assert cpu_build.builds_to_install(" avx512 , avx2", "avx2") == ["avx512", "avx2"]
+    with pytest.raises(ValueError, match="sse4"):
+        cpu_build.builds_to_install("avx2,sse4", "avx2")
+
+
+def test_the_image_check_names_a_build_missing_from_the_install(monkeypatch):
+    real = cpu_build.module_name
+    monkeypatch.setattr(cpu_build, "module_name", lambda b: real(b) + ("_gone" * (b == "avx2")))
+    with pytest.raises(RuntimeError, match=r"not installed: \['avx2'\]"):
+        cpu.check_installed()

@@ -74,6 +74,26 @@ def installed(build: str) -> ModuleType | None:
     return module
 
 
+def check_installed() -> None:
+    """Raise unless every build was compiled at install and this CPU's build loads: what an
+    image that runs on any CPU ships (docker/Dockerfile.worker). The other builds are only
+    looked for, never imported: a build above this CPU's level would die of SIGILL."""
+    import importlib.util
+
+    from rtp_serve.kernels.isa import best_level, cpu_flags
+
+    missing = [
+        build
+        for build in cpu_build.BUILD_FLAGS
+        if importlib.util.find_spec(f"rtp_serve.kernels.{cpu_build.module_name(build)}") is None
+    ]
+    if missing:
+        raise RuntimeError(f"CPU kernel builds not installed: {missing}")
+    build = cpu_build.build_for(best_level(cpu_flags()))
+    if build and installed(build) is None:
+        raise RuntimeError(f"the installed CPU kernel build {build} does not load")
+
+
 def _build(build: str) -> ModuleType | None:
     where = hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:8]
     name = f"rtp_cpu_kernels_{build}_{where}"

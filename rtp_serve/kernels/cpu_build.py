@@ -1,9 +1,11 @@
 """How the CPU kernels (kernels/csrc) are compiled: the sources, and one module per ISA build.
 
-The same table serves the install (setup.py compiles every build into the package, so a
-worker never waits on a compiler) and the fallback at run time (rtp_serve/kernels/cpu.py compiles
+The same table serves the install (setup.py compiles builds into the package, so a worker
+never waits on a compiler) and the fallback at run time (rtp_serve/kernels/cpu.py compiles
 one build on first use when the installed module is missing or was built against another
-torch). Each build names its instruction sets explicitly instead of -march=native, so a
+torch). Which builds the install compiles is RTP_SERVE_KERNEL_BUILDS (`builds_to_install`):
+by default only the host CPU's (an editable install on a developer's machine), `all` for a
+wheel or an image that other CPUs will run. Each build names its instruction sets explicitly instead of -march=native, so a
 wheel or an editable install made on one CPU works on any CPU that has them:
 
     build    compiled with                            used at ISA levels (rtp_serve/kernels/isa.py)
@@ -49,3 +51,22 @@ def module_name(build: str) -> str:
 
 def flags(build: str) -> list[str]:
     return [*COMMON_FLAGS, *BUILD_FLAGS[build]]
+
+
+def builds_to_install(spec: str, host_level: str) -> list[str]:
+    """The builds an install compiles, from RTP_SERVE_KERNEL_BUILDS: `host` (the build of the
+    CPU running the install, none on one without AVX2), `all`, or names ("avx2,avx512")."""
+    spec = spec.strip().lower() or "host"
+    if spec == "host":
+        build = build_for(host_level)
+        return [build] if build else []
+    if spec == "all":
+        return list(BUILD_FLAGS)
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BUILD_FLAGS]
+    if unknown:
+        raise ValueError(
+            f"RTP_SERVE_KERNEL_BUILDS: unknown build(s) {unknown}; "
+            f"use host, all or some of {list(BUILD_FLAGS)}"
+        )
+    return names
