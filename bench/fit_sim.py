@@ -14,12 +14,13 @@ runs are slower, and the fit says so only through its error column.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -109,9 +110,11 @@ def decode_workloads(engine: LLMEngine, vocab: int, samples: list[Sample], seed:
 
 
 def fit(samples: list[Sample]) -> tuple[float, ...]:
+    """Least relative error: each step's equation divided by its own time, so a 10 ms
+    decode step weighs as much as a 1 s prefill chunk."""
     lf = LinearFit(5, half_life=1e12)
     for s in samples:
-        lf.observe(s.features(), s.seconds)
+        lf.observe([f / s.seconds for f in s.features()], 1.0)
     return lf.coefficients()
 
 
@@ -123,7 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2, help="repetitions of each workload")
     ap.add_argument("--out", default="sim_cost.json")
+    ap.add_argument("--samples", default=None, help="keep the timed steps here (JSON lines)")
+    ap.add_argument("--from-samples", default=None, help="refit steps kept before; no engine")
     args = ap.parse_args(argv)
+    if args.from_samples:
+        lines = Path(args.from_samples).read_text().splitlines()
+        samples = [Sample(**json.loads(line)) for line in lines]
+        report(fit(samples), samples, f"refit of {args.from_samples}", args.out)
+        return
     torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
     config = EngineConfig(
@@ -139,16 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         prefill_workloads(engine, vocab, samples, seed=1000 * r + 1)
         decode_workloads(engine, vocab, samples, seed=1000 * r + 2)
-    coefficients = fit(samples)
-    fixed, token, attn, row, ctx = coefficients
+    if args.samples:
+        with Path(args.samples).open("w") as f:
+            f.writelines(json.dumps(asdict(s)) + "\n" for s in samples)
+    print(f"# {len(samples)} steps timed in {time.monotonic() - started:.0f} s")
     source = (
         f"bench/fit_sim.py on {platform.node()} ({cpu_flags()}), {Path(model).name}, "
         f"{config.dtype}, torch threads {args.threads}, {len(samples)} steps"
     )
+    report(fit(samples), samples, source, args.out)
+
+
+def report(coefficients: tuple[float, ...], samples: list[Sample], source: str, out: str) -> None:
+    fixed, token, attn, row, ctx = coefficients
     cost = SimCost(fixed, token, attn, row, ctx, source=source)
-    cost.save(args.out)
-    print(f"# cpu flags: {cpu_flags()}; {len(samples)} steps timed in "
-          f"{time.monotonic() - started:.0f} s (shared machine: noisy)")  # fmt: skip
+    cost.save(out)
+    print(f"# cpu flags: {cpu_flags()} (shared machine: noisy)")
     print(f"# fixed_s {fixed:.3e}  prefill_token_s {token:.3e}  prefill_attn_s {attn:.3e}  "
           f"decode_row_s {row:.3e}  decode_ctx_s {ctx:.3e}")  # fmt: skip
     print("| kind | steps | median measured ms | median predicted ms | median abs error % |")
@@ -165,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         print(f"| {kind} | {len(mine)} | {statistics.median(s.seconds for s in mine) * 1e3:.2f} | "
               f"{statistics.median(predicted) * 1e3:.2f} | {statistics.median(errors):.0f} |")  # fmt: skip
-    print(f"# written to {args.out}")
+    print(f"# written to {out}")
 
 
 if __name__ == "__main__":
