@@ -21,7 +21,7 @@ second, is measured once per topology, closed loop at --max-num-seqs, in the fir
 Reported per phase and tenant: TTFT p50/p95 and ITL p95 (ms, client-side, streaming), output
 tokens/s, 429s and other errors; then the issue's goals: b's TTFT p95 in the burst over b's
 solo value, the burst's total tokens/s fair over FCFS, c:d output tokens while both are
-backlogged (up to when the first of them finishes), and errors other than 429s. A program,
+backlogged (up to when the first of them sends its last request), and errors other than 429s. A program,
 not a timed test: on a shared, noisy machine the numbers move from run to run.
 """
 
@@ -153,9 +153,9 @@ async def phases(run: Run, args, cap: float) -> dict:
     n, k = max(4, round(cap * s)), 2 * args.max_num_seqs
     (c, wc), (d, wd) = await asyncio.gather(run.closed("c", n, k), run.closed("d", n, k))
     out["weights"] = {"c": stats(c, wc), "d": stats(d, wd)}
-    # Both saturate until the first of them is done: count each one's tokens up to then.
-    ends = [max((r.start + r.latency for r in res), default=0.0) for res in (c, d)]
-    both = min(ends)
+    # Both are backlogged until the first of them has sent its last request (from then on
+    # its queue drains): count each one's tokens up to then.
+    both = min(max((r.start for r in res), default=0.0) for res in (c, d))
     served = [sum(t <= both for r in res for t in token_times(r)) for res in (c, d)]
     out["weights"]["c:d_tokens_while_both_backlogged"] = served[0] / max(1, served[1])
     return out
