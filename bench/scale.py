@@ -48,6 +48,7 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from rtp_serve.core.block_hash import block_hash_keys, salt_of  # noqa: E402
+from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.core.sampling_params import SamplingParams  # noqa: E402
 from rtp_serve.services.common import grpc_util  # noqa: E402
 from rtp_serve.services.common.convert import params_to_pb  # noqa: E402
@@ -326,7 +327,8 @@ async def dead_worker_out_s(c: ScaleCluster, args, model: Path, tmp: Path) -> fl
         if victim is None:
             raise TimeoutError("the victim worker never registered")
         # Routing on a prompt only the victim holds: cache-aware routing prefers it.
-        prompt = [(os.getpid() * 31 + i) % 30000 for i in range(args.block_size * 8)]
+        vocab = ModelConfig.from_dir(model).vocab_size
+        prompt = [(os.getpid() * 31 + i) % vocab for i in range(args.block_size * 8)]
         salt = salt_of(victim.model_id, victim.kv_numerics)
         hashes = block_hash_keys(prompt, args.block_size, salt)
         async with grpc_util.channel(victim.address) as ch:
@@ -476,7 +478,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--log-dir", default=None, help="keep the services' logs here")
     args = ap.parse_args(argv)
-    from rtp_serve.core.model_config import ModelConfig
     from rtp_serve.models.make_model import resolve_model
 
     source = resolve_model(args.model)
