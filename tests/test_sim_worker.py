@@ -9,8 +9,10 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from rtp_serve.core.sampling_params import SamplingParams
@@ -24,6 +26,7 @@ from rtp_serve.services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from rtp_serve.services.launcher.servers import free_port
 from tests.procs import grpc_service, spawn, stop
 from tests.servers import eventually
 
@@ -275,3 +278,49 @@ async def _running(address: str) -> bool:
 async def _gone(nameservice: str, member_id: str) -> bool:
     members = await _members(nameservice, nameservice_pb2.ROLE_FUSED)
     return all(m.id != member_id for m in members)
+
+
+def test_a_hundred_workers_in_one_process_serve_through_frontend_and_master(model_dir, nats_server):
+    """A cluster of its own (nameservice, master, frontend) and one sim-worker process of
+    100 workers: requests through the frontend are all served, spread over several."""
+    model = str(model_dir("tiny-llama"))
+    space = ("--nats-url", nats_server, "--namespace", "hundred")
+    with grpc_service("nameservice", *space) as (ns, _):
+        flags = ("--model", model, "--worker-id", "many", "--namespace", "hundred")
+        with (
+            grpc_service("master", "--nameservice", ns, *space) as (master, _),
+            sim_workers(ns, nats_server, "fused", 100, *flags),
+        ):
+            asyncio.run(_hundred(ns, master, model))
+
+
+async def _hundred(ns: str, master: str, model: str) -> None:
+    async def registered() -> bool:
+        return len(await _members(ns, nameservice_pb2.ROLE_FUSED)) == 100
+
+    await eventually(registered, 120.0, "100 workers registered")
+    port = free_port()
+    frontend = spawn("frontend", "--nameservice", ns, "--master", master, "--model", model,
+                     "--port", str(port), "--namespace", "hundred")  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+
+            async def ready() -> bool:
+                try:
+                    return (await http.get("/ready")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await eventually(ready, 60.0, "the frontend is ready")
+            bodies = [
+                {"model": Path(model).name, "prompt": list(range(i, i + 50)), "max_tokens": 3}
+                for i in range(20)
+            ]
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+    finally:
+        await asyncio.to_thread(stop, frontend)
+    assert [r.status_code for r in replies] == [200] * 20, replies[0].text
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in replies)
+    async with grpc_util.channel(master) as ch:
+        index = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest())
+    assert len([w for w in index.workers if w.block_hashes]) >= 2
