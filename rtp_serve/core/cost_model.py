@@ -206,3 +206,34 @@ class CostModel:
         with self._fetch_lock:
             fits = dict(self._fetch)
         return {tier: FetchCost(*fit.coefficients()) for tier, fit in sorted(fits.items())}
+
+
+def local_prefill_threshold(
+    prefill_tokens_per_s: float,
+    transfer: FetchCost,
+    kv_bytes_per_token: float,
+    decode_rows: int = 1,
+) -> int | None:
+    """Conditional disaggregation's break-even (the master's --max-local-prefill-tokens):
+    the prompt length at which moving a prompt's KV costs less than computing it on the
+    decode worker. With P the decode worker's prefill rate, the hand-off's fit
+    L + bytes * byte_s (`transfer`: a decode worker's "transfer" fit) and b bytes of KV a
+    token:
+
+        local:   the decode batch stalls n / P, felt by each of its `decode_rows` streams
+        remote:  this request's second token waits L + n * b * byte_s for its KV
+
+        local while  rows * n / P  <  L + n * b * byte_s,  i.e.  n < L / (rows / P - b * byte_s)
+
+    Returns that n, rounded up (0: every prompt to a prefill worker), or None when the link
+    moves a token's KV no faster than the decode worker computes it (remote never pays:
+    every prompt local). The prefill worker's own time and queue are left out (it computes
+    the prompt either way), and so is the network's slow start: L is what the fit saw."""
+    if prefill_tokens_per_s <= 0 or kv_bytes_per_token <= 0 or decode_rows < 1:
+        raise ValueError("need a positive prefill rate, KV bytes per token and decode rows")
+    if not transfer.fitted:
+        raise ValueError("the transfer is not fitted yet")
+    saved_per_token = decode_rows / prefill_tokens_per_s - kv_bytes_per_token * transfer.byte_s
+    if saved_per_token <= 0:
+        return None
+    return math.ceil(transfer.fixed_s / saved_per_token)
