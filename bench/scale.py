@@ -305,6 +305,34 @@ async def replay(frontend: str, model: str, trace: list[TraceRequest]) -> list[R
         return await asyncio.gather(*(one(r) for r in trace))
 
 
+# -- a restarted master -----------------------------------------------------------------
+async def index_pairs(master: str) -> int | None:
+    """(worker, block) pairs in the master's index (None: it does not answer)."""
+    try:
+        async with grpc_util.channel(master) as ch:
+            reply = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest(), timeout=5)
+    except grpc.aio.AioRpcError:
+        return None
+    return sum(len(w.block_hashes) for w in reply.workers)
+
+
+async def master_restart_s(c: ScaleCluster, log: Path, timeout: float = 300.0) -> float | None:
+    """SIGKILL the master and start it again on its port: seconds until its index holds
+    every pair the old one held (the idle workers hold what they held), from snapshots."""
+    held = await index_pairs(c.master)
+    old = c.procs["master"]
+    old.kill()
+    old.wait()
+    started = time.monotonic()
+    out = log.open("ab")
+    c.procs["master"] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    while time.monotonic() - started < timeout:
+        if await index_pairs(c.master) == held:
+            return time.monotonic() - started
+        await asyncio.sleep(0.1)
+    return None
+
+
 # -- a dead worker ----------------------------------------------------------------------
 async def dead_worker_out_s(c: ScaleCluster, args, model: Path, tmp: Path) -> float:
     """Start one more worker, give it a prefix, SIGKILL it, and ask the master (as the
@@ -383,6 +411,7 @@ def run(args, n: int, model: Path, trace: list[TraceRequest]) -> dict:
         events = total(after, "rtp:index_event_blocks", "_total") - total(
             before, "rtp:index_event_blocks", "_total"
         )
+        resync_s = asyncio.run(master_restart_s(c, Path(args.log_dir or tmp) / f"master-{n}.log"))
         out_s = asyncio.run(dead_worker_out_s(c, args, model, tmp))
     ok = [r for r in results if r.ok]
     ttfts = sorted(r.ttft_s for r in ok)
@@ -407,6 +436,7 @@ def run(args, n: int, model: Path, trace: list[TraceRequest]) -> dict:
         "event_lag_p99_s": histogram_quantile(after, "rtp:index_event_lag_seconds", 0.99),
         "nameservice_cpu_pct": ns_cpu * 100,
         "dead_worker_out_s": out_s,
+        "master_resync_s": resync_s,
         "frontend_req_per_cpu_s": len(ok) / fe_cpu if fe_cpu else None,
     }
 
@@ -436,6 +466,7 @@ ROWS = (
     ("KV-event lag p50 / p99 (ms)", lambda r: _lag(r)),
     ("nameservice CPU, idle cluster (% of a core)", lambda r: r["nameservice_cpu_pct"]),
     ("SIGKILL to last routed (s)", lambda r: r["dead_worker_out_s"]),
+    ("master SIGKILLed, restarted: full index again (s)", lambda r: r["master_resync_s"]),
     ("frontend requests / CPU-second", lambda r: r["frontend_req_per_cpu_s"]),
     ("replay: requests / failed", lambda r: f"{r['requests']} / {r['failed']}"),
     ("replay: wall (s)", lambda r: r["replay_s"]),
