@@ -56,12 +56,12 @@ def kernel_modules() -> dict:
         _warn(f"no builds for {platform.machine()}")
         return {}
     try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils import cpp_extension
     except ImportError as exc:
         _warn(f"no torch to build against: {exc}")
         return {}
 
-    class BuildKernels(BuildExtension):
+    class BuildKernels(cpp_extension.BuildExtension):
         def build_extensions(self) -> None:
             try:
                 super().build_extensions()
@@ -79,15 +79,7 @@ def kernel_modules() -> dict:
     if not builds:
         _warn(f"no build for this CPU (ISA level {host})")
         return {}
-    modules = [
-        CppExtension(
-            f"rtp_serve.kernels.{cpu_build.module_name(build)}",
-            sources=[f"kernels/csrc/{source}" for source in cpu_build.SOURCES],
-            extra_compile_args=cpu_build.flags(build),
-            extra_link_args=list(cpu_build.LINK_FLAGS),
-        )
-        for build in builds
-    ]
+    modules = cpu_build.extensions(builds, cpp_extension)
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildKernels}}
 
 

@@ -20,6 +20,8 @@ Pure data and no torch import: setup.py reads it before torch is known to be the
 
 from __future__ import annotations
 
+from typing import Any
+
 SOURCES = (
     "module.cpp",
     "paged_decode.cpp",
@@ -70,3 +72,18 @@ def builds_to_install(spec: str, host_level: str) -> list[str]:
             f"use host, all or some of {list(BUILD_FLAGS)}"
         )
     return names
+
+
+def extensions(builds: list[str], cpp_extension: Any) -> list[Any]:
+    """The setuptools extension of each build, sources relative to the repository root.
+    `cpp_extension` is torch.utils.cpp_extension, passed in so this module stays torch-free:
+    setup.py (an install) and docker/compile_kernels.py (the worker image) build these."""
+    return [
+        cpp_extension.CppExtension(
+            f"rtp_serve.kernels.{module_name(build)}",
+            sources=[f"kernels/csrc/{source}" for source in SOURCES],
+            extra_compile_args=flags(build),
+            extra_link_args=list(LINK_FLAGS),
+        )
+        for build in builds
+    ]
