@@ -20,7 +20,8 @@
 #                    PyTorch CPU index). Unset, and a torch wheel of the pinned version in
 #                    TORCH_WHEELS (default: pip's find-links, where this machine keeps its CPU
 #                    build): a simple index of that wheel and its dependencies is served on
-#                    127.0.0.1 for the build, which then runs with --network host.
+#                    127.0.0.1:${TORCH_INDEX_PORT:-38123} for the build, which then runs
+#                    with --network host.
 #   DOCKER_BUILDKIT  default 0: the legacy builder, which needs nothing from a registry
 #                    (BuildKit would; both build these Dockerfiles).
 #   IMAGE_TAG        default latest.
@@ -149,8 +150,13 @@ for name, names in by_project.items():
     links = "".join(f'<a href="../../files/{n}">{n}</a>\n' for n in names)
     (simple / name / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
 EOF
-    local port
-    port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    # A fixed port, so the build argument, and with it the cache of every layer after it, is
+    # the same from one build to the next (a random one rebuilt torch's layers each time).
+    local port="${TORCH_INDEX_PORT:-38123}"
+    if ! python3 -c "import socket; socket.socket().bind(('127.0.0.1', $port))" 2>/dev/null; then
+        log "port $port is taken: a free one (the torch layers will not come from the cache)"
+        port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    fi
     python3 -m http.server --bind 127.0.0.1 --directory "$dir" "$port" >"$CACHE/index.log" 2>&1 &
     INDEX_PID=$!
     for _ in $(seq 50); do
