@@ -153,7 +153,9 @@ EOF
     # A fixed port, so the build argument, and with it the cache of every layer after it, is
     # the same from one build to the next (a random one rebuilt torch's layers each time).
     local port="${TORCH_INDEX_PORT:-38123}"
-    if ! python3 -c "import socket; socket.socket().bind(('127.0.0.1', $port))" 2>/dev/null; then
+    # SO_REUSEADDR, as http.server binds: the last build's connections in TIME_WAIT on the
+    # port do not make it taken.
+    if ! python3 -c "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', $port))" 2>/dev/null; then
         log "port $port is taken: a free one (the torch layers will not come from the cache)"
         port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     fi
