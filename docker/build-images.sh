@@ -116,8 +116,10 @@ EOF
 
 # -- 3. torch: a local simple index of the pinned CPU wheel and its dependencies --------------
 INDEX_PID=""
+LOCAL_INDEX_URL=""
 cleanup() { [ -n "$INDEX_PID" ] && kill "$INDEX_PID" 2>/dev/null || true; }
 trap cleanup EXIT
+trap 'exit 130' INT TERM # so that EXIT's cleanup runs on a signal too
 
 local_torch_index() {
     local wheels="${TORCH_WHEELS:-$(pip config get global.find-links 2>/dev/null || true)}"
@@ -165,7 +167,7 @@ EOF
         python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/simple/torch/')" 2>/dev/null && break
         sleep 0.1
     done
-    echo "http://127.0.0.1:$port/simple"
+    LOCAL_INDEX_URL="http://127.0.0.1:$port/simple"
 }
 
 BASE="$(with_cas "$(pick_base)")"
@@ -173,8 +175,8 @@ NETWORK=()
 TORCH_ARGS=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
     TORCH_ARGS=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
-elif url="$(local_torch_index)"; then
-    TORCH_ARGS=(--build-arg "TORCH_INDEX_URL=$url")
+elif local_torch_index; then # not in a $(...) subshell: cleanup must see INDEX_PID
+    TORCH_ARGS=(--build-arg "TORCH_INDEX_URL=$LOCAL_INDEX_URL")
     NETWORK=(--network host) # the index listens on the host's loopback
 fi
 
