@@ -44,7 +44,7 @@ STREAM_PROMPTS = [
     + f"Write one sentence about the number {n}."
     for n in range(8)
 ]
-STREAM_TOKENS = 40
+STREAM_TOKENS = 160  # long enough that a stream is still running when a fault is chosen
 
 
 def _engine_answers() -> bool:
@@ -307,8 +307,9 @@ def _under_streams(cluster: Project, fault) -> list[tuple[str, str]]:
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         texts = pool.submit(_streams, cluster, started)
+        decode = cluster.containers("decode")
         assert started.wait(timeout=300)
-        victim = max(cluster.containers("decode"), key=lambda c: _running(cluster, c))
+        victim = max(decode, key=lambda c: _running(cluster, c))
         assert _running(cluster, victim) > 0
         fault(victim)
         return texts.result(timeout=600)
