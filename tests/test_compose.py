@@ -214,16 +214,11 @@ def _streams(project: Project, started: threading.Event | None = None) -> list[t
         return list(pool.map(one, STREAM_PROMPTS))
 
 
-def _running(project: Project, container: str) -> float:
-    metrics = project.python(
-        container,
-        "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9100/metrics').read().decode())",
-    )
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("rtp:num_requests_running")
-    )
+def _received(project: Project, container: str) -> float:
+    """KV blocks a decode container has received from prefill workers: one that received some
+    for a stream holds that stream."""
+    counts = json.loads(project.python(container, _COUNTS))
+    return sum(v for k, v in counts.items() if k.startswith("rtp:kv_transfer_blocks_total"))
 
 
 _COUNTS = """
@@ -306,11 +301,12 @@ def _under_streams(cluster: Project, fault) -> list[tuple[str, str]]:
     once every stream has started."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
+        before = {c: _received(cluster, c) for c in cluster.containers("decode")}
         texts = pool.submit(_streams, cluster, started)
-        decode = cluster.containers("decode")
         assert started.wait(timeout=300)
-        victim = max(decode, key=lambda c: _running(cluster, c))
-        assert _running(cluster, victim) > 0
+        took = {c: _received(cluster, c) - n for c, n in before.items()}
+        victim = max(took, key=took.get)
+        assert took[victim] > 0, took
         fault(victim)
         return texts.result(timeout=600)
 
