@@ -44,7 +44,7 @@ STREAM_PROMPTS = [
     + f"Write one sentence about the number {n}."
     for n in range(8)
 ]
-STREAM_TOKENS = 160  # long enough that a stream is still running when a fault is chosen
+STREAM_TOKENS = 160  # long enough that every stream still runs when a fault is chosen
 
 
 def _engine_answers() -> bool:
@@ -196,6 +196,7 @@ def _streams(project: Project, started: threading.Event | None = None) -> list[t
             max_tokens=STREAM_TOKENS,
             temperature=0,
             stream=True,
+            extra_body={"ignore_eos": True},  # every stream runs its whole length
         )
         parts, reason, waited = [], None, False
         for n, chunk in enumerate(stream, 1):
@@ -207,18 +208,30 @@ def _streams(project: Project, started: threading.Event | None = None) -> list[t
                 waited = True
         if not waited:
             barrier.wait(timeout=300)
-        assert reason in ("length", "stop"), reason
+        assert reason == "length", reason
         return "".join(parts), reason
 
     with ThreadPoolExecutor(len(STREAM_PROMPTS)) as pool:
         return list(pool.map(one, STREAM_PROMPTS))
 
 
-def _received(project: Project, container: str) -> float:
-    """KV blocks a decode container has received from prefill workers: one that received some
-    for a stream holds that stream."""
-    counts = json.loads(project.python(container, _COUNTS))
-    return sum(v for k, v in counts.items() if k.startswith("rtp:kv_transfer_blocks_total"))
+_RUNNING = """
+import asyncio
+from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
+
+async def main():
+    async with grpc_util.channel('127.0.0.1:50051', None) as ch:
+        stats = await worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.WorkerStatsRequest(), timeout=5)
+    print(stats.num_running + stats.num_waiting)
+
+asyncio.run(main())
+"""
+
+
+def _running(project: Project, container: str) -> int:
+    """Requests a worker's engine holds now (its Stats, not a gauge between load reports)."""
+    return int(project.python(container, _RUNNING))
 
 
 _COUNTS = """
@@ -301,12 +314,12 @@ def _under_streams(cluster: Project, fault) -> list[tuple[str, str]]:
     once every stream has started."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        before = {c: _received(cluster, c) for c in cluster.containers("decode")}
+        decode = cluster.containers("decode")
         texts = pool.submit(_streams, cluster, started)
         assert started.wait(timeout=300)
-        took = {c: _received(cluster, c) - n for c, n in before.items()}
-        victim = max(took, key=took.get)
-        assert took[victim] > 0, took
+        holding = {c: _running(cluster, c) for c in decode}
+        victim = max(holding, key=holding.get)
+        assert holding[victim] > 0, holding
         fault(victim)
         return texts.result(timeout=600)
 
