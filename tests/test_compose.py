@@ -115,6 +115,23 @@ class Project:
     def containers(self, service: str) -> list[str]:
         return self("ps", "-q", service).split()
 
+    def wait_healthy(self, service: str, timeout: float = 300) -> None:
+        """Until every replica of `service` passes its healthcheck (a restarted one loads)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [
+                subprocess.run(
+                    ["docker", "inspect", "-f", "{{.State.Health.Status}}", c],
+                    capture_output=True,
+                    text=True,
+                ).stdout.strip()
+                for c in self.containers(service)
+            ]
+            if states and all(s == "healthy" for s in states):
+                return
+            assert time.monotonic() < deadline, (service, states)
+            time.sleep(2)
+
     def python(self, container: str, code: str) -> str:
         out = subprocess.run(
             ["docker", "exec", container, "python", "-c", code],
@@ -331,6 +348,7 @@ def test_a_decode_container_sigkilled_under_streams_loses_none(cluster):
     )
     assert texts == reference
     cluster.up("--scale", "prefill=2", "--scale", "decode=2")  # the killed one back
+    cluster.wait_healthy("decode")
 
 
 def test_a_decode_container_stopped_under_streams_drains(cluster):

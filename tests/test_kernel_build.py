@@ -121,5 +121,6 @@ def test_an_install_compiles_the_hosts_build_unless_told_otherwise():
 def test_the_image_check_names_a_build_missing_from_the_install(monkeypatch):
     real = cpu_build.module_name
     monkeypatch.setattr(cpu_build, "module_name", lambda b: real(b) + ("_gone" * (b == "avx2")))
-    with pytest.raises(RuntimeError, match=r"not installed: \['avx2'\]"):
+    # (an install compiles only the host's build, so others may be missing too)
+    with pytest.raises(RuntimeError, match=r"not installed: \[[^]]*'avx2'"):
         cpu.check_installed()
