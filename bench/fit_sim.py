@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -50,11 +49,9 @@ class Sample:
 
 
 def cpu_flags() -> str:
-    out = subprocess.run(
-        "grep -o -w -E 'amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u",
-        shell=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    return " ".join(out.split()) or "none of amx_bf16/avx512f/avx2"
+    from rtp_serve.kernels.isa import bench_flags
+
+    return bench_flags()
 
 
 def run_steps(engine: LLMEngine, kind: str, samples: list[Sample]) -> None:

@@ -19,7 +19,6 @@ import hashlib
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,11 +40,9 @@ def rss_bytes() -> int:
 
 
 def cpu_flags() -> str:
-    out = subprocess.run(
-        "grep -o -w -E 'amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u",
-        shell=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    return " ".join(out.split()) or "none of amx_bf16/avx512f/avx2"
+    from rtp_serve.kernels.isa import bench_flags
+
+    return bench_flags()
 
 
 def prompt_keys(prompt: int, n: int) -> list[bytes]:

@@ -94,8 +94,9 @@ class Sample:
 
 
 def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    return " ".join(f for f in ("amx_bf16", "avx512f", "avx2") if f" {f}" in text) or "none"
+    from rtp_serve.kernels.isa import bench_flags
+
+    return bench_flags()
 
 
 def free_port() -> int:

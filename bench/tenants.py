@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,13 +61,9 @@ def key_file(a_concurrency: int) -> str:
 
 
 def cpu_flags() -> str:
-    out = subprocess.run(
-        "grep -o -w -E 'amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u",
-        shell=True,
-        capture_output=True,
-        text=True,
-    )
-    return " ".join(out.stdout.split()) or "(none)"
+    from rtp_serve.kernels.isa import bench_flags
+
+    return bench_flags()
 
 
 # -- one tenant's load -----------------------------------------------------------------------

@@ -67,6 +67,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()  # not Linux, or no /proc: assume nothing beyond what torch does
 
 
+# The flags a benchmark prints beside its numbers, so figures from different CPUs are never
+# compared unknowingly.
+BENCH_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
+
+
+def bench_flags() -> str:
+    """The BENCH_FLAGS this CPU has, as `grep -o -w -E 'amx_bf16|...' /proc/cpuinfo | sort -u`
+    prints them."""
+    return " ".join(sorted(set(BENCH_FLAGS) & cpu_flags())) or f"none of {'/'.join(BENCH_FLAGS)}"
+
+
 def best_level(flags: frozenset[str]) -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return "scalar"
