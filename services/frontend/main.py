@@ -78,7 +78,9 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--master",
         default=env("master"),
-        help="host:port of the master (default: the one the nameservice knows)",
+        help="host:port of the master, or several comma-separated (active-active replicas: "
+        "requests spread over them, and move to another when one fails); default: the "
+        "masters the nameservice knows",
     )
     p.add_argument(
         "--log-requests",

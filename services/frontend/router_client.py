@@ -1,8 +1,12 @@
-"""Where a request runs: ask the master; if it is out of reach, pick a worker ourselves.
+"""Where a request runs: ask a master; if none is in reach, pick a worker ourselves.
 
-The master's plan is cache- and load-aware. Without it the frontend still serves: it keeps
-the membership the nameservice's watch reports and round-robins over fused workers, or
-over prefill + decode pairs (docs/design.md, "Reliability rules": the master being down
+The master's plan is cache- and load-aware. Masters are active-active replicas that follow
+the same event stream, so any of them can route any request: each request asks the live
+master its id hashes to first (rendezvous hashing: requests spread evenly, a request and
+its migrations stay on one master, and a failed master's share alone moves), and the next
+one when that master cannot answer. Without any the frontend still serves: it keeps the
+membership the nameservice's watch reports and round-robins over fused workers, or over
+prefill + decode pairs (docs/design.md, "Reliability rules": the master being down
 degrades the service, it does not fail requests that can still be served).
 """
 
@@ -10,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -29,11 +34,23 @@ from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, from_rp
 log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 2.0
-# After the master timed out, route locally for this long instead of waiting on it again.
+# After a master timed out or became unreachable, ask it nothing for this long.
 MASTER_BACKOFF_S = 1.0
 _FALLBACK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 Watch = Callable[[], AsyncIterator[ns_pb2.MembershipEvent]]
+
+
+def master_list(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Master addresses from "host:port[,host:port...]" (or a sequence of them)."""
+    items = (value or "").split(",") if isinstance(value, str | None) else value
+    return tuple(a.strip() for a in items if a.strip())
+
+
+def _weight(request_id: str, address: str) -> int:
+    """Rendezvous weight of `address` for `request_id`: the same in every process."""
+    key = f"{request_id}\0{address}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +121,13 @@ class Router:
 
     def __init__(
         self,
-        master: str | None = None,
+        master: str | Sequence[str] | None = None,
         watch: Watch | None = None,
         route_timeout: float = ROUTE_TIMEOUT_S,
         frontend_id: str | None = None,
     ) -> None:
-        self.master = master  # fixed address; None: the master the nameservice reports
+        # Fixed addresses ("a,b" or a list); none: the masters the nameservice reports.
+        self.masters = master_list(master)
         # This frontend's member id: the master leases the ids of the requests it routes
         # for us to it (services/master/leases.py).
         self.frontend_id = frontend_id or f"frontend-{uuid.uuid4().hex[:8]}"
@@ -118,13 +136,15 @@ class Router:
         self._watch = watch
         self._route_timeout = route_timeout
         self._channels = grpc_util.ChannelCache()
-        self._master_down_until = 0.0
+        self._master_down_until: dict[str, float] = {}  # address -> monotonic time
+        self._leased: dict[str, set[str]] = {}  # request id -> masters holding its lease
+        self._turn = itertools.count()  # requests without an id rotate over the masters
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self._watch is not None:
             self._watch_task = asyncio.create_task(self._follow(self._watch), name="membership")
-        elif self.master is None:
+        elif not self.masters:
             log.warning("no master and no nameservice: no request can be routed")
 
     async def close(self) -> None:
@@ -139,11 +159,23 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
 
-    def master_address(self) -> str | None:
-        if self.master:
-            return self.master
-        masters = self.membership.with_role(ns_pb2.ROLE_MASTER)
-        return masters[0].address if masters else None
+    def master_addresses(self) -> list[str]:
+        """Every master known: the fixed ones, else the nameservice's (a master that left
+        its membership is asked nothing more)."""
+        if self.masters:
+            return list(self.masters)
+        return [m.address for m in self.membership.with_role(ns_pb2.ROLE_MASTER)]
+
+    def masters_for(self, request_id: str) -> list[str]:
+        """The masters to ask for `request_id`, in order, less those backing off."""
+        now = time.monotonic()
+        live = [a for a in self.master_addresses() if self._master_down_until.get(a, 0.0) <= now]
+        if len(live) <= 1:
+            return live
+        if not request_id:
+            turn = next(self._turn) % len(live)
+            return live[turn:] + live[:turn]
+        return sorted(live, key=lambda a: _weight(request_id, a), reverse=True)
 
     def num_workers(self) -> int:
         """Workers known from the nameservice (0 without a membership view)."""
@@ -153,8 +185,9 @@ class Router:
         """True when some request could be routed to a worker now."""
         if self.membership.has_route():
             return True
-        if self._watch is None and self.master:  # no membership view: trust the master
-            return await grpc_util.check_health(self.master, timeout=0.5)
+        if self._watch is None and self.masters:  # no membership view: trust the masters
+            checks = [grpc_util.check_health(a, timeout=0.5) for a in self.masters]
+            return any(await asyncio.gather(*checks))
         return False
 
     async def route(self, request: master_pb2.RouteRequest, timeout: float | None = None) -> Route:
@@ -163,11 +196,14 @@ class Router:
         the request's deadline (the master gets no longer). A route from the master leases
         the request id to this frontend until `release`."""
         request.frontend_id = self.frontend_id
-        address = self.master_address()
-        if address is not None and time.monotonic() >= self._master_down_until:
-            route = await self._ask_master(address, request, timeout)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        for address in self.masters_for(request.request_id):
+            left = deadline - time.monotonic() if deadline is not None else None
+            route, ask_another = await self._ask_master(address, request, left)
             if route is not None:
                 return route
+            if not ask_another:
+                break
         route = self.membership.pick(frozenset(request.exclude))
         if route is None:
             raise FrontendError(
@@ -182,49 +218,60 @@ class Router:
         return route
 
     def release(self, request_id: str) -> None:
-        """The request ended: end its lease at the master, in the background (a lost release
-        only keeps a client's retry through another frontend waiting until it expires)."""
-        address = self.master_address()
-        if address is None:
-            return
-        stub = master_pb2_grpc.MasterStub(self.channel(address))
+        """The request ended: end its lease at every master that routed it (a migration may
+        have been routed by another), in the background (a lost release only keeps a
+        client's retry through another frontend waiting until it expires)."""
         msg = master_pb2.ReleaseRequest(request_id=request_id, frontend_id=self.frontend_id)
+        for address in self._leased.pop(request_id, ()):
+            stub = master_pb2_grpc.MasterStub(self.channel(address))
 
-        async def send() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await stub.Release(msg, timeout=self._route_timeout)
+            async def send(stub: master_pb2_grpc.MasterStub = stub) -> None:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stub.Release(msg, timeout=self._route_timeout)
 
-        task = asyncio.create_task(send())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+            task = asyncio.create_task(send())
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
     async def _ask_master(
         self, address: str, request: master_pb2.RouteRequest, timeout: float | None
-    ) -> Route | None:
-        """The master's plan; None if the master cannot answer (then route locally)."""
-        stub = master_pb2_grpc.MasterStub(self.channel(address))
+    ) -> tuple[Route | None, bool]:
+        """The master's plan, or None and whether another master may still be asked (not
+        once the request's own deadline ran out)."""
+        channel = self.channel(address)
+        stub = master_pb2_grpc.MasterStub(channel)
         own = timeout is not None and timeout < self._route_timeout  # the request's deadline
+        rid = request.request_id
         try:
             plan = await grpc_util.unary(
-                stub.Route(request, timeout=timeout if own else self._route_timeout)
+                stub.Route(request, timeout=max(0.0, timeout) if own else self._route_timeout)
             )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _FALLBACK_CODES:
+            code = exc.code()
+            if code not in _FALLBACK_CODES:
                 raise from_rpc_error(exc, "master") from exc
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not own:
-                self._master_down_until = time.monotonic() + MASTER_BACKOFF_S
+            timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if timed_out and rid:  # it may have leased the id before it ran out of time
+                self._leased.setdefault(rid, set()).add(address)
+            # A master that timed out, or whose connection is down, is asked nothing for a
+            # while; one that answered UNAVAILABLE itself (no worker it can use) is not.
+            down = timed_out or channel.get_state() != grpc.ChannelConnectivity.READY
+            if down and not (timed_out and own):
+                self._master_down_until[address] = time.monotonic() + MASTER_BACKOFF_S
             log.info(
-                "master %s: %s; routing locally",
+                "master %s: %s; asking another master or routing locally",
                 address,
-                exc.details() or exc.code().name,
-                extra={"request_id": request.request_id},
+                exc.details() or code.name,
+                extra={"request_id": rid},
             )
-            return None
+            return None, not (timed_out and own)
+        if rid:
+            self._leased.setdefault(rid, set()).add(address)
         if not plan.decode.address:
             log.warning("master %s returned a plan without a worker: %s", address, plan)
-            return None
+            return None, True
         prefill = plan.prefill if plan.HasField("prefill") and plan.prefill.address else None
-        return Route(plan.decode, prefill, "master", plan)
+        return Route(plan.decode, prefill, "master", plan), False
 
     async def _follow(self, watch: Watch) -> None:
         while True:  # the watch reconnects by itself; this guards against anything else
