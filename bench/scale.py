@@ -2,7 +2,8 @@
 simulated workers (`rtp-serve sim-worker`), the Mooncake trace at its real token lengths.
 
     python bench/scale.py --workers 10,100,1000 [--requests 1000] [--time-scale 0.05]
-        [--cost sim_cost.json] [--mode fused|pd] [--max-output 8] [--procs 4]
+        [--cost sim_cost.json] [--cost-scale 1] [--mode fused|pd] [--max-output 8] [--procs 4]
+        [--masters 2] [--policies round_robin,least_load,cache_aware] [--replay-only]
 
 Per N, one table:
   - master route latency p50/p99, server side (rtp:route_duration_seconds, interpolated
@@ -13,7 +14,15 @@ Per N, one table:
   - nameservice CPU (% of one core) under N heartbeats, idle cluster;
   - time from a worker's SIGKILL to the last request the master routed to it;
   - the frontend's completed requests per CPU-second;
-  - the replay: requests, failures, TTFT p50/p95, prefix reuse.
+  - the replay: requests, failures, TTFT p50/p95, prefix reuse (also as a share of what one
+    infinite cache shared by every worker would reuse), the master's TTFT prediction error
+    (the frontend's rtp:ttft_prediction_*error_seconds), the load average;
+  - with --masters 2 (active-active replicas, the frontend spreading its routes over both):
+    their agreement (--probes RouteRequests of trace prompts, each sent to both masters at
+    once during the replay, then released at both) and the frontend's move to the survivor
+    when one is SIGKILLed under load.
+With several --policies each N runs once per policy, and a last table compares them
+(against round_robin). --replay-only skips everything but the replay (and the agreement).
 CPU flags are printed beside the numbers. The machine is shared: every number is noisy.
 
 Every 512-token block of the trace is built from its hash id (equal ids, equal tokens), so
@@ -50,8 +59,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from rtp_serve.core.block_hash import block_hash_keys, salt_of  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.core.sampling_params import SamplingParams  # noqa: E402
+from rtp_serve.engine.sim.cost import SimCost  # noqa: E402
 from rtp_serve.services.common import grpc_util  # noqa: E402
 from rtp_serve.services.common.convert import params_to_pb  # noqa: E402
+from rtp_serve.services.common.kv_namespace import KVNamespace  # noqa: E402
 from rtp_serve.services.common.pb import (  # noqa: E402
     master_pb2,
     master_pb2_grpc,
@@ -60,6 +71,7 @@ from rtp_serve.services.common.pb import (  # noqa: E402
     worker_pb2,
     worker_pb2_grpc,
 )
+from rtp_serve.services.frontend.router_client import rendezvous  # noqa: E402
 from rtp_serve.services.launcher.servers import free_port, start_nats  # noqa: E402
 
 TRACE = _ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -89,6 +101,22 @@ def load_trace(
             tokens = max(1, min(row["output_length"], max_output))
             out.append(TraceRequest(row["timestamp"] / 1000 * time_scale, prompt, tokens))
     return out
+
+
+def ceiling_tokens(prompts: list[list[int]], block_size: int) -> int:
+    """Prompt tokens one infinite prefix cache shared by every worker would serve: each
+    prompt's leading full blocks that an earlier prompt also had (chained keys: a block
+    counts only after every block before it), less the last token, which is always computed
+    (bench/route.py's rule, over block keys instead of token tuples: real lengths)."""
+    seen: set[bytes] = set()
+    reused = 0
+    for prompt in prompts:
+        usable = (len(prompt) - 1) // block_size
+        keys = block_hash_keys(prompt, block_size)
+        hits = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
+        reused += min(hits, usable) * block_size
+        seen.update(keys)
+    return reused
 
 
 def sim_model(model: Path, into: Path, context: int) -> Path:
@@ -148,6 +176,32 @@ def total(metrics: dict[str, list], family: str, suffix: str = "") -> float:
     return sum(s.value for s in metrics.get(family, []) if s.name == family + suffix)
 
 
+def merged(scrapes: list[dict[str, list]]) -> dict[str, list]:
+    """Several processes' scrapes as one: samples of the same name and labels summed (for
+    counters and histograms; a gauge comes out as the sum too)."""
+    from prometheus_client.samples import Sample
+
+    out: dict[str, dict[tuple, float]] = {}
+    for metrics in scrapes:
+        for family, samples in metrics.items():
+            acc = out.setdefault(family, {})
+            for x in samples:
+                key = (x.name, tuple(sorted(x.labels.items())))
+                acc[key] = acc.get(key, 0.0) + x.value
+    return {
+        family: [Sample(name, dict(labels), v) for (name, labels), v in acc.items()]
+        for family, acc in out.items()
+    }
+
+
+def routes_by(frontend: dict[str, list], source: str) -> float:
+    """Worker streams the frontend routed, by who chose: "master" or "fallback"."""
+    samples = frontend.get("rtp:routes", [])
+    return sum(
+        x.value for x in samples if x.name == "rtp:routes_total" and x.labels["source"] == source
+    )
+
+
 def histogram_quantile(metrics: dict[str, list], family: str, q: float) -> float | None:
     """The q-quantile of a histogram, interpolated linearly within its bucket."""
     buckets = sorted(
@@ -172,30 +226,43 @@ def histogram_quantile(metrics: dict[str, list], family: str, q: float) -> float
 class ScaleCluster:
     nats_url: str
     nameservice: str
-    master: str
-    master_metrics: str
+    masters: list[str]  # active-active replicas; procs "master", "master-1", ...
+    master_metrics: list[str]
     frontend: str
     procs: dict[str, subprocess.Popen]
     workers: list[subprocess.Popen]
 
+    @property
+    def master(self) -> str:
+        return self.masters[0]
+
+
+def master_proc(i: int) -> str:
+    return "master" if i == 0 else f"master-{i}"
+
 
 @contextlib.contextmanager
-def cluster(args, n: int, model: Path, tmp: Path) -> Iterator[ScaleCluster]:
-    log = Path(args.log_dir or tmp) / f"services-{n}.log"
+def cluster(args, n: int, model: Path, tmp: Path, policy: str) -> Iterator[ScaleCluster]:
+    log = Path(args.log_dir or tmp) / f"services-{n}-{policy}.log"
     nats = start_nats(tmp)
     procs: dict[str, subprocess.Popen] = {}
     workers: list[subprocess.Popen] = []
     try:
-        ns_port, m_port, m_metrics, fe_port = (free_port() for _ in range(4))
-        ns, master = f"127.0.0.1:{ns_port}", f"127.0.0.1:{m_port}"
+        ns_port, fe_port = free_port(), free_port()
+        ns = f"127.0.0.1:{ns_port}"
         common = ("--nats-url", nats.url, "--log-level", "WARNING")
         procs["nameservice"] = spawn(
             "nameservice", "--port", str(ns_port), "--ttl", str(args.ttl), *common, log=log
         )
-        procs["master"] = spawn(
-            "master", "--port", str(m_port), "--nameservice", ns, "--metrics-port",
-            str(m_metrics), "--policy", args.policy, *common, log=log,
-        )  # fmt: skip
+        masters, master_metrics = [], []
+        for i in range(args.masters):
+            m_port, m_metrics = free_port(), free_port()
+            masters.append(f"127.0.0.1:{m_port}")
+            master_metrics.append(f"127.0.0.1:{m_metrics}")
+            procs[master_proc(i)] = spawn(
+                "master", "--port", str(m_port), "--nameservice", ns, "--metrics-port",
+                str(m_metrics), "--policy", policy, *common, log=log,
+            )  # fmt: skip
         roles = (
             [("fused", n)]
             if args.mode == "fused"
@@ -215,13 +282,13 @@ def cluster(args, n: int, model: Path, tmp: Path) -> Iterator[ScaleCluster]:
                 )  # fmt: skip
         asyncio.run(wait_members(ns, n, timeout=60 + n * 0.2))
         procs["frontend"] = spawn(
-            "frontend", "--port", str(fe_port), "--nameservice", ns, "--master", master,
-            "--model", str(model), "--log-level", "WARNING", "--max-concurrent", "100000",
-            "--max-streams-per-client", "0", log=log,
+            "frontend", "--port", str(fe_port), "--nameservice", ns, "--master",
+            ",".join(masters), "--model", str(model), "--log-level", "WARNING",
+            "--max-concurrent", "100000", "--max-streams-per-client", "0", log=log,
         )  # fmt: skip
         asyncio.run(wait_ready(f"127.0.0.1:{fe_port}"))
         yield ScaleCluster(
-            nats.url, ns, master, f"127.0.0.1:{m_metrics}", f"127.0.0.1:{fe_port}", procs, workers
+            nats.url, ns, masters, master_metrics, f"127.0.0.1:{fe_port}", procs, workers
         )
     finally:
         for proc in [*workers, *reversed(procs.values())]:
@@ -273,34 +340,151 @@ class Result:
     cached_tokens: int
 
 
-async def replay(frontend: str, model: str, trace: list[TraceRequest]) -> list[Result]:
+async def stream(
+    http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, request_id: str = ""
+) -> Result:
+    """One streamed completion through the frontend: its time to first token and usage."""
+    sent = time.monotonic()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    headers = {"X-Request-Id": request_id} if request_id else None
+    ttft, usage = None, {}
+    try:
+        async with http.stream("POST", "/v1/completions", json=body, headers=headers) as reply:
+            if reply.status_code != 200:
+                return Result(False, 0.0, len(prompt), 0)
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.monotonic() - sent
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError:
+        return Result(False, 0.0, len(prompt), 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Result(ttft is not None, ttft or 0.0, len(prompt), cached or 0)
+
+
+def client(frontend: str) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(base_url=f"http://{frontend}", timeout=600, limits=limits) as http:
-        start = time.monotonic()
+    return httpx.AsyncClient(base_url=f"http://{frontend}", timeout=600, limits=limits)
+
+
+async def replay(
+    frontend: str, model: str, trace: list[TraceRequest], start: float
+) -> list[Result]:
+    """`trace` through the frontend, each request at `start` + its arrival."""
+    async with client(frontend) as http:
 
         async def one(req: TraceRequest) -> Result:
             await asyncio.sleep(max(0.0, start + req.at_s - time.monotonic()))
-            sent = time.monotonic()
-            body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-            ttft, usage = None, {}
-            try:
-                async with http.stream("POST", "/v1/completions", json=body) as reply:
-                    if reply.status_code != 200:
-                        return Result(False, 0.0, len(req.prompt), 0)
-                    async for line in reply.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if ttft is None and chunk.get("choices"):
-                            ttft = time.monotonic() - sent
-                        usage = chunk.get("usage") or usage
-            except httpx.HTTPError:
-                return Result(False, 0.0, len(req.prompt), 0)
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            return Result(ttft is not None, ttft or 0.0, len(req.prompt), cached or 0)
+            return await stream(http, model, req.prompt, req.max_tokens)
 
         return await asyncio.gather(*(one(r) for r in trace))
+
+
+# -- two masters: agreement and failover -------------------------------------------------
+async def agreement(
+    masters: list[str], probes: list[tuple[float, master_pb2.RouteRequest]], start: float
+) -> dict:
+    """Each probe (a trace prompt's RouteRequest, at its request's arrival) sent to every
+    master at once, then released at each: the share of probes they all routed to the same
+    worker (and prefill worker), and of the disagreements those where the masters matched
+    as many of the prompt's blocks (so their load views differed, not their indexes)."""
+    channels = [grpc_util.channel(a) for a in masters]
+    stubs = [master_pb2_grpc.MasterStub(ch) for ch in channels]
+    outcomes: list[str] = []
+
+    async def one(at_s: float, request: master_pb2.RouteRequest) -> None:
+        await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
+        calls = [stub.Route(request, timeout=10) for stub in stubs]
+        plans = await asyncio.gather(*calls, return_exceptions=True)
+        release = master_pb2.ReleaseRequest(
+            request_id=request.request_id, frontend_id=request.frontend_id
+        )
+        await asyncio.gather(
+            *(stub.Release(release, timeout=10) for stub in stubs), return_exceptions=True
+        )
+        if any(isinstance(p, BaseException) for p in plans):
+            outcomes.append("failed")
+        elif len({(p.decode.id, p.prefill.id) for p in plans}) == 1:
+            outcomes.append("agree")
+        elif len({p.matched_blocks for p in plans}) == 1:
+            outcomes.append("load")
+        else:
+            outcomes.append("index")
+
+    try:
+        await asyncio.gather(*(one(at, r) for at, r in probes))
+    finally:
+        for ch in channels:
+            await ch.close()
+    answered = [o for o in outcomes if o != "failed"]
+    differ = [o for o in answered if o != "agree"]
+    return {
+        "probes": len(outcomes),
+        "probe_failed": len(outcomes) - len(answered),
+        "agreement": answered.count("agree") / len(answered) if answered else None,
+        "disagree_same_match": differ.count("load") / len(differ) if differ else None,
+    }
+
+
+def probe_requests(
+    trace: list[TraceRequest], n: int, kv: KVNamespace
+) -> list[tuple[float, master_pb2.RouteRequest]]:
+    """`n` of the trace's requests, evenly spaced, as the frontend would ask for them."""
+    step = max(1, len(trace) // max(1, n))
+    return [
+        (
+            req.at_s,
+            master_pb2.RouteRequest(
+                request_id=f"probe-{i}",
+                frontend_id="scale-probe",
+                block_hashes=kv.keys(req.prompt),
+                num_prompt_tokens=len(req.prompt),
+            ),
+        )  # fmt: skip
+        for i, req in enumerate(trace[::step][:n])
+    ]
+
+
+async def failover(c: ScaleCluster, model: str, vocab: int, rate: float, window_s: float) -> dict:
+    """Short streams through the frontend at `rate`/s for `window_s` seconds; a third of the
+    way in, the last master is SIGKILLed. Of the requests sent after the kill: failures,
+    how many the frontend routed by itself, and the time to first token of those whose id
+    hashes to the dead master first (each pays the failed call before asking the other)
+    against the rest's."""
+    dead = c.masters[-1]
+    proc = c.procs[master_proc(len(c.masters) - 1)]
+    fallback0 = routes_by(scrape(c.frontend), "fallback")
+    sent: list[tuple[float, str, asyncio.Task[Result]]] = []
+    killed = None
+    async with client(c.frontend) as http:
+        start = time.monotonic()
+        for i in range(int(rate * window_s)):
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+            if killed is None and i >= rate * window_s / 3:
+                proc.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+            rid = f"failover-{os.getpid()}-{i}"
+            prompt = [(i * 131 + j) % vocab for j in range(64)]
+            task = asyncio.create_task(stream(http, model, prompt, 2, rid))
+            sent.append((time.monotonic(), rid, task))
+        await asyncio.gather(*(t for _, _, t in sent))
+    proc.wait()
+    fallback = routes_by(scrape(c.frontend), "fallback") - fallback0
+    after = [(rid, t.result()) for at, rid, t in sent if killed is not None and at >= killed]
+    to_dead = [r.ttft_s for rid, r in after if r.ok and rendezvous(rid, c.masters)[0] == dead]
+    others = [r.ttft_s for rid, r in after if r.ok and rendezvous(rid, c.masters)[0] != dead]
+    return {
+        "failover_requests": len(after),
+        "failover_failed": sum(not r.ok for _, r in after),
+        "failover_fallback_routes": fallback,
+        "failover_ttft_dead_first_p50_s": _pct(sorted(to_dead), 50),
+        "failover_ttft_dead_first_max_s": max(to_dead) if to_dead else None,
+        "failover_ttft_others_p50_s": _pct(sorted(others), 50),
+    }
 
 
 # -- a restarted master -----------------------------------------------------------------
@@ -385,44 +569,85 @@ async def dead_worker_out_s(c: ScaleCluster, args, model: Path, tmp: Path) -> fl
 
 
 # -- one N ------------------------------------------------------------------------------
-def run(args, n: int, model: Path, trace: list[TraceRequest]) -> dict:
-    with tempfile.TemporaryDirectory() as d, cluster(args, n, model, Path(d)) as c:
+def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> dict:
+    with tempfile.TemporaryDirectory() as d, cluster(args, n, model, Path(d), policy) as c:
         tmp = Path(d)
-        master_pid, ns_pid = c.procs["master"].pid, c.procs["nameservice"].pid
-        fe_pid = c.procs["frontend"].pid
-        rss0 = rss_bytes(master_pid)
-        ns_cpu0, idle0 = cpu_s(ns_pid), time.monotonic()
-        time.sleep(args.idle_s)
-        ns_cpu = (cpu_s(ns_pid) - ns_cpu0) / (time.monotonic() - idle0)
-        before = scrape(c.master_metrics)
-        m_cpu0, fe_cpu0, t0 = cpu_s(master_pid), cpu_s(fe_pid), time.monotonic()
-        results = asyncio.run(replay(c.frontend, model.name, trace))
+        pids = [c.procs[master_proc(i)].pid for i in range(len(c.masters))]
+        ns_pid, fe_pid = c.procs["nameservice"].pid, c.procs["frontend"].pid
+        rss0 = rss_bytes(pids[0])
+        ns_cpu = None
+        if not args.replay_only:
+            ns_cpu0, idle0 = cpu_s(ns_pid), time.monotonic()
+            time.sleep(args.idle_s)
+            ns_cpu = (cpu_s(ns_pid) - ns_cpu0) / (time.monotonic() - idle0)
+        kv = KVNamespace.of(asyncio.run(members(c.nameservice))[0])
+        probes = probe_requests(trace, args.probes, kv) if len(c.masters) > 1 else []
+        before = [scrape(a) for a in c.master_metrics]
+        fe_before = scrape(c.frontend)
+        m_cpu0, fe_cpu0, t0 = sum(map(cpu_s, pids)), cpu_s(fe_pid), time.monotonic()
+        load0 = os.getloadavg()[0]
+
+        async def both() -> tuple[list[Result], dict]:
+            start = time.monotonic() + 0.5  # the probes' hashes are ready: they start together
+            runs = [replay(c.frontend, model.name, trace, start)]
+            runs += [agreement(c.masters, probes, start)] if probes else []
+            results, *agreed = await asyncio.gather(*runs)
+            return results, (agreed[0] if agreed else {})
+
+        results, agreed = asyncio.run(both())
         wall = time.monotonic() - t0
+        load1 = os.getloadavg()[0]
         time.sleep(1.0)  # the last events arrive
-        after = scrape(c.master_metrics)
-        m_cpu, fe_cpu = cpu_s(master_pid) - m_cpu0, cpu_s(fe_pid) - fe_cpu0
-        rss = rss_bytes(master_pid)
-        blocks = total(after, "rtp:index_blocks")
-        routes = total(after, "rtp:route_decisions", "_total") - total(
-            before, "rtp:route_decisions", "_total"
+        after = [scrape(a) for a in c.master_metrics]
+        fe_after = scrape(c.frontend)
+        m_cpu, fe_cpu = sum(map(cpu_s, pids)) - m_cpu0, cpu_s(fe_pid) - fe_cpu0
+        rss = rss_bytes(pids[0])
+        routes_after, routes_before = merged(after), merged(before)
+        blocks = total(after[0], "rtp:index_blocks")
+        routes = total(routes_after, "rtp:route_decisions", "_total") - total(
+            routes_before, "rtp:route_decisions", "_total"
         )
-        events = total(after, "rtp:index_event_blocks", "_total") - total(
-            before, "rtp:index_event_blocks", "_total"
+        events = total(after[0], "rtp:index_event_blocks", "_total") - total(
+            before[0], "rtp:index_event_blocks", "_total"
         )
-        resync_s = asyncio.run(master_restart_s(c, Path(args.log_dir or tmp) / f"master-{n}.log"))
-        out_s = asyncio.run(dead_worker_out_s(c, args, model, tmp))
+        err = {}  # the master's TTFT prediction over the replay (the frontend measures it)
+        for key, family in (("abs", "rtp:ttft_prediction_abs_error_seconds"),
+                            ("signed", "rtp:ttft_prediction_error_seconds")):  # fmt: skip
+            count = total(fe_after, family, "_count") - total(fe_before, family, "_count")
+            sum_ = total(fe_after, family, "_sum") - total(fe_before, family, "_sum")
+            err[key] = sum_ / count if count else None
+        moved = {}
+        resync_s = out_s = None
+        if not args.replay_only:
+            if len(c.masters) > 1:
+                vocab = ModelConfig.from_dir(model).vocab_size
+                moved = asyncio.run(
+                    failover(c, model.name, vocab, args.failover_rate, args.failover_s)
+                )
+            log = Path(args.log_dir or tmp) / f"master-{n}.log"
+            resync_s = asyncio.run(master_restart_s(c, log))
+            out_s = asyncio.run(dead_worker_out_s(c, args, model, tmp))
     ok = [r for r in results if r.ok]
     ttfts = sorted(r.ttft_s for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     return {
         "workers": n,
+        "mode": args.mode,
+        "policy": policy,
+        "masters": len(c.masters),
         "requests": len(results),
         "failed": len(results) - len(ok),
         "replay_s": wall,
+        "load_avg": (load0, load1),
         "ttft_p50_s": _pct(ttfts, 50),
         "ttft_p95_s": _pct(ttfts, 95),
-        "reuse": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
-        "route_p50_s": histogram_quantile(after, "rtp:route_duration_seconds", 0.5),
-        "route_p99_s": histogram_quantile(after, "rtp:route_duration_seconds", 0.99),
+        "reuse": cached / max(1, prompt_tokens),
+        "reuse_of_ceiling": cached / args.ceiling if args.ceiling else None,
+        "prediction_abs_error_s": err["abs"],
+        "prediction_error_s": err["signed"],
+        "route_p50_s": histogram_quantile(routes_after, "rtp:route_duration_seconds", 0.5),
+        "route_p99_s": histogram_quantile(routes_after, "rtp:route_duration_seconds", 0.99),
         "routes": routes,
         "routes_per_master_cpu_s": routes / m_cpu if m_cpu else None,
         "master_cpu_s": m_cpu,
@@ -430,12 +655,14 @@ def run(args, n: int, model: Path, trace: list[TraceRequest]) -> dict:
         "index_blocks": blocks,
         "bytes_per_block": (rss - rss0) / blocks if blocks else None,
         "event_blocks_per_s": events / wall,
-        "event_lag_p50_s": histogram_quantile(after, "rtp:index_event_lag_seconds", 0.5),
-        "event_lag_p99_s": histogram_quantile(after, "rtp:index_event_lag_seconds", 0.99),
-        "nameservice_cpu_pct": ns_cpu * 100,
+        "event_lag_p50_s": histogram_quantile(after[0], "rtp:index_event_lag_seconds", 0.5),
+        "event_lag_p99_s": histogram_quantile(after[0], "rtp:index_event_lag_seconds", 0.99),
+        "nameservice_cpu_pct": ns_cpu * 100 if ns_cpu is not None else None,
         "dead_worker_out_s": out_s,
         "master_resync_s": resync_s,
         "frontend_req_per_cpu_s": len(ok) / fe_cpu if fe_cpu else None,
+        **agreed,
+        **moved,
     }
 
 
@@ -467,10 +694,49 @@ ROWS = (
     ("master SIGKILLed, restarted: full index again (s)", lambda r: r["master_resync_s"]),
     ("frontend requests / CPU-second", lambda r: r["frontend_req_per_cpu_s"]),
     ("replay: requests / failed", lambda r: f"{r['requests']} / {r['failed']}"),
-    ("replay: wall (s)", lambda r: r["replay_s"]),
+    ("replay: wall (s); load average at start / end", lambda r: _wall(r)),
     ("TTFT p50 / p95 (s)", lambda r: f"{_fmt(r['ttft_p50_s'])} / {_fmt(r['ttft_p95_s'])}"),
     ("prefix reuse (cached / prompt tokens)", lambda r: r["reuse"]),
+    ("prefix reuse / one-infinite-cache ceiling", lambda r: r["reuse_of_ceiling"]),
+    ("master's TTFT prediction: mean |error| / mean error (ms)", lambda r: _pred(r)),
+    ("masters agreeing on the same request (probes)", lambda r: _agreed(r)),
+    ("  disagreements with equal matched blocks", lambda r: r.get("disagree_same_match")),
+    ("master SIGKILLed under load: requests after / failed / fallback", lambda r: _moved(r)),
+    ("  TTFT p50 / max, ids hashing to the dead master (ms)", lambda r: _dead_first(r)),
+    ("  TTFT p50, the other requests (ms)", lambda r: _ms(r.get("failover_ttft_others_p50_s"))),
 )
+
+
+def _ms(v: float | None) -> float | None:
+    return v * 1e3 if v is not None else None
+
+
+def _wall(r: dict) -> str:
+    return f"{_fmt(r['replay_s'])}; {r['load_avg'][0]:.1f} / {r['load_avg'][1]:.1f}"
+
+
+def _pred(r: dict) -> str:
+    return f"{_fmt(_ms(r['prediction_abs_error_s']))} / {_fmt(_ms(r['prediction_error_s']))}"
+
+
+def _agreed(r: dict) -> str | None:
+    if r.get("agreement") is None:
+        return None
+    return f"{r['agreement']:.1%} of {r['probes'] - r['probe_failed']} ({r['probe_failed']} failed)"
+
+
+def _moved(r: dict) -> str | None:
+    if "failover_requests" not in r:
+        return None
+    return (f"{r['failover_requests']} / {r['failover_failed']} / "
+            f"{_fmt(r['failover_fallback_routes'])}")  # fmt: skip
+
+
+def _dead_first(r: dict) -> str | None:
+    if "failover_requests" not in r:
+        return None
+    p50, top = r["failover_ttft_dead_first_p50_s"], r["failover_ttft_dead_first_max_s"]
+    return f"{_fmt(_ms(p50))} / {_fmt(_ms(top))}"
 
 
 def _lag(r: dict) -> str:
@@ -479,8 +745,31 @@ def _lag(r: dict) -> str:
 
 
 def table(r: dict) -> str:
-    lines = [f"| N = {r['workers']} | |", "|---|---|"]
+    lines = [f"| N = {r['workers']} ({r['mode']}, {r['policy']}, {r['masters']} masters) | |",
+             "|---|---|"]  # fmt: skip
     lines += [f"| {name} | {_fmt(get(r))} |" for name, get in ROWS]
+    return "\n".join(lines)
+
+
+def policy_table(results: list[dict]) -> str:
+    """The policies side by side, per N, each against round_robin's run at the same N."""
+    lines = [
+        "| N | policy | TTFT p50 (s) | TTFT p95 (s) | p95 x rr | reuse | of ceiling | "
+        "reuse x rr | prediction mean abs error (ms) | failed | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rr = {r["workers"]: r for r in results if r["policy"] == "round_robin"}
+    for r in results:
+        base = rr.get(r["workers"])
+        p95 = r["ttft_p95_s"] / base["ttft_p95_s"] if base and base["ttft_p95_s"] else None
+        reuse = r["reuse"] / base["reuse"] if base and base["reuse"] else None
+        lines.append(
+            f"| {r['workers']} {r['mode']} | {r['policy']} | {_fmt(r['ttft_p50_s'])} | "
+            f"{_fmt(r['ttft_p95_s'])} | {_fmt(p95)} | {r['reuse']:.1%} | "
+            f"{_fmt(r['reuse_of_ceiling'])} | {_fmt(reuse)} | "
+            f"{_fmt(_ms(r['prediction_abs_error_s']))} | {r['failed']} | "
+            f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -489,12 +778,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--workers", default="10,100")
     ap.add_argument("--mode", choices=("fused", "pd"), default="fused")
     ap.add_argument("--policy", default="cache_aware")
+    ap.add_argument(
+        "--policies", default=None,
+        help="comma-separated policies: each N runs once per policy (default: --policy), "
+        "and a last table compares them",
+    )  # fmt: skip
+    ap.add_argument("--masters", type=int, default=2, help="active-active master replicas")
+    ap.add_argument(
+        "--probes", type=int, default=100,
+        help="agreement probes over the replay (with 2 masters or more)",
+    )  # fmt: skip
+    ap.add_argument("--failover-rate", type=float, default=20.0, help="requests/s, failover")
+    ap.add_argument("--failover-s", type=float, default=3.0, help="failover window (s)")
+    ap.add_argument(
+        "--replay-only", action="store_true",
+        help="the replay (and the masters' agreement) only: no idle window, failover, "
+        "restarted master or dead worker",
+    )  # fmt: skip
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--time-scale", type=float, default=0.05, help="arrival times multiplied")
     ap.add_argument("--max-output", type=int, default=8, help="output tokens at most")
     ap.add_argument("--max-input", type=int, default=0, help="cut prompts (0: real lengths)")
     ap.add_argument("--model", default="smollm2-135m", help="model dir or preset (config)")
     ap.add_argument("--cost", default=None, help="sim cost profile JSON (bench/fit_sim.py)")
+    ap.add_argument(
+        "--cost-scale", type=float, default=1.0,
+        help="every step time of the profile multiplied (a slower model: loads the simulated "
+        "workers at an arrival rate this machine's control plane keeps up with)",
+    )  # fmt: skip
     ap.add_argument("--procs", type=int, default=2, help="sim-worker processes")
     ap.add_argument(
         "--num-blocks", type=int, default=0,
@@ -516,17 +827,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     context = max(len(t.prompt) + t.max_tokens for t in trace) + 1
     args.num_blocks = args.num_blocks or 2 * -(-context // args.block_size)
-    print(f"# cpu flags: {cpu_flags()}; {os.cpu_count()} cores, shared: numbers are noisy")
-    print(f"# trace: {len(trace)} requests of {args.trace}, arrivals x{args.time_scale}, "
-          f"outputs <= {args.max_output}; mode {args.mode}, policy {args.policy}; "
-          f"cost {args.cost or 'built-in default'}")  # fmt: skip
+    prompt_tokens = sum(len(t.prompt) for t in trace)
+    args.ceiling = ceiling_tokens([t.prompt for t in trace], args.block_size)
+    policies = (args.policies or args.policy).split(",")
+    span = trace[-1].at_s if trace else 0.0
+    print(
+        f"# cpu flags: {cpu_flags()}; {os.cpu_count()} cores, shared: numbers are noisy; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"# trace: {len(trace)} requests of {args.trace}, arrivals x{args.time_scale} "
+          f"(over {span:.0f} s), outputs <= {args.max_output}; {prompt_tokens} prompt tokens, "
+          f"the one-infinite-cache ceiling reuses {args.ceiling} "
+          f"({args.ceiling / max(1, prompt_tokens):.1%}); mode {args.mode}, policies "
+          f"{','.join(policies)}, {args.masters} master(s); cost "
+          f"{args.cost or 'built-in default'} x{args.cost_scale}; "
+          f"{args.num_blocks} blocks of {args.block_size} per worker")  # fmt: skip
     results = []
     with tempfile.TemporaryDirectory() as d:
         model = sim_model(source, Path(d) / source.name, context)
+        if args.cost_scale != 1.0:
+            cost = SimCost.load(args.cost) if args.cost else SimCost()
+            scaled = {f: getattr(cost, f) * args.cost_scale for f in
+                      ("fixed_s", "prefill_token_s", "prefill_attn_s", "decode_row_s",
+                       "decode_ctx_s")}  # fmt: skip
+            args.cost = str(Path(d) / "sim_cost.json")
+            SimCost(**scaled, source=f"{cost.source} x{args.cost_scale}").save(args.cost)
         for n in (int(x) for x in args.workers.split(",")):
-            r = run(args, n, model, trace)
-            results.append(r)
-            print(table(r), flush=True)
+            for policy in policies:
+                r = run(args, n, model, trace, policy)
+                results.append(r)
+                print(table(r), flush=True)
+        if len(policies) > 1:
+            print(policy_table(results), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

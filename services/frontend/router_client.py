@@ -47,10 +47,15 @@ def master_list(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(a.strip() for a in items if a.strip())
 
 
-def _weight(request_id: str, address: str) -> int:
-    """Rendezvous weight of `address` for `request_id`: the same in every process."""
-    key = f"{request_id}\0{address}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+def rendezvous(request_id: str, addresses: Sequence[str]) -> list[str]:
+    """`addresses` in the order a request with this id asks them (highest random weight
+    first: the same order in every process, and removing one moves only its share)."""
+
+    def weight(address: str) -> int:
+        key = f"{request_id}\0{address}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+
+    return sorted(addresses, key=weight, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +180,7 @@ class Router:
         if not request_id:
             turn = next(self._turn) % len(live)
             return live[turn:] + live[:turn]
-        return sorted(live, key=lambda a: _weight(request_id, a), reverse=True)
+        return rendezvous(request_id, live)
 
     def num_workers(self) -> int:
         """Workers known from the nameservice (0 without a membership view)."""
