@@ -4,7 +4,7 @@
 
 Runs the real engine (LLMEngine) on scripted workloads, times every step, reads what each
 step computed from the requests' state (prompt tokens and the context they attended to;
-decode rows and their summed context), and fits rtp_serve/engine/sim/cost.py's formula by
+decode rows and their summed context), and fits rtp_serve/core/sim_cost.py's formula by
 non-negative least squares (core/cost_model.py's LinearFit, without forgetting). Prints the
 fit and its error per workload kind beside the CPU flags; writes the JSON that
 `rtp-serve sim-worker --cost` loads. The machine is shared: steps timed while other work
@@ -30,7 +30,7 @@ from rtp_serve.core.cost_model import LinearFit  # noqa: E402
 from rtp_serve.core.sampling_params import SamplingParams  # noqa: E402
 from rtp_serve.engine.config import EngineConfig  # noqa: E402
 from rtp_serve.engine.llm_engine import LLMEngine  # noqa: E402
-from rtp_serve.engine.sim.cost import SimCost  # noqa: E402
+from rtp_serve.core.sim_cost import SimCost  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 

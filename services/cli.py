@@ -24,6 +24,7 @@ SERVICES = {
     "fused": "rtp_serve.services.decode.main",
     "sim-worker": "rtp_serve.services.sim.main",
     "frontend": "rtp_serve.services.frontend.main",
+    "planner": "rtp_serve.services.planner.main",
     "up": "rtp_serve.services.launcher.main",
 }
 

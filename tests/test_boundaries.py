@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # The services that run without torch, and the shared code they import.
-TORCH_FREE_SERVICES = ("frontend", "master", "cache", "nameservice", "common")
+TORCH_FREE_SERVICES = ("frontend", "master", "cache", "nameservice", "planner", "common")
 
 
 def _imports(path: Path) -> set[str]:

@@ -28,7 +28,7 @@ from rtp_serve.engine.block_pool import BlockPool, KVEvent
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.errors import EngineStoppedError
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
-from rtp_serve.engine.sim.cost import SimCost
+from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.engine.sim.scheduler import SimRequest, SimScheduler, Work
 from rtp_serve.engine.stats import EngineCheck, EngineStats
 

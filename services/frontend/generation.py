@@ -43,6 +43,7 @@ from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2, wor
 from rtp_serve.services.frontend import metrics
 from rtp_serve.services.frontend.adapters import Adapters, not_found
 from rtp_serve.services.frontend.client_streams import ClientStreams
+from rtp_serve.services.frontend.cold_start import WorkerWait
 from rtp_serve.services.frontend.detokenizer import TextStream, TokenText
 from rtp_serve.services.frontend.errors import (
     RETRYABLE,
@@ -127,6 +128,12 @@ class Generator:
         self.max_token_chars = max_token_chars(tokenizer.id_to_token, model.vocab_size)
         self.token_text = TokenText(tokenizer, model.byte_level)
         self.metrics = metrics.frontend(model.served_name)
+        self.worker_wait = WorkerWait(
+            router.membership.has_route,
+            limits.hold_for_workers_s,
+            limits.max_waiting_for_workers,
+            self.metrics.families.waiting_for_workers,
+        )
         self.tenants = TenantLimiter(
             tenants or TenantTable(), self.metrics.tenant, frontend_replicas
         )
@@ -225,8 +232,9 @@ class Generator:
                 yield self._deadline_passed(inp, produced)
                 return
             prompt = inp.prompt_token_ids + produced
-            hashes = self.block_hashes(prompt, inp.lora)
             try:
+                await self.worker_wait.until_routable(inp.remaining())
+                hashes = self.block_hashes(prompt, inp.lora)
                 route = await self.router.route(
                     master_pb2.RouteRequest(
                         request_id=inp.request_id,

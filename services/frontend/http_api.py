@@ -189,10 +189,13 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    router = request.app[GENERATOR].router
+    generator = request.app[GENERATOR]
+    router = generator.router
     workers = router.num_workers()  # (a launcher waits for all it started)
     if await router.ready():
         return web.json_response({"status": "ready", "workers": workers})
+    if generator.worker_wait.hold_s > 0:  # scaled to zero: requests wait for a worker here
+        return web.json_response({"status": "ready, holding for a worker", "workers": workers})
     return web.json_response({"status": "no route to a worker", "workers": workers}, status=503)
 
 

@@ -33,6 +33,10 @@ class Limits:
     # request's body within this many seconds of its headers: slow clients are cut off.
     header_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
+    # Scale from zero (cold_start.py): a request finding no worker waits this long for one
+    # (0: refused at once), at most this many at a time.
+    hold_for_workers_s: float = 0.0
+    max_waiting_for_workers: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_stop", "max_stop_chars"):
@@ -46,6 +50,8 @@ class Limits:
             raise ValueError("max_logprobs and max_streams_per_client must be >= 0")
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ValueError("header_timeout_s and body_timeout_s must be > 0")
+        if self.hold_for_workers_s < 0 or self.max_waiting_for_workers < 0:
+            raise ValueError("hold_for_workers_s and max_waiting_for_workers must be >= 0")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Limits:
@@ -60,6 +66,11 @@ class Limits:
             max_streams_per_client=args.max_streams_per_client,
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
+            # Without a nameservice there is no membership to wait on.
+            hold_for_workers_s=args.hold_for_workers_s
+            if getattr(args, "nameservice", None)
+            else 0.0,
+            max_waiting_for_workers=args.max_waiting_for_workers,
         )
 
     # -- checks that need no model ---------------------------------------------------------
@@ -150,3 +161,10 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float,
                    default=float(env("body_timeout", str(d.body_timeout_s))),
                    help="seconds a request may take to send its body after its headers")  # fmt: skip
+    g.add_argument("--hold-for-workers-s", type=float,
+                   default=float(env("hold_for_workers_s", str(d.hold_for_workers_s))),
+                   help="a request that finds no worker waits this long for one to start (scale "
+                   "from zero; bounded by its deadline); 0: 503 at once")  # fmt: skip
+    g.add_argument("--max-waiting-for-workers", type=int,
+                   default=int(env("max_waiting_for_workers", str(d.max_waiting_for_workers))),
+                   help="requests held for a worker at once; past it: 503 at once")  # fmt: skip

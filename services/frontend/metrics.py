@@ -62,6 +62,16 @@ class FrontendFamilies(Families):
             _MODEL, QUEUE_BUCKETS,
         ),
         MetricSpec(
+            "requests_received", "counter", "requests_received",
+            "Sequences that arrived (admitted past validation and limits); the planner's "
+            "arrival rate.",
+            _MODEL,
+        ),
+        MetricSpec(
+            "waiting_for_workers", "gauge", "requests_waiting_for_workers",
+            "Requests held because no worker runs (scale from zero: --hold-for-workers-s).",
+        ),
+        MetricSpec(
             "request_success", "counter", "request_success",
             "Sequences that ended, by finished_reason (stop, length; abort: ended early).",
             (*_MODEL, "finished_reason"),
@@ -239,6 +249,7 @@ class FrontendMetrics:
 
     def sequence(self, tenant: TenantMetrics | None = None) -> SequenceTimer:
         """A timer for a sequence arriving now (of this tenant's)."""
+        self.families.requests_received.labels(self.model_name).inc()
         return SequenceTimer(self, tenant)
 
     def tenant(self, label: str) -> TenantMetrics:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -39,14 +39,15 @@ from rtp_serve.services.common.flags import (
     add_model_flags,
 )
 from rtp_serve.services.launcher import certs, servers
-from rtp_serve.services.launcher.process import CLI
+from rtp_serve.services.launcher.process import CLI, child_process
 from rtp_serve.services.launcher.secrets import ClusterSecrets
 from rtp_serve.services.launcher.supervisor import RESTART_POLICIES, Supervisor
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
 STOP_SLACK_S = 1.2  # past the drain timeout: for processes to exit before they are killed
-DRAINING = ("frontend", "prefill", "decode", "fused")  # the rest stops once these are gone
+# The rest stops once these are gone (the planner stops the workers it started, draining).
+DRAINING = ("frontend", "prefill", "decode", "fused", "planner")
 SUPERVISE_EVERY_S = 0.25  # how often exited children are noticed (and restarted)
 
 
@@ -137,12 +138,31 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         "(no: keep serving with what is left)",
     )
     p.add_argument("--info-file", default=None, help="write addresses and pids here (JSON) once up")
+    add_planner_arguments(p)
     add_security_arguments(p)
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     p.add_argument("--log-format", choices=("text", "json"), default=env("log_format", "text"))
     p.add_argument("--log-requests", action="store_true",
                    help="the frontend logs each request's route, predicted and actual time "
                    "to first token")  # fmt: skip
+
+
+def add_planner_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling (docs/operations/autoscaling.md): with --planner the "
+                             "workers are the planner's, --fused/--prefill/--decode only choose "
+                             "the mode")  # fmt: skip
+    g.add_argument("--planner", action="store_true",
+                   help="run the SLA planner, which starts and stops the workers (rtp-serve planner)")  # fmt: skip
+    g.add_argument("--min-workers", type=int, default=1, help="per role; 0: scale to zero")
+    g.add_argument("--max-workers", type=int, default=4, help="all roles together")
+    g.add_argument("--ttft-p95-ms", type=float, default=2000.0)
+    g.add_argument("--itl-p95-ms", type=float, default=200.0)
+    g.add_argument("--planner-interval-s", type=float, default=2.0)
+    g.add_argument("--down-cooldown-s", type=float, default=30.0)
+    g.add_argument("--idle-to-zero-s", type=float, default=60.0)
+    g.add_argument("--hold-for-workers-s", type=float, default=60.0,
+                   help="with --min-workers 0: how long a request waits at the frontend for "
+                   "a worker to start")  # fmt: skip
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,12 +188,6 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers' HMAC key for KV blocks in the cache tiers")  # fmt: skip
     s.add_argument("--tls", action="store_true",
                    help="mutual TLS on all internal gRPC, with a throwaway CA made at start")  # fmt: skip
-
-
-def _die_with_parent() -> None:
-    # Linux: SIGKILL this child when the launcher goes away, however it goes.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -230,8 +244,7 @@ class Cluster:
 def _child(argv: list[str], secrets: ClusterSecrets) -> subprocess.Popen:
     """A service process from its argv ([*CLI, SERVICE, ...]), with the secrets SERVICE uses
     in its environment (a restart gets them again)."""
-    env = {**os.environ, **secrets.env(argv[len(CLI)])}
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+    return child_process(argv, secrets.env(argv[len(CLI)]))
 
 
 def _default_threads(args: argparse.Namespace) -> int:
@@ -244,11 +257,19 @@ def _default_threads(args: argparse.Namespace) -> int:
     Fused replicas do the same work side by side, so they split the cores.
     """
     cores = os.cpu_count() or 1
-    return cores if not args.fused else max(1, cores // _worker_count(args))
+    return cores if not args.fused else max(1, cores // _worker_slots(args))
 
 
 def _worker_count(args: argparse.Namespace) -> int:
+    """Workers the cluster has once up (with the planner: its floor)."""
+    if args.planner:
+        return args.min_workers * (1 if args.fused else 2)
     return args.fused if args.fused else args.prefill + args.decode
+
+
+def _worker_slots(args: argparse.Namespace) -> int:
+    """Workers that may run at once here (what the cores and memory are shared by)."""
+    return max(1, args.max_workers) if args.planner else _worker_count(args)
 
 
 def _start_infra(cluster: Cluster) -> tuple[str, str | None]:
@@ -308,7 +329,7 @@ def _start(cluster: Cluster, model: str) -> str:
     worker = [*common, *drain, "--model", model, *numerics, "--threads", str(threads),
               "--kv-cache-mib", str(args.kv_cache_mib),
               "--host-kv-cache-mib", str(args.host_kv_cache_mib),
-              "--memory-share", str(_worker_count(args)),
+              "--memory-share", str(_worker_slots(args)),
               "--speculative", args.speculative]  # fmt: skip
     if args.draft_model is not None:
         from rtp_serve.models.make_model import resolve_model
@@ -319,7 +340,9 @@ def _start(cluster: Cluster, model: str) -> str:
             worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     loras = [f"--lora={name}={path}" for name, path in args.loras]
     worker += [*loras, "--max-loras", str(args.max_loras)]
-    if args.fused:
+    if args.planner:
+        _spawn_planner(cluster, common, worker[len(common) + len(drain) :], drain)
+    elif args.fused:
         for _ in range(args.fused):
             cluster.spawn("fused", *worker)
     else:
@@ -334,11 +357,32 @@ def _start(cluster: Cluster, model: str) -> str:
         ["--priority-floor", str(args.priority_floor)] if args.priority_floor is not None else []
     )
     keys += ["--log-requests"] if args.log_requests else []
+    if args.planner and args.min_workers == 0:
+        keys += ["--hold-for-workers-s", str(args.hold_for_workers_s)]
     # The frontend is on no NATS: membership comes from the nameservice, routes from the master.
     cluster.spawn("frontend", "--nameservice", nameservice, *drain, "--model", model, *keys, *loras,
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
+
+
+def _spawn_planner(
+    cluster: Cluster, common: list[str], worker_flags: list[str], drain: list[str]
+) -> None:
+    """The planner, which starts the workers (their flags as one string) and stops them."""
+    args = cluster.args
+    port = servers.free_port()
+    cluster.addresses["planner"] = f"http://127.0.0.1:{port}"
+    cluster.spawn(
+        "planner", *common, *drain, "--port", str(port), "--actuator", "local",
+        "--mode", "fused" if args.fused else "pd",
+        "--worker-flags", shlex.join(worker_flags),
+        "--min-workers", str(args.min_workers), "--max-workers", str(args.max_workers),
+        "--ttft-p95-ms", str(args.ttft_p95_ms), "--itl-p95-ms", str(args.itl_p95_ms),
+        "--interval-s", str(args.planner_interval_s),
+        "--down-cooldown-s", str(args.down_cooldown_s),
+        "--idle-to-zero-s", str(args.idle_to_zero_s),
+    )  # fmt: skip
 
 
 def _write_info(cluster: Cluster) -> None:

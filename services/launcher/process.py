@@ -4,6 +4,7 @@ benchmarks and scripts that need a whole cluster for a while)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -24,6 +25,22 @@ from rtp_serve.services.launcher.servers import free_port
 CLI = (sys.executable, "-P", "-m", "rtp_serve.services.cli")
 
 UP_TIMEOUT_S = 240.0
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGKILL this child when its parent goes away, however it goes.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def child_process(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A service process that dies with this one (no orphans), with `env` added to ours."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        preexec_fn=_die_with_parent,
+    )
 
 
 @dataclass

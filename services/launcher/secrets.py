@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rtp_serve.services.launcher.certs import CertFiles
 
 WORKERS = ("prefill", "decode", "fused")
-_NATS = ("nameservice", "master", "cache", *WORKERS)  # every service on the bus
+_NATS = ("nameservice", "master", "cache", "planner", *WORKERS)  # every service on the bus
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +60,10 @@ class ClusterSecrets:
             out["RTP_NATS_TOKEN"] = self.nats_token
         if self.redis_password and service == "cache":
             out["RTP_REDIS_PASSWORD"] = self.redis_password
-        if self.kv_integrity_key and service in WORKERS:
+        if self.kv_integrity_key and service in (*WORKERS, "planner"):  # the planner's workers
             out["RTP_KV_INTEGRITY_KEY"] = self.kv_integrity_key
+        if self.metrics_key and service == "planner":  # it reads the frontends' /metrics
+            out["RTP_METRICS_KEY"] = self.metrics_key
         if service == "frontend":
             if self.api_keys:
                 out["RTP_API_KEYS"] = ",".join(self.api_keys)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 
 from rtp_serve.core.dtypes import resolve_dtype
-from rtp_serve.engine.sim.cost import SimCost
+from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.engine.sim.engine import SimConfig, SimLLM
 from rtp_serve.services.common import metrics
 from rtp_serve.services.common.env import env

@@ -1,4 +1,5 @@
-"""How long a simulated step takes: a profile fitted on the real engine, loadable from JSON.
+"""How long a step takes: a profile fitted on the real engine, loadable from JSON (the
+simulated workers step by it; the planner sizes by it before workers report their own).
 
     step_s = fixed_s
            + prefill_token_s * p + prefill_attn_s * p * c / 1000
