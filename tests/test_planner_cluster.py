@@ -122,17 +122,15 @@ def test_scale_to_zero_holds_the_request_and_starts_one_worker(model, reference,
         assert c.workers() == []  # up and ready at zero workers
         fused = nameservice_pb2.ROLE_FUSED
 
-        async def run() -> tuple[list[str], float]:
+        async def run() -> list[str]:
             client = _client(c.url)
             model_id = (await client.models.list()).data[0].id
-            t0 = time.monotonic()
             first = asyncio.create_task(_stream(client, model_id, PROMPTS[0], asyncio.Event()))
             await asyncio.sleep(0.2)
             second = asyncio.create_task(_stream(client, model_id, PROMPTS[1], asyncio.Event()))
-            texts = await asyncio.gather(first, second)
-            return texts, time.monotonic() - t0
+            return list(await asyncio.gather(first, second))
 
-        texts, took = asyncio.run(run())
+        texts = asyncio.run(run())
         assert texts == [reference[PROMPTS[0]], reference[PROMPTS[1]]]
         plan = _plan(c.info["planner"])
         started = [p for p in c.members(fused)]
@@ -143,4 +141,3 @@ def test_scale_to_zero_holds_the_request_and_starts_one_worker(model, reference,
         while c.members(fused):
             assert time.monotonic() < deadline, f"still {len(c.members(fused))} workers when idle"
             time.sleep(0.25)
-        assert took < 120  # the hold's bound: both were answered while held, not refused
