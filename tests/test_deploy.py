@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import ctypes
 import json
+import math
 import os
 import re
 import signal
@@ -41,7 +42,7 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 K8S_DIR = ROOT / "deploy" / "k8s"
 
 # Which image each sub-command belongs in: only workers (and the model builder) load torch.
-SLIM_COMMANDS = {"nameservice", "master", "cache", "frontend"}
+SLIM_COMMANDS = {"nameservice", "master", "cache", "frontend", "planner"}
 WORKER_COMMANDS = {"prefill", "decode", "fused", "make-model"}
 DOCKERFILES = {
     "rtp-serve-slim": ROOT / "docker" / "Dockerfile.slim",
@@ -63,6 +64,8 @@ EXIT_HEADROOM_S = 5.0
 ENV_DESTS = {"RTP_CACHE_CAPACITY_MIB": ("capacity_mib",), "RTP_DTYPE": ("dtype",)}
 # The services `docker compose up` starts and `kubectl apply -f deploy/k8s` deploys.
 TOPOLOGY = {"nats", "redis", "nameservice", "master", "cache", "frontend", "prefill", "decode"}
+# ...and on Kubernetes the SLA planner too, whose HPAs scale the worker Deployments.
+K8S_TOPOLOGY = TOPOLOGY | {"planner"}
 
 
 # -- shared helpers --------------------------------------------------------------------------
@@ -774,8 +777,8 @@ def _k8s_args(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> arg
 def test_k8s_manifests_parse_into_the_topology() -> None:
     for doc in _k8s():
         assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
-    assert set(_kind("Deployment")) == TOPOLOGY
-    assert set(_kind("Service")) == TOPOLOGY
+    assert set(_kind("Deployment")) == K8S_TOPOLOGY
+    assert set(_kind("Service")) == K8S_TOPOLOGY
     assert len(_kind("ConfigMap")) == 1
 
 
@@ -814,6 +817,25 @@ def _frontend_get_paths() -> set[str]:
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
 
 
+def _planner_get_paths() -> set[str]:
+    """The paths the planner's HTTP app routes GET to (its `add_get` calls)."""
+    import ast
+
+    from rtp_serve.services.planner import main
+
+    tree = ast.parse(Path(main.__file__).read_text())
+    return {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", None) == "add_get"
+        and isinstance(node.args[0], ast.Constant)
+    }
+
+
+HTTP_PATHS = {"frontend": _frontend_get_paths, "planner": _planner_get_paths}
+
+
 def test_k8s_probes_target_what_each_container_serves(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, dep in _kind("Deployment").items():
         for c in dep["spec"]["template"]["spec"]["containers"]:
@@ -825,6 +847,8 @@ def test_k8s_probes_target_what_each_container_serves(monkeypatch: pytest.Monkey
                 args = _k8s_args(c, monkeypatch)
                 grpc_port = args.grpc_port if name == "frontend" else args.port
                 served = {grpc_port, args.port} | ({args.metrics_port} - {0})
+                if name == "planner":  # HTTP only: /metrics on --port, no gRPC server
+                    served = {args.port}
                 assert set(ports.values()) == served, f"{name} declares what it binds"
             assert "readinessProbe" in c and "livenessProbe" in c, name
             probes = [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c]
@@ -835,10 +859,10 @@ def test_k8s_probes_target_what_each_container_serves(monkeypatch: pytest.Monkey
                 port = ports.get(spec["port"], spec["port"])
                 assert port in ports.values(), f"{name} probes undeclared port {spec['port']}"
                 if ours and kind == "grpc":
-                    assert port == grpc_port, name
+                    assert name != "planner" and port == grpc_port, name
                 if ours and kind == "httpGet":
-                    assert name == "frontend" and port == args.port, name
-                    assert spec["path"] in _frontend_get_paths(), spec["path"]
+                    assert name in HTTP_PATHS and port == args.port, name
+                    assert spec["path"] in HTTP_PATHS[name](), spec["path"]
             scrape = dep["spec"]["template"]["metadata"].get("annotations", {})
             if "prometheus.io/port" in scrape:
                 assert int(scrape["prometheus.io/port"]) in ports.values(), name
@@ -878,8 +902,8 @@ def test_k8s_grace_period_covers_prestop_and_drain(monkeypatch: pytest.MonkeyPat
         if container["name"] != name:  # an init container
             continue
         args = _k8s_args(container, monkeypatch)
-        if not hasattr(args, "drain_timeout"):
-            continue
+        if not hasattr(args, "drain_timeout") or args.command == "planner":
+            continue  # the planner holds no requests (its --drain-timeout: local workers')
         drained += 1
         pod = _kind("Deployment")[name]["spec"]["template"]["spec"]
         assert "terminationGracePeriodSeconds" in pod, f"{name}: state it, next to the drain"
@@ -968,6 +992,84 @@ def test_k8s_services_select_their_deployment() -> None:
         declared = {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in declared, (name, port)
+
+
+# -- the SLA planner and its HorizontalPodAutoscalers ------------------------------------------
+def _planner_args(monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    [container] = _kind("Deployment")["planner"]["spec"]["template"]["spec"]["containers"]
+    return _k8s_args(container, monkeypatch)
+
+
+def _hpa_replicas(current: int, value: float, average_value: float, tolerance: float) -> int:
+    """The HPA's replica count for an External metric with an AverageValue target
+    (kubernetes pkg/controller/podautoscaler/replica_calculator.go,
+    GetExternalPerPodMetricReplicas): unchanged while the usage ratio is within the
+    tolerance of 1, else ceil(metric / averageValue), whatever the current count."""
+    ratio = value / (average_value * current)
+    if 1.0 - tolerance <= ratio <= 1.0 + tolerance:
+        return current
+    return math.ceil(value / average_value)
+
+
+def test_k8s_hpas_scale_each_role_the_planner_sizes_on_its_gauge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--actuator metrics: the planner only publishes rtp:planner_desired_workers{role}. One
+    HPA per role it sizes (--mode) scales that role's Deployment on that gauge's series."""
+    from rtp_serve.services.common.metrics import PREFIX
+    from rtp_serve.services.planner.main import MODES
+    from rtp_serve.services.planner.metrics import PlannerMetrics
+
+    args = _planner_args(monkeypatch)
+    assert args.actuator == "metrics" and args.nameservice and args.nats_url
+    [desired] = [m for m in PlannerMetrics.SPECS if m.attr == "desired"]
+    assert (desired.kind, desired.labels) == ("gauge", ("role",))
+    hpas, deployments = _kind("HorizontalPodAutoscaler"), _kind("Deployment")
+    assert set(hpas) == set(MODES[args.mode]) == {"prefill", "decode"}
+    for name, hpa in hpas.items():
+        spec = hpa["spec"]
+        assert spec["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": name,
+        }
+        [worker] = deployments[name]["spec"]["template"]["spec"]["containers"]
+        assert worker["args"][0] == name, f"HPA {name} scales a Deployment of another role"
+        [metric] = spec["metrics"]
+        assert metric["type"] == "External"
+        assert metric["external"]["metric"] == {
+            "name": PREFIX + desired.name,
+            "selector": {"matchLabels": {"role": name}},
+        }
+        # The planner sizes for the workers' batch bound.
+        assert _k8s_args(worker, monkeypatch).max_num_seqs == args.max_num_seqs, name
+
+
+def test_k8s_hpas_set_exactly_the_planners_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever runs now, each HPA lands on the published number within its bounds, under
+    the default 10% tolerance (the HPAConfigurableTolerance feature may be off); its own
+    windows and policies add no delay or step bound to the planner's."""
+    args = _planner_args(monkeypatch)
+    for name, hpa in _kind("HorizontalPodAutoscaler").items():
+        spec = hpa["spec"]
+        target = spec["metrics"][0]["external"]["target"]
+        assert target == {"type": "AverageValue", "averageValue": "1"}, name
+        low, high = spec["minReplicas"], spec["maxReplicas"]
+        assert low == max(1, args.min_workers), "minReplicas 0 needs the HPAScaleToZero gate"
+        assert high <= args.max_workers, f"{name}: more than the planner's budget"
+        for current in range(low, high + 1):
+            for wanted in range(low, high + 1):
+                assert _hpa_replicas(current, wanted, float(target["averageValue"]), 0.1) == (
+                    wanted
+                ), (name, current, wanted)
+        behavior = spec["behavior"]
+        assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] <= 3 * args.interval_s
+        for rules in behavior.values():
+            assert rules["tolerance"] == "0"
+            assert all(p["type"] == "Pods" and p["value"] >= high - low for p in rules["policies"])
+    # Why maxReplicas stays below 10: from 10, a one-pod step is within the tolerance.
+    assert _hpa_replicas(10, 9, 1.0, 0.1) == 10 and _hpa_replicas(10, 11, 1.0, 0.1) == 10
 
 
 # -- the compose topology as local processes ----------------------------------------------------
