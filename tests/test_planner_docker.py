@@ -133,14 +133,24 @@ def project(tmp_path: Path, image: str, client: docker.DockerClient) -> Iterator
         run("up", "-d")
         yield name
     finally:
-        run("down", "-v", "--remove-orphans", "--timeout", "1")
-        label = {"label": f"com.docker.compose.project={name}"}
-        left = [c.name for c in client.containers.list(all=True, filters=label)]
-        left += [n.name for n in client.networks.list(filters=label)]
-        left += [v.name for v in client.volumes.list(filters=label)]
-        for c in client.containers.list(all=True, filters=label):  # never leave any behind
-            c.remove(force=True)
-        assert not left, f"compose down left {left}"
+        try:
+            run("down", "-v", "--remove-orphans", "--timeout", "1")
+        finally:
+            left = _remove_project(client, name)
+    assert not left, f"compose down left {left}"
+
+
+def _remove_project(client: docker.DockerClient, project: str) -> list[str]:
+    """Removes whatever of `project` is left (containers, networks, volumes); their names."""
+    label = {"label": f"com.docker.compose.project={project}"}
+    left = []
+    for c in client.containers.list(all=True, filters=label):
+        left.append(c.name)
+        c.remove(force=True)
+    for item in [*client.networks.list(filters=label), *client.volumes.list(filters=label)]:
+        left.append(item.name)
+        item.remove()
+    return left
 
 
 def _service(client: docker.DockerClient, project: str) -> dict[str, docker.models.containers.Container]:  # fmt: skip

@@ -50,8 +50,9 @@ class DockerActuatorError(RuntimeError):
 class DockerActuator:
     """Scales the containers of compose project `project`'s services. `services`: role ->
     compose service (default: the service named as the role). `locate`: member id -> the
-    address it registered ("host:port"), or None; without it, scale-down stops the newest
-    containers. `drain_timeout_s`: the workers' --drain-timeout."""
+    address it registered ("host:port"), or None (without it, victims are taken as
+    addresses); victims not found are replaced by the newest containers.
+    `drain_timeout_s`: the workers' --drain-timeout."""
 
     name = "docker"
 
@@ -169,7 +170,7 @@ class DockerActuator:
         by_host = {key: c for c in live for key in _hosts(c)}
         chosen: list[Container] = []
         for member in victims:
-            address = self.locate(member) if self.locate else None
+            address = self.locate(member) if self.locate else member  # else: an address
             c = by_host.get(_host_of(address)) if address else None
             if c is not None and c not in chosen:
                 chosen.append(c)
