@@ -9,6 +9,13 @@ urgent class always goes before a less urgent one, whoever has been served.
     waiting:  (priority, tenant) -> heap of requests by arrival
     next:     min over non-empty queues of (priority, served[tenant], head's arrival)
     victim:   max over running of (priority, served[tenant], arrival)
+    displace: the head cannot start (no slot, or no blocks): it takes the place of another
+              tenant's running request in its class, when that tenant has been served at
+              least as much and, even without the request, keeps at least the weighted
+              share of the class's slots that the head's tenant will have with the head:
+                  (running[v] - 1) / weight[v]  >=  (running[h] + 1) / weight[h]
+              The next arrival cannot undo the swap (the inequality reverses), so slots
+              settle at the weighted shares instead of changing hands every step.
 
 A tenant that becomes active (its first request arrives while it has none here) has its
 counter lifted to the least-served active tenant's, so idling banks no credit; with nobody
@@ -16,23 +23,32 @@ else active it is lifted to the highest counter, which changes no order. The que
 orders: whatever waits is admitted when there is room (work-conserving), and one tenant
 alone gets the whole worker.
 
+The counters of tenants with nothing here are kept for the `max_idle` most recently active
+(LRU), so a worker that sees many tenant names holds a bounded number; a forgotten tenant
+coming back is lifted like a newcomer.
+
 With `fair` off, or with one tenant, the order is (priority, arrival), as before tenants.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 
 from rtp_serve.engine.request import Request, RequestStatus
 
+MAX_IDLE_TENANTS = 1024
+
 
 class FairQueue:
-    def __init__(self, fair: bool = True) -> None:
+    def __init__(self, fair: bool = True, max_idle: int = MAX_IDLE_TENANTS) -> None:
         self.fair = fair
+        self.max_idle = max_idle
         self.served: dict[str, float] = {}  # tenant -> weighted tokens computed for it
         self._active: Counter[str] = Counter()  # tenant -> its requests waiting or running
+        self._idle: OrderedDict[str, None] = OrderedDict()  # counters kept, oldest first
+        self._high = 0.0  # the highest counter ever (forgotten tenants' included)
         self._queues: dict[tuple[int, str], list[tuple[int, Request]]] = {}
         self._len = 0
 
@@ -52,9 +68,10 @@ class FairQueue:
         """A request joins the scheduler (queued or held)."""
         tenant = request.tenant.name
         if not self._active[tenant]:
-            others = [self.served[t] for t in self._active if t != tenant and self._active[t]]
-            floor = min(others) if others else max(self.served.values(), default=0.0)
+            others = [self.served[t] for t in self._active if t != tenant]
+            floor = min(others) if others else self._high
             self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
+            self._idle.pop(tenant, None)
         self._active[tenant] += 1
 
     def leave(self, request: Request) -> None:
@@ -63,11 +80,17 @@ class FairQueue:
         self._active[tenant] -= 1
         if self._active[tenant] <= 0:
             del self._active[tenant]
+            self._idle[tenant] = None
+            while len(self._idle) > self.max_idle:
+                forgotten, _ = self._idle.popitem(last=False)
+                del self.served[forgotten]
 
     def charge(self, request: Request, num_tokens: int) -> None:
         """`num_tokens` were computed for `request` (prompt or output alike)."""
         tenant = request.tenant
-        self.served[tenant.name] = self.served.get(tenant.name, 0.0) + num_tokens / tenant.weight
+        served = self.served.get(tenant.name, 0.0) + num_tokens / tenant.weight
+        self.served[tenant.name] = served
+        self._high = max(self._high, served)
 
     def _service(self, request: Request) -> float:
         return self.served.get(request.tenant.name, 0.0) if self.fair else 0.0
@@ -77,6 +100,33 @@ class FairQueue:
         return max(
             (r for r in running if r.status == RequestStatus.RUNNING),
             key=lambda r: (r.priority, self._service(r), r.arrival),
+        )
+
+    def displaced_by(self, head: Request, running: Iterable[Request]) -> Request | None:
+        """The running request `head` may take the place of, when it cannot start (module
+        docstring); None: it waits. The most-served such tenant's newest request."""
+        if not self.fair:
+            return None
+        mine = head.tenant
+        peers = [
+            r for r in running if r.status == RequestStatus.RUNNING and r.priority == head.priority
+        ]
+        slots = Counter(r.tenant.name for r in peers)
+        share = (slots[mine.name] + 1) / mine.weight  # the head's tenant's, with the head
+        served = self.served.get(mine.name, 0.0)
+
+        def over_served(r: Request) -> bool:
+            t = r.tenant
+            return (
+                t.name != mine.name
+                and self.served[t.name] >= served
+                and (slots[t.name] - 1) / t.weight >= share
+            )
+
+        return max(
+            filter(over_served, peers),
+            key=lambda r: (self.served[r.tenant.name], r.arrival),
+            default=None,
         )
 
     # -- the queue -------------------------------------------------------------------------

@@ -7,7 +7,9 @@ least-served by weighted tokens first, engine/fair_queue.py), then by arrival. C
 is the budget cap, a prefix hit starts `num_computed_tokens` above zero, and preemption resets
 it to zero (recompute). When blocks run out, the least urgent class's most-served tenant's
 newest running request is preempted. With one tenant (or `fair` off) that is (priority,
-arrival) order, and the lowest-priority, newest request is preempted.
+arrival) order, and the lowest-priority, newest request is preempted. With tenants, a head
+that finds no slot or blocks may also preempt (displace) an over-served tenant's running
+request in its class, so a light tenant does not wait for a flood's requests to finish.
 
 Speculative decoding adds no phase either: a decoding request's draft tokens
 (`Request.spec_token_ids`, set by engine/spec_decode/speculator.py before the step) are more new
@@ -202,58 +204,83 @@ class Scheduler:
                 drafts, num_new = [], min(uncomputed, budget)
             while not drafts and not self.kv.allocate_slots(request, num_new):
                 victim = self._waiting.victim(self.running)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_new_tokens
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                budget += self._evict(victim, scheduled, out)
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = ScheduledRequest(request, num_new, drafts)
+                self._schedule(scheduled, ScheduledRequest(request, num_new, drafts))
                 budget -= num_new
 
-        while (
-            not out.preempted
-            and self._waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self._waiting.peek()
-            loras = self._running_loras()
-            if request.lora and request.lora not in loras and len(loras) >= self.config.max_loras:
-                break  # its adapter waits for one of the running ones to drain
-            if self.prepare is not None and request.num_computed_tokens == 0:
-                self.prepare(request)
-            hits, num_hit_tokens = (
-                self.kv.get_computed_blocks(request)
-                if request.num_computed_tokens == 0
-                else ([], 0)
-            )
-            uncached = len(request.token_ids) - request.num_computed_tokens - num_hit_tokens
-            if request.remote_prefill:
-                # Blocks for the whole prompt, cached only once its KV is written; no compute.
-                if not self.kv.allocate_slots(request, uncached, hits, cache=False):
-                    break
-                self._admit(request, num_hit_tokens, RequestStatus.WAITING_FOR_REMOTE_KV)
-                out.waiting_for_kv.append(request)
-                continue
-            num_new = min(uncached, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+        # Blocks ran out for the running requests: admit nobody (they would be preempted
+        # next). Otherwise a head that cannot start may displace over-served tenants'
+        # running requests (fair_queue.py); whoever it displaced waits out this step.
+        short = bool(out.preempted)
+        displaced: set[str] = set()
+        while not short and self._waiting and budget > 0:
+            request = self._waiting.pop()
+            taken = None
+            if request.request_id not in displaced and not self._lora_blocked(request):
+                while (taken := self._try_admit(request, budget, scheduled, out)) is None:
+                    victim = self._waiting.displaced_by(request, self.running)
+                    if victim is None:
+                        break
+                    budget += self._evict(victim, scheduled, out)
+                    displaced.add(victim.request_id)
+            if taken is None:
+                self._waiting.push(request)  # back in its place
                 break
-            self._admit(request, num_hit_tokens, RequestStatus.RUNNING)
-            scheduled[request.request_id] = ScheduledRequest(request, num_new)
-            budget -= num_new
+            budget -= taken
 
         out.scheduled = list(scheduled.values())
         self._stalled = not out.scheduled and not out.waiting_for_kv
         return out
 
-    def _running_loras(self) -> set[str]:
-        return {r.lora for r in self.running if r.lora}
+    def _try_admit(
+        self,
+        request: Request,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+    ) -> int | None:
+        """Admit a request taken from the queue if a slot and its blocks are free: the
+        tokens of budget it takes (0 for a remote-prefill request, which computes nothing
+        yet), or None: it waits."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        if self.prepare is not None and request.num_computed_tokens == 0:
+            self.prepare(request)
+        hits, num_hit_tokens = (
+            self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else ([], 0)
+        )
+        uncached = len(request.token_ids) - request.num_computed_tokens - num_hit_tokens
+        if request.remote_prefill:
+            # Blocks for the whole prompt, cached only once its KV is written; no compute.
+            if not self.kv.allocate_slots(request, uncached, hits, cache=False):
+                return None
+            self._admit(request, num_hit_tokens, RequestStatus.WAITING_FOR_REMOTE_KV)
+            out.waiting_for_kv.append(request)
+            return 0
+        num_new = min(uncached, budget)
+        if not self.kv.allocate_slots(request, num_new, hits):
+            return None
+        self._admit(request, num_hit_tokens, RequestStatus.RUNNING)
+        self._schedule(scheduled, ScheduledRequest(request, num_new))
+        return num_new
+
+    def _schedule(self, scheduled: dict[str, ScheduledRequest], item: ScheduledRequest) -> None:
+        # Charged when scheduled (refunded if undone or rejected), so the next admission in
+        # this same step already sees it: two free slots go to two tenants, not one.
+        scheduled[item.request.request_id] = item
+        self._waiting.charge(item.request, item.num_new_tokens)
+
+    def _lora_blocked(self, request: Request) -> bool:
+        """Its adapter waits for one of the running ones to drain."""
+        loras = {r.lora for r in self.running if r.lora}
+        return (
+            bool(request.lora) and request.lora not in loras and len(loras) >= self.config.max_loras
+        )
 
     def _admit(self, request: Request, num_hit_tokens: int, status: RequestStatus) -> None:
-        self._waiting.pop()
         request.staged_kv = None  # what a tier fetch gave it is in its blocks now
         request.num_computed_tokens += num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -262,6 +289,17 @@ class Scheduler:
             request.scheduled_time = time.monotonic()
         request.status = status
         self.running.append(request)
+
+    def _evict(
+        self, request: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
+    ) -> int:
+        """Preempt in the middle of schedule(): the budget it had this step comes back."""
+        undone = scheduled.pop(request.request_id, None)
+        if undone is not None:
+            self._waiting.charge(request, -undone.num_new_tokens)
+        out.preempted.append(request.request_id)
+        self._preempt(request)
+        return undone.num_new_tokens if undone is not None else 0
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -290,7 +328,7 @@ class Scheduler:
             # writes over it before attending) and their own blocks are released below.
             rejected = len(item.spec_token_ids) - max(0, len(tokens or ()) - 1)
             request.num_computed_tokens += item.num_new_tokens - rejected
-            self._waiting.charge(request, item.num_new_tokens - rejected)
+            self._waiting.charge(request, -rejected)
             if not tokens:
                 continue  # a prompt chunk that does not reach the end yet
             appended: list[SampledToken] = []
