@@ -59,7 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from rtp_serve.core.block_hash import block_hash_keys, salt_of  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.core.sampling_params import SamplingParams  # noqa: E402
-from rtp_serve.engine.sim.cost import SimCost  # noqa: E402
+from rtp_serve.core.sim_cost import SimCost  # noqa: E402
 from rtp_serve.services.common import grpc_util  # noqa: E402
 from rtp_serve.services.common.convert import params_to_pb  # noqa: E402
 from rtp_serve.services.common.kv_namespace import KVNamespace  # noqa: E402
@@ -86,20 +86,31 @@ class TraceRequest:
 
 
 def load_trace(
-    path: Path, n: int, time_scale: float, max_output: int, vocab: int, max_input: int = 0
+    path: Path,
+    n: int,
+    time_scale: float,
+    max_output: int,
+    vocab: int,
+    max_input: int = 0,
+    skip: int = 0,
 ) -> list[TraceRequest]:
+    """`n` requests of the trace after its first `skip`, arrivals from the first's."""
     out = []
+    t0 = None
     with path.open() as f:
-        for line in f:
+        for i, line in enumerate(f):
             if len(out) >= n:
                 break
+            if i < skip:
+                continue
             row = json.loads(line)
+            t0 = row["timestamp"] if t0 is None else t0
             prompt: list[int] = []
             for h in row["hash_ids"]:
                 prompt += [(h * 7919 + j * 31 + 1) % vocab for j in range(TRACE_BLOCK)]
             prompt = prompt[: min(row["input_length"], max_input or row["input_length"])]
             tokens = max(1, min(row["output_length"], max_output))
-            out.append(TraceRequest(row["timestamp"] / 1000 * time_scale, prompt, tokens))
+            out.append(TraceRequest((row["timestamp"] - t0) / 1000 * time_scale, prompt, tokens))
     return out
 
 
@@ -569,6 +580,9 @@ async def dead_worker_out_s(c: ScaleCluster, args, model: Path, tmp: Path) -> fl
 
 
 # -- one N ------------------------------------------------------------------------------
+STEPS = ("idle", "failover", "restart", "dead-worker")  # what --skip may leave out
+
+
 def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> dict:
     with tempfile.TemporaryDirectory() as d, cluster(args, n, model, Path(d), policy) as c:
         tmp = Path(d)
@@ -576,7 +590,7 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
         ns_pid, fe_pid = c.procs["nameservice"].pid, c.procs["frontend"].pid
         rss0 = rss_bytes(pids[0])
         ns_cpu = None
-        if not args.replay_only:
+        if "idle" not in args.skip:
             ns_cpu0, idle0 = cpu_s(ns_pid), time.monotonic()
             time.sleep(args.idle_s)
             ns_cpu = (cpu_s(ns_pid) - ns_cpu0) / (time.monotonic() - idle0)
@@ -618,14 +632,13 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
             err[key] = sum_ / count if count else None
         moved = {}
         resync_s = out_s = None
-        if not args.replay_only:
-            if len(c.masters) > 1:
-                vocab = ModelConfig.from_dir(model).vocab_size
-                moved = asyncio.run(
-                    failover(c, model.name, vocab, args.failover_rate, args.failover_s)
-                )
+        if len(c.masters) > 1 and "failover" not in args.skip:
+            vocab = ModelConfig.from_dir(model).vocab_size
+            moved = asyncio.run(failover(c, model.name, vocab, args.failover_rate, args.failover_s))
+        if "restart" not in args.skip:
             log = Path(args.log_dir or tmp) / f"master-{n}.log"
             resync_s = asyncio.run(master_restart_s(c, log))
+        if "dead-worker" not in args.skip:
             out_s = asyncio.run(dead_worker_out_s(c, args, model, tmp))
     ok = [r for r in results if r.ok]
     ttfts = sorted(r.ttft_s for r in ok)
@@ -791,11 +804,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--failover-rate", type=float, default=20.0, help="requests/s, failover")
     ap.add_argument("--failover-s", type=float, default=3.0, help="failover window (s)")
     ap.add_argument(
+        "--skip", default="",
+        help=f"comma-separated measurements to leave out: {','.join(STEPS)}",
+    )  # fmt: skip
+    ap.add_argument(
         "--replay-only", action="store_true",
-        help="the replay (and the masters' agreement) only: no idle window, failover, "
-        "restarted master or dead worker",
+        help="the replay (and the masters' agreement) only: --skip all of them",
     )  # fmt: skip
     ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument(
+        "--skip-requests", type=int, default=0,
+        help="start this many requests into the trace (its later part shares more: the "
+        "last 500 of its 3,993 could reuse 68%% of their prompt tokens, the first 500 9%%)",
+    )  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=0.05, help="arrival times multiplied")
     ap.add_argument("--max-output", type=int, default=8, help="output tokens at most")
     ap.add_argument("--max-input", type=int, default=0, help="cut prompts (0: real lengths)")
@@ -818,12 +839,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--log-dir", default=None, help="keep the services' logs here")
     args = ap.parse_args(argv)
+    args.skip = set(STEPS) if args.replay_only else set(filter(None, args.skip.split(",")))
+    if args.skip - set(STEPS):
+        ap.error(f"--skip: unknown {sorted(args.skip - set(STEPS))}")
     from rtp_serve.models.make_model import resolve_model
 
     source = resolve_model(args.model)
     vocab = ModelConfig.from_dir(source).vocab_size
     trace = load_trace(
-        Path(args.trace), args.requests, args.time_scale, args.max_output, vocab, args.max_input
+        Path(args.trace),
+        args.requests,
+        args.time_scale,
+        args.max_output,
+        vocab,
+        args.max_input,
+        args.skip_requests,
     )
     context = max(len(t.prompt) + t.max_tokens for t in trace) + 1
     args.num_blocks = args.num_blocks or 2 * -(-context // args.block_size)
@@ -835,7 +865,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"# cpu flags: {cpu_flags()}; {os.cpu_count()} cores, shared: numbers are noisy; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"# trace: {len(trace)} requests of {args.trace}, arrivals x{args.time_scale} "
+    print(f"# trace: {len(trace)} requests of {args.trace} after its first "
+          f"{args.skip_requests}, arrivals x{args.time_scale} "
           f"(over {span:.0f} s), outputs <= {args.max_output}; {prompt_tokens} prompt tokens, "
           f"the one-infinite-cache ceiling reuses {args.ceiling} "
           f"({args.ceiling / max(1, prompt_tokens):.1%}); mode {args.mode}, policies "
