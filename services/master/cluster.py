@@ -43,6 +43,7 @@ from rtp_serve.services.common.pb import (
 )
 from rtp_serve.services.master import metrics
 from rtp_serve.services.master.index_sync import Due, IndexSync, ResyncReason
+from rtp_serve.services.master.load_table import LoadTable
 from rtp_serve.services.master.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -103,20 +104,34 @@ class ClusterView:
         self._members: dict[str, Member] = {}
         self._loads: dict[str, tuple[events_pb2.LoadReport, float]] = {}  # report, arrival
         self._pending: dict[str, deque[_Charge]] = {}  # oldest first
+        self._charges: deque[tuple[float, str]] = deque()  # (at, worker) of every charge
+        self._by_role: dict[int | None, list[Member]] = {}  # members(role), until a change
         self._unconfirmed: set[str] | None = None  # None: not inside a snapshot
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._started = False  # the first membership snapshot has ended
         self._last_charged = -math.inf  # clock() of the latest routed request
         self.index = PrefixIndex()
         self.sync = IndexSync(self.index, clock)
+        # The loads and pending charges again, as columns for the policies (kept equal).
+        self.table = LoadTable()
 
     # -- queries ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return self._clock()
+
+    @property
+    def load_ttl_s(self) -> float:
+        return self._load_ttl_s
+
     def members(self, role: int | None = None) -> list[Member]:
         """Current members (of `role`, if given), sorted by id so choices are deterministic."""
-        return sorted(
-            (m for m in self._members.values() if role is None or m.role == role),
-            key=lambda m: m.id,
-        )
+        cached = self._by_role.get(role)
+        if cached is None:
+            cached = self._by_role[role] = sorted(
+                (m for m in self._members.values() if role is None or m.role == role),
+                key=lambda m: m.id,
+            )
+        return list(cached)
 
     def member(self, worker_id: str) -> Member | None:
         return self._members.get(worker_id)
@@ -135,15 +150,27 @@ class ClusterView:
     def pending(self, worker_id: str) -> Pending:
         """What was routed to the worker and its last report may not count (expired charges
         dropped)."""
-        charges = self._expire(self._pending.get(worker_id, deque()))
+        charges = self._expire(worker_id)
         return Pending(len(charges), sum(c.tokens for c in charges), sum(c.blocks for c in charges))
 
-    def _expire(self, charges: deque[_Charge], age_s: float = PENDING_TTL_S) -> deque[_Charge]:
-        """`charges` less those older than `age_s` (by default PENDING_TTL_S: also where
-        nothing asks for them, a policy that ignores load, a cluster without NATS)."""
+    def expire_charges(self) -> None:
+        """Drop every charge older than PENDING_TTL_S (what `pending` does for one worker),
+        so that `table` holds what `pending` would say for each; amortized O(1) a charge."""
+        now, log = self._clock(), self._charges
+        while log and now - log[0][0] > PENDING_TTL_S:
+            self._expire(log.popleft()[1])
+
+    def _expire(self, worker_id: str, age_s: float = PENDING_TTL_S) -> deque[_Charge]:
+        """The worker's charges less those older than `age_s` (by default PENDING_TTL_S:
+        also where nothing asks for them, a policy that ignores load, a cluster without
+        NATS)."""
+        charges = self._pending.get(worker_id)
+        if charges is None:
+            return deque()
         now = self._clock()
         while charges and now - charges[0].at > age_s:
-            charges.popleft()
+            c = charges.popleft()
+            self.table.add_pending(worker_id, -1, -c.tokens, -c.blocks)
         return charges
 
     def charge(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> None:
@@ -152,8 +179,12 @@ class ClusterView:
         self._last_charged = self._clock()
         if worker_id not in self._members:
             return
-        charges = self._expire(self._pending.setdefault(worker_id, deque()))
-        charges.append(_Charge(self._clock(), tokens, blocks))
+        self._pending.setdefault(worker_id, deque())
+        now = self._clock()
+        self._expire(worker_id).append(_Charge(now, tokens, blocks))
+        self.table.add_pending(worker_id, 1, tokens, blocks)
+        self._charges.append((now, worker_id))
+        self.expire_charges()  # bounds the log where no route asks (tests charge directly)
 
     @property
     def in_snapshot(self) -> bool:
@@ -198,6 +229,10 @@ class ClusterView:
         if member.id not in self._members:
             log.info("member %s joined (%s at %s)", member.id, _role(member.role), member.address)
         self._members[member.id] = member
+        self._by_role.clear()
+        self.table.add(member)
+        if (entry := self._loads.get(member.id)) is not None:
+            self.table.set_load(member.id, *entry)
         if member.role in INDEXED_ROLES:
             # In the first snapshot the master itself is new: it knows nothing of anyone.
             started = self._started or self._unconfirmed is None
@@ -206,6 +241,7 @@ class ClusterView:
     def _remove(self, worker_id: str, reason: str) -> None:
         if self._members.pop(worker_id, None) is not None:
             log.info("member %s left (%s)", worker_id, reason)
+            self._by_role.clear()
         if self._unconfirmed is not None:
             self._unconfirmed.discard(worker_id)
         self._forget(worker_id)
@@ -219,6 +255,7 @@ class ClusterView:
         self.sync.forget(worker_id)
         self._loads.pop(worker_id, None)
         self._pending.pop(worker_id, None)
+        self.table.remove(worker_id)
 
     # -- worker events ---------------------------------------------------------------------
     def apply_kv_events(self, events: events_pb2.KVEvents) -> bool:
@@ -235,9 +272,10 @@ class ClusterView:
     def apply_load(self, report: events_pb2.LoadReport) -> bool:
         if not report.worker_id or report.worker_id in self._departed:
             return False
-        self._loads[report.worker_id] = (report, self._clock())
+        self._loads[report.worker_id] = entry = (report, self._clock())
+        self.table.set_load(report.worker_id, *entry)
         # The report counts what had reached the worker; what was routed since may not.
-        self._expire(self._pending.get(report.worker_id, deque()), IN_TRANSIT_S)
+        self._expire(report.worker_id, IN_TRANSIT_S)
         self.sync.load(report)
         return True
 
@@ -252,6 +290,12 @@ class ClusterView:
         if self._unconfirmed is not None:
             assert self._unconfirmed <= self._members.keys(), "unconfirmed non-member"
         assert not self._departed.keys() & set(self.sync.workers()), "sync kept departed"
+        sums = {
+            w: (len(cs), sum(c.tokens for c in cs), sum(c.blocks for c in cs))
+            for w, cs in self._pending.items()
+            if cs
+        }
+        self.table.check(self._members, sums)
         self.sync.check_integrity()
 
     def audit(self) -> bool:

@@ -32,8 +32,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from rtp_serve.core.cost_model import TIER_HOST, TIER_REMOTE, TIER_TRANSFER, FetchCost, StepCost
 from rtp_serve.services.common.pb import events_pb2
+from rtp_serve.services.master.load_table import Loads
 
 # Costs when no candidate has a fitted model: one unit per token computed.
 TOKEN_UNITS = StepCost(token_s=1.0)
@@ -190,3 +193,134 @@ def decode_cost(
         return DecodeCost(float(rows), 0.0, 0.0, blocks, in_rows=True)
     step_s = step.step_s(0, rows)
     return DecodeCost(transfer_s + step_s, transfer_s, step_s, blocks)
+
+
+# -- the same, for every candidate at once -------------------------------------------------
+# Over columns of candidates (services/master/load_table.py: Loads). Each expression is the
+# scalar one above, operation for operation, so that the seconds are the same doubles and
+# the policies choose exactly what the scalar path chooses (tests/test_policy_fast.py).
+
+
+@dataclass(slots=True)
+class Steps:
+    """Each candidate's step model: its own where fitted, else the borrowed mean."""
+
+    fixed_s: np.ndarray
+    token_s: np.ndarray
+    row_s: np.ndarray
+    token_budget: np.ndarray
+    step_run: np.ndarray  # step_s(0, running): a step of its running batch
+    in_flight: np.ndarray  # step_run where something runs, else 0
+    borrowed: StepCost  # what the unfitted ones borrow (TOKEN_UNITS: costs in tokens)
+    own: np.ndarray  # bool: fitted itself
+
+    @classmethod
+    def of(cls, loads: Loads) -> Steps:
+        own = loads.fitted != 0
+        if own.all():
+            return cls(loads.step_fixed, loads.step_token, loads.step_row, loads.budget,
+                       loads.step_run, loads.in_flight, StepCost(), own)  # fmt: skip
+        n = int(own.sum())
+        if n == 0:
+            borrowed = TOKEN_UNITS
+        else:  # mean_cost: Python's sum, in the candidates' order (the same double)
+            borrowed = StepCost(
+                sum(loads.step_fixed[own].tolist()) / n,
+                sum(loads.step_token[own].tolist()) / n,
+                sum(loads.step_row[own].tolist()) / n,
+                max(loads.budget[own].tolist()),
+            )
+        b, running = borrowed, loads.running
+        step_run = np.where(own, loads.step_run, b.fixed_s + b.token_s * 0 + b.row_s * running)
+        return cls(
+            np.where(own, loads.step_fixed, b.fixed_s),
+            np.where(own, loads.step_token, b.token_s),
+            np.where(own, loads.step_row, b.row_s),
+            np.where(own, loads.budget, b.token_budget),
+            step_run,
+            np.where(running > 0, step_run, 0.0),
+            borrowed,
+            own,
+        )
+
+    @property
+    def in_tokens(self) -> bool:
+        return self.borrowed is TOKEN_UNITS and not self.own.any()
+
+    def step(self, i: int) -> StepCost:
+        """Candidate `i`'s model as the scalar functions take it."""
+        if not self.own[i]:
+            return self.borrowed
+        return StepCost(float(self.fixed_s[i]), float(self.token_s[i]), float(self.row_s[i]),
+                        int(self.token_budget[i]))  # fmt: skip
+
+    def step_s(self, rows: np.ndarray | int) -> np.ndarray:
+        """StepCost.step_s(0, rows)."""
+        return self.fixed_s + self.token_s * 0 + self.row_s * rows
+
+    def prefill_s(self, tokens: np.ndarray, step_s: np.ndarray) -> np.ndarray:
+        """StepCost.prefill_s(tokens, rows) for tokens > 0, given step_s(0, rows)."""
+        budget = self.token_budget
+        if (budget > 0).all():
+            steps = np.ceil(tokens / budget)
+        else:
+            steps = np.where(budget > 0, np.ceil(tokens / np.where(budget > 0, budget, 1)), 1.0)
+        return steps * step_s + self.token_s * tokens
+
+
+def predict_seconds(
+    loads: Loads,
+    steps: Steps,
+    num_prompt_tokens: int,
+    local_blocks: np.ndarray | None,
+    host_blocks: np.ndarray | None,
+    reachable_blocks: int,
+) -> np.ndarray:
+    """`predict(...).seconds` of every candidate (with `loads.pending_tokens` pending);
+    None for `local_blocks` and `host_blocks`: 0 everywhere."""
+    queued = loads.queued + loads.pending_tokens
+    remote = loads.remote_fetch != 0
+    if local_blocks is None and host_blocks is None and not (reachable_blocks and remote.any()):
+        # Nothing in any candidate's tiers, nothing to fetch: every prompt token computed.
+        computed, fetch_s = max(1, num_prompt_tokens), None
+    else:
+        if local_blocks is None:
+            local_blocks = np.zeros(len(queued), dtype=np.int64)
+        if host_blocks is None:
+            host_blocks = np.zeros(len(queued), dtype=np.int64)
+        bs, kvb = loads.block_size, loads.kv_block_bytes
+        full = num_prompt_tokens // bs
+        local = np.minimum(local_blocks, full)
+        host = np.minimum(host_blocks, full - local)
+        # The remote segment counts only where the host segment did not stop the walk (a
+        # tier not timed yet stops it: what follows is computed).
+        fetched_remote = np.maximum(0, np.minimum(reachable_blocks, full) - local - host_blocks)
+        host_fitted = loads.host_fitted != 0
+        use_host = (host > 0) & host_fitted
+        use_remote = remote & (fetched_remote > 0) & ~((host > 0) & ~host_fitted)
+        fetched = np.where(use_host, host, 0) + np.where(use_remote, fetched_remote, 0)
+        fetch_s = np.where(use_host, loads.host_fixed + loads.host_byte * (host * kvb), 0.0)
+        remote_s = loads.remote_fixed + loads.remote_byte * (fetched_remote * kvb)
+        fetch_s = np.where(use_remote, fetch_s + remote_s, fetch_s)
+        computed = np.maximum(1, num_prompt_tokens - (local + fetched) * bs)
+    seconds = steps.in_flight + steps.prefill_s(queued + computed, steps.step_run)
+    return seconds if fetch_s is None else seconds + fetch_s
+
+
+def lora_swap_seconds(steps: Steps, cold: np.ndarray) -> np.ndarray:
+    """`lora_swap` of every candidate: where `cold` (the adapter not resident), else 0."""
+    tokens = np.full(len(cold), LORA_SWAP_TOKENS)
+    return np.where(cold, steps.prefill_s(tokens, steps.step_s(0)), 0.0)
+
+
+def decode_seconds(
+    loads: Loads, steps: Steps, rows: np.ndarray, num_prompt_tokens: int, local_blocks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`decode_cost(...)`'s (seconds, transferred_blocks) of every candidate."""
+    blocks = np.maximum(0, -(-num_prompt_tokens // loads.block_size) - local_blocks)
+    nbytes = blocks * loads.kv_block_bytes
+    fitted = (loads.transfer_fitted != 0) & (nbytes > 0)
+    transfer = np.where(fitted, loads.transfer_fixed + loads.transfer_byte * nbytes, 0.0)
+    if steps.in_tokens:
+        return rows.astype(np.float64), blocks
+    return transfer + steps.step_s(rows), blocks

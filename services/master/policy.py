@@ -32,6 +32,14 @@ predicting policies only while that worker's predicted time to first token is no
 the best prefill worker's on another host plus the transfer. Every
 choice is charged to the view (`charge`) until the worker's next LoadReport, so a burst of
 requests spreads out instead of piling up.
+
+How (the same decisions, at a thousand candidates): the view keeps every member's load and
+pending charges as columns (services/master/load_table.py), and a route prices all its
+candidates with one numpy expression per term (services/master/cost.py, operation for
+operation the scalar formulas, so the same doubles and the same choices); only the few
+workers that hold the prompt's first block are looked up in the prefix index. The scalar
+implementation stays as the reference the tests hold this one to
+(services/master/policy_reference.py).
 """
 
 from __future__ import annotations
@@ -42,14 +50,18 @@ import hashlib
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from rtp_serve.services.common.pb import master_pb2, nameservice_pb2
 from rtp_serve.services.master import cost
 from rtp_serve.services.master.cluster import ClusterView, Member
+from rtp_serve.services.master.load_table import DEFAULT_BLOCK_SIZE, Loads
+from rtp_serve.services.master.prefix_index import PrefixIndex
 
-DEFAULT_BLOCK_SIZE = 16  # used until a worker's LoadReport says otherwise
+__all__ = ["DEFAULT_BLOCK_SIZE", "CacheAware", "LeastLoad", "RoundRobin", "make_policy"]
 
 
 class NoWorkersError(Exception):
@@ -95,43 +107,104 @@ class Decision:
     reason: RouteReason
 
 
-def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[list[Member], list[Member]]:
+def session_slot(session_id: str, n: int) -> int:
+    """Stable (across processes and restarts) index in [0, n) for a session."""
+    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
+# -- candidates ------------------------------------------------------------------------------
+class Pool:
+    """Candidate workers: their slots in the view's LoadTable, in member-id order, and
+    their loads (read from the table once, at first use: make a new pool after a charge)."""
+
+    __slots__ = ("view", "slots", "_loads")
+
+    def __init__(self, view: ClusterView, slots: np.ndarray, loads: Loads | None = None) -> None:
+        self.view, self.slots, self._loads = view, slots, loads
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def loads(self) -> Loads:
+        if self._loads is None:
+            view = self.view
+            self._loads = view.table.gather(self.slots, view.now(), view.load_ttl_s)
+        return self._loads
+
+    def member(self, i: int) -> Member:
+        return self.view.table.member(int(self.slots[i]))
+
+    def take(self, which: np.ndarray) -> Pool:
+        loads = self._loads.take(which) if self._loads is not None else None
+        return Pool(self.view, self.slots[which], loads)
+
+    def column(self, values: dict[str, int]) -> np.ndarray | None:
+        """`values` (worker id -> n) at the candidates' positions, 0 for the rest; None
+        where that is 0 everywhere."""
+        if not values:
+            return None
+        table = self.view.table
+        at = np.zeros(table.capacity, dtype=np.int64)
+        for worker_id, n in values.items():
+            if (slot := table.slot(worker_id)) is not None:
+                at[slot] = n
+        out = at[self.slots]
+        return out if out.any() else None
+
+
+def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[Pool, Pool]:
     """(first, decode): PD mode -> (prefill workers, decode workers); fused -> (fused, [])."""
-    skip = set(exclude)
-    by_role = {
-        role: [m for m in view.members(role) if m.id not in skip]
-        for role in (nameservice_pb2.ROLE_PREFILL, nameservice_pb2.ROLE_DECODE)
-    }
-    prefill, decode = by_role[nameservice_pb2.ROLE_PREFILL], by_role[nameservice_pb2.ROLE_DECODE]
-    if prefill and decode:
+    table, skip = view.table, set(exclude)
+    gone = np.array([s for w in skip if (s := table.slot(w)) is not None], dtype=np.intp)
+
+    def pool(role: int) -> Pool:
+        slots = table.order(role)
+        return Pool(view, slots[~np.isin(slots, gone)] if len(gone) else slots)
+
+    prefill, decode = pool(nameservice_pb2.ROLE_PREFILL), pool(nameservice_pb2.ROLE_DECODE)
+    if len(prefill) and len(decode):
         return prefill, decode
-    fused = [m for m in view.members(nameservice_pb2.ROLE_FUSED) if m.id not in skip]
-    if fused:
-        return fused, []
+    fused = pool(nameservice_pb2.ROLE_FUSED)
+    if len(fused):
+        return fused, Pool(view, fused.slots[:0])
     raise NoWorkersError(
         f"no workers available: {len(prefill)} prefill, {len(decode)} decode, 0 fused"
         + (f" (excluded: {', '.join(sorted(skip))})" if skip else "")
     )
 
 
-def serving(view: ClusterView, members: list[Member], lora: str) -> list[Member]:
+def _lora_mask(pool: Pool, loads: Loads, lora: str, resident: bool) -> np.ndarray:
+    """Which candidates' fresh reports list `lora` (among the resident ones: `resident`)."""
+    table = pool.view.table
+    sets = table.resident_loras if resident else table.loras
+    listed = np.array([lora in sets[s] for s in pool.slots.tolist()], dtype=bool)
+    return loads.fresh & listed
+
+
+def serving(pool: Pool, lora: str) -> Pool:
     """The members whose load report lists `lora` among the adapters they serve; all of
     them when none does (reports not in yet: the worker itself answers NOT_FOUND)."""
-    if not lora or not members:
-        return members
-    have = [m for m in members if (r := view.load(m.id)) is not None and lora in r.loras]
-    return have or members
+    if not lora or not len(pool):
+        return pool
+    have = _lora_mask(pool, pool.loads, lora, resident=False)
+    return pool.take(have) if have.any() else pool
 
 
-def resident(view: ClusterView, member: Member, lora: str) -> bool:
-    load = view.load(member.id)
-    return not lora or (load is not None and lora in load.resident_loras)
+def with_room(pool: Pool) -> Pool:
+    """The members whose waiting queue is below its bound (as last reported); all of them
+    when none has room (the chosen one then refuses the request: 429, retry later)."""
+    loads = pool.loads
+    full = loads.fresh & (loads.max_waiting > 0) & (loads.max_waiting <= loads.waiting)
+    return pool.take(~full) if full.any() and not full.all() else pool
 
 
-def session_slot(session_id: str, n: int) -> int:
-    """Stable (across processes and restarts) index in [0, n) for a session."""
-    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % n
+def reporting(pool: Pool) -> Pool:
+    """The members with a fresh load report; all of them when none has one (no NATS, or
+    all just started: then costs count only what was routed here)."""
+    fresh = pool.loads.fresh
+    return pool.take(fresh) if fresh.any() and not fresh.all() else pool
 
 
 def _running(view: ClusterView, worker_id: str) -> int:
@@ -146,6 +219,69 @@ def _block_size(view: ClusterView, worker_id: str) -> int:
 
 def uncached_tokens(view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int) -> int:
     return max(0, num_prompt_tokens - matched * _block_size(view, worker_id))
+
+
+def _host(member: Member) -> str:
+    """The host part of a member's address (host:port, [v6]:port)."""
+    return member.address.rpartition(":")[0]
+
+
+# -- the prompt's prefix in the index ----------------------------------------------------------
+def _first_block_holders(index: PrefixIndex, hashes) -> dict[str, int]:
+    """`index.match_all` of every worker that holds `hashes[0]` (the others match 0)."""
+    if not hashes:
+        return {}
+    sparse = getattr(index, "match_holders", None)
+    if sparse is not None:
+        return sparse(hashes)
+    holders = getattr(index, "_holders", None)  # until prefix_index has match_holders
+    ids = holders.get(hashes[0], ()) if holders is not None else index.workers()
+    return {w: n for w, n in index.match_all(hashes, sorted(ids)).items() if n}
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """Where the prompt's leading blocks are: per worker with any, its match in its pool
+    (T0) and its host tier's match after that (T1); every other worker matches 0 in both.
+    `reachable`: the longest prefix the remote tier can give (see cost.py)."""
+
+    device: dict[str, int]
+    host: dict[str, int]
+    reachable: int
+
+    @classmethod
+    def of(cls, view: ClusterView, hashes) -> Prefix:
+        index = view.index
+        device = _first_block_holders(index, hashes)
+        host = {}
+        if index.host is not None and len(index.host):
+            host = _first_block_holders(index.host, hashes)
+            host |= {w: index.host.match(w, hashes, n) for w, n in device.items()}
+            host = {w: n for w, n in host.items() if n}
+        # What the remote tier can give: what its instances hold (T2 and T3), and what any
+        # worker holds (each wrote it back).
+        caches = [m.id for m in view.members(nameservice_pb2.ROLE_CACHE)]
+        held = (device.get(w, 0) + host.get(w, 0) for w in device.keys() | host.keys()
+                if w not in caches)  # fmt: skip
+        reachable = max(held, default=0)
+        if caches:
+            reachable = max(reachable, index.match_any(hashes, caches))
+        return cls(device, host, reachable)
+
+
+@dataclass(slots=True)
+class Ask:
+    """One Route call: the view, the request, and what is looked up once for it."""
+
+    view: ClusterView
+    request: master_pb2.RouteRequest
+    _prefix: Prefix | None = field(default=None)
+
+    @property
+    def prefix(self) -> Prefix:
+        if self._prefix is None:
+            self._prefix = Prefix.of(self.view, self.request.block_hashes)
+        return self._prefix
 
 
 class Policy(ABC):
@@ -166,20 +302,19 @@ class Policy(ABC):
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
+        view.expire_charges()  # the table's pending sums as `view.pending` would say
+        ask = Ask(view, request)
         first, decode = candidates(view, request.exclude)
-        first, decode = (
-            serving(view, first, request.lora_name),
-            serving(view, decode, request.lora_name),
-        )
+        first, decode = serving(first, request.lora_name), serving(decode, request.lora_name)
         tokens = request.num_prompt_tokens
-        if decode and self.max_local_prefill_tokens:
-            tail = self._choose_decode(view, request, decode)
-            local = self._local_prefill(view, request, tail.member)
+        if len(decode) and self.max_local_prefill_tokens:
+            tail = self._choose_decode(ask, decode)
+            local = self._local_prefill(ask, tail.member)
             if local is not None:
                 return local
             # Not short enough: the prefill side is chosen below, and the decode worker again
             # (it is still the best by its own criterion; the rotation turn is spent).
-        head = self._choose_first(view, request, first)
+        head = self._choose_first(ask, first)
         plan = master_pb2.RoutePlan(
             matched_blocks=head.matched_blocks,
             policy=self.name,
@@ -190,8 +325,8 @@ class Policy(ABC):
         if todo is None:
             todo = uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
         view.charge(head.member.id, todo)
-        if decode:
-            tail = self._choose_decode(view, request, decode)
+        if len(decode):
+            tail = self._choose_decode(ask, Pool(view, decode.slots))  # loads after the charge
             view.charge(
                 tail.member.id, blocks=math.ceil(tokens / _block_size(view, tail.member.id))
             )
@@ -202,16 +337,15 @@ class Policy(ABC):
             plan.decode.CopyFrom(head.member)
         return Decision(plan, head.why)
 
-    def _local_prefill(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
-    ) -> Decision | None:
+    def _local_prefill(self, ask: Ask, decode: Member) -> Decision | None:
         """A decode-only plan when the prompt's uncached part on `decode` is short."""
-        matched = view.index.match_all(request.block_hashes, [decode.id])[decode.id]
+        view, request = ask.view, ask.request
+        matched = ask.prefix.device.get(decode.id, 0)
         tokens = request.num_prompt_tokens
         todo = uncached_tokens(view, decode.id, tokens, matched)
         if todo >= self.max_local_prefill_tokens:
             return None
-        local = self._stay_local(view, request, decode, matched)
+        local = self._stay_local(ask, decode, matched)
         if local is None:
             return None
         prediction, why = local
@@ -227,7 +361,7 @@ class Policy(ABC):
         return Decision(plan, RouteReason.LOCAL_PREFILL)
 
     def _stay_local(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member, matched: int
+        self, ask: Ask, decode: Member, matched: int
     ) -> tuple[cost.Prediction | None, str] | None:
         """A prompt short enough for its decode worker (`matched` of its blocks cached
         there): whether that worker computes it
@@ -236,25 +370,16 @@ class Policy(ABC):
         return None, ""
 
     @abstractmethod
-    def _choose_first(
-        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
-    ) -> Choice:
+    def _choose_first(self, ask: Ask, first: Pool) -> Choice:
         """Choose the prefill (or fused) worker."""
 
     @abstractmethod
-    def _choose_decode(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
-    ) -> Choice:
+    def _choose_decode(self, ask: Ask, decode: Pool) -> Choice:
         """Choose the PD decode worker (its reason is a suffix)."""
 
 
-def _host(member: Member) -> str:
-    """The host part of a member's address (host:port, [v6]:port)."""
-    return member.address.rpartition(":")[0]
-
-
-def _rotate(members: Sequence[Member], turn: Iterator[int]) -> Member:
-    return members[next(turn) % len(members)]
+def _rotate(pool: Pool, turn: Iterator[int]) -> Member:
+    return pool.member(next(turn) % len(pool))
 
 
 class RoundRobin(Policy):
@@ -262,37 +387,45 @@ class RoundRobin(Policy):
 
     name = "round_robin"
 
-    def _choose_first(
-        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
-    ) -> Choice:
+    def _choose_first(self, ask: Ask, first: Pool) -> Choice:
         chosen = _rotate(first, self._first_turn)
-        matched = view.index.match(chosen.id, request.block_hashes)
+        matched = ask.view.index.match(chosen.id, ask.request.block_hashes)
         reason = f"next in turn {chosen.id}, prefix {matched} blocks"
         return Choice(chosen, matched, reason, RouteReason.ROUND_ROBIN)
 
-    def _choose_decode(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
-    ) -> Choice:
+    def _choose_decode(self, ask: Ask, decode: Pool) -> Choice:
         return Choice(_rotate(decode, self._decode_turn))
 
 
-def with_room(view: ClusterView, members: list[Member]) -> list[Member]:
-    """The members whose waiting queue is below its bound (as last reported); all of them
-    when none has room (the chosen one then refuses the request: 429, retry later)."""
+@dataclass(slots=True)
+class Priced:
+    """Candidates with their predicted time to first token (`CacheAware.predictions`)."""
 
-    def full(m: Member) -> bool:
-        load = view.load(m.id)
-        return load is not None and 0 < load.max_num_waiting <= load.num_waiting
+    pool: Pool
+    loads: Loads
+    steps: cost.Steps
+    seconds: np.ndarray
+    local: np.ndarray | None  # blocks in its pool that count (None: 0 everywhere)
+    host: np.ndarray | None  # blocks in its host tier after those
+    reachable: int
 
-    room = [m for m in members if not full(m)]
-    return room or members
-
-
-def reporting(view: ClusterView, members: list[Member]) -> list[Member]:
-    """The members with a fresh load report; all of them when none has one (no NATS, or
-    all just started: then costs count only what was routed here)."""
-    known = [m for m in members if view.load(m.id) is not None]
-    return known or members
+    def prediction(self, ask: Ask, i: int) -> cost.Prediction:
+        """Candidate `i`'s prediction in full, by the scalar formulas (the same seconds)."""
+        view, request = ask.view, ask.request
+        worker_id = self.pool.member(i).id
+        report, step = view.load(worker_id), self.steps.step(i)
+        pred = cost.predict(
+            report,
+            step,
+            int(self.loads.pending_tokens[i]),
+            request.num_prompt_tokens,
+            int(self.loads.block_size[i]),
+            int(self.local[i]) if self.local is not None else 0,
+            int(self.host[i]) if self.host is not None else 0,
+            self.reachable,
+        )
+        swap = cost.lora_swap(report, step, request.lora_name)
+        return dataclasses.replace(pred, seconds=pred.seconds + swap) if swap else pred
 
 
 class CacheAware(Policy):
@@ -302,67 +435,46 @@ class CacheAware(Policy):
     name = "cache_aware"
     uses_cache = True  # LeastLoad is this policy with every prefix ignored
 
-    def predictions(
-        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
-    ) -> tuple[dict[str, int], dict[str, cost.Prediction]]:
-        """Each candidate's prefix match in its own pool, and its predicted time to first
-        token."""
-        ids = [m.id for m in first]
-        hashes = request.block_hashes
-        caches = [m.id for m in view.members(nameservice_pb2.ROLE_CACHE)]
-        everyone = [w for w in view.index.workers() if w not in caches]
-        device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
-        matched = {w: device[w] for w in ids}
+    def predictions(self, ask: Ask, first: Pool) -> Priced:
+        """Each candidate's predicted time to first token."""
+        loads = first.loads
+        steps = cost.Steps.of(loads)
         if self.uses_cache:
-            host = view.index.host
-            below = {w: host.match(w, hashes, n) for w, n in device.items()}
-            # What the remote tier can give: what its instances hold (T2 and T3), and what
-            # any worker holds (each wrote it back).
-            reachable = max(
-                max((device[w] + below[w] for w in everyone), default=0),
-                view.index.match_any(hashes, caches),
+            prefix = ask.prefix
+            local, host, reachable = (
+                first.column(prefix.device),
+                first.column(prefix.host),
+                prefix.reachable,
             )
-            local = matched
         else:  # what it would cost with nothing cached anywhere
-            below, reachable, local = dict.fromkeys(ids, 0), 0, dict.fromkeys(ids, 0)
-        reports = {m.id: view.load(m.id) for m in first}
-        borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
-        preds = {}
-        for m in first:
-            own = cost.step_cost(reports[m.id])
-            step = own if own.fitted else borrowed
-            pred = cost.predict(
-                reports[m.id],
-                step,
-                view.pending(m.id).tokens,
-                request.num_prompt_tokens,
-                _block_size(view, m.id),
-                local[m.id],
-                below[m.id],
-                reachable,
-            )
-            swap = cost.lora_swap(reports[m.id], step, request.lora_name)
-            preds[m.id] = dataclasses.replace(pred, seconds=pred.seconds + swap) if swap else pred
-        return matched, preds
+            local = host = None
+            reachable = 0
+        tokens = ask.request.num_prompt_tokens
+        seconds = cost.predict_seconds(loads, steps, tokens, local, host, reachable)
+        if lora := ask.request.lora_name:
+            cold = ~_lora_mask(first, loads, lora, resident=True)
+            seconds = seconds + cost.lora_swap_seconds(steps, cold)
+        return Priced(first, loads, steps, seconds, local, host, reachable)
 
-    def _choose_first(
-        self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
-    ) -> Choice:
-        first = reporting(view, with_room(view, first))
-        matched, preds = self.predictions(view, request, first)
-        best = min(p.seconds for p in preds.values())
-        tied = [m for m in first if preds[m.id].seconds == best]
+    def _choose_first(self, ask: Ask, first: Pool) -> Choice:
+        request = ask.request
+        first = reporting(with_room(first))
+        priced = self.predictions(ask, first)
+        seconds = priced.seconds
+        tied = np.flatnonzero(seconds == seconds.min())
         if len(tied) == 1:
-            chosen, tie = tied[0], ""
+            i, tie = int(tied[0]), ""
         elif request.session_id:
-            chosen, tie = tied[session_slot(request.session_id, len(tied))], "session"
+            i, tie = int(tied[session_slot(request.session_id, len(tied))]), "session"
         else:
             # Every master replica breaks the tie the same way: no rotation state.
-            fewest = min(_running(view, m.id) for m in tied)
-            idle = [m for m in tied if _running(view, m.id) == fewest]
-            chosen = idle[session_slot(request.request_id, len(idle))]
+            loads = priced.loads
+            running = (loads.running + loads.pending_requests)[tied]
+            idle = tied[running == running.min()]
+            i = int(idle[session_slot(request.request_id, len(idle))])
             tie = "fewest running" if len(idle) < len(tied) else "request id"
-        n, pred = matched[chosen.id], preds[chosen.id]
+        chosen, pred = first.member(i), priced.prediction(ask, i)
+        n = ask.prefix.device.get(chosen.id, 0)
         reason = f"prefix {n} blocks on {chosen.id}, cost {pred.describe()}"
         if tie:
             reason += f" (tie of {len(tied)} broken by {tie})"
@@ -371,7 +483,7 @@ class CacheAware(Policy):
         return Choice(chosen, n, reason, RouteReason.AFFINITY if tie == "session" else why, pred)
 
     def _stay_local(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member, matched: int
+        self, ask: Ask, decode: Member, matched: int
     ) -> tuple[cost.Prediction | None, str] | None:
         """Short prompts stay on the decode worker unless a prefill worker would give the
         first token sooner, its KV transfer included: a decode worker busy with its batch
@@ -381,28 +493,29 @@ class CacheAware(Policy):
         2-core box, pd:2:1: handing prompts to the local prefill workers doubled TTFT).
         Where the decode worker's step model is not fitted yet, the size rule alone
         decides."""
+        view, request = ask.view, ask.request
         report = view.load(decode.id)
         step = cost.step_cost(report)
         if report is None or not step.fitted:
             return None, ""
         first, _ = candidates(view, request.exclude)
-        first = [
-            m
-            for m in serving(view, first, request.lora_name)
-            if view.load(m.id) and _host(m) != _host(decode)
-        ]
-        _, preds = self.predictions(view, request, [decode, *with_room(view, first)])
-        here = preds.pop(decode.id)
-        if not preds:
-            return here, ""
+        first = serving(first, request.lora_name)
+        loads = first.loads
+        here = Pool(view, np.array([view.table.slot(decode.id)], dtype=np.intp))
+        first = with_room(first.take(loads.fresh & (loads.host != here.loads.host[0])))
+        pool = Pool(view, np.concatenate([here.slots, first.slots]))
+        priced = self.predictions(ask, pool)
+        if len(pool) == 1:
+            return priced.prediction(ask, 0), ""
+        here = priced.prediction(ask, 0)
         transfer = cost.decode_cost(
             report, step, _running(view, decode.id) + 1, request.num_prompt_tokens,
             _block_size(view, decode.id), matched if self.uses_cache else 0,
         ).transfer  # fmt: skip
         # A prefill worker that has computed nothing yet predicts with the mean fitted model
         # (the decode worker's among them): otherwise it never would get the work to fit one.
-        away_id = min(preds, key=lambda w: (preds[w].seconds, w))
-        away = preds[away_id].seconds + transfer
+        k = 1 + int(np.argmin(priced.seconds[1:]))  # the lowest id among equals
+        away_id, away = pool.member(k).id, float(priced.seconds[k]) + transfer
         if away < here.seconds:
             return None
         return here, (
@@ -410,45 +523,41 @@ class CacheAware(Policy):
             f"on {away_id} with the transfer"
         )
 
-    def _choose_decode(
-        self, view: ClusterView, request: master_pb2.RouteRequest, decode: list[Member]
-    ) -> Choice:
-        decode = with_room(view, decode)
+    def _choose_decode(self, ask: Ask, decode: Pool) -> Choice:
+        request = ask.request
+        decode = with_room(decode)
+        loads = decode.loads
+        steps = cost.Steps.of(loads)
         tokens = request.num_prompt_tokens
-        reports = {m.id: view.load(m.id) for m in decode}
-        borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
-        local = (
-            view.index.match_all(request.block_hashes, [m.id for m in decode])
-            if self.uses_cache
-            else dict.fromkeys(reports, 0)
-        )
-        costs = {}
-        for m in decode:
-            own = cost.step_cost(reports[m.id])
-            rows = _running(view, m.id) + 1
-            bs = _block_size(view, m.id)
-            costs[m.id] = cost.decode_cost(
-                reports[m.id], own if own.fitted else borrowed, rows, tokens, bs, local[m.id]
-            )
-
+        local = decode.column(ask.prefix.device) if self.uses_cache else None
+        if local is None:
+            local = np.zeros(len(decode), dtype=np.int64)
+        rows = loads.running + loads.pending_requests + 1
+        seconds, blocks = cost.decode_seconds(loads, steps, rows, tokens, local)
         # Workers that have not reported yet rank after those that have; then those with
         # room for the prompt's blocks (as far as they lack them) before those without; one
         # with the request's LoRA adapter resident before one that would load it; then the
-        # lowest cost (transfer + a decode step of its batch), the most free blocks.
-        def key(m: Member) -> tuple[bool, bool, bool, float, int]:
-            load, pending = reports[m.id], view.pending(m.id).blocks
-            free = load.free_blocks - pending if load is not None else -pending
-            short = free < costs[m.id].transferred_blocks
-            cold = not resident(view, m, request.lora_name)
-            return (load is None, short, cold, costs[m.id].seconds, -free)
-
-        best = min(key(m) for m in decode)
-        tied = [m for m in decode if key(m) == best]
-        chosen = tied[session_slot(request.request_id, len(tied))]  # the same on every replica
-        if best[0]:
+        # lowest cost (transfer + a decode step of its batch), the most free blocks: the
+        # first of these keys that differs decides.
+        free = loads.free - loads.pending_blocks
+        cold = (
+            ~_lora_mask(decode, loads, request.lora_name, resident=True)
+            if request.lora_name
+            else np.zeros(len(decode), dtype=bool)
+        )
+        tied = np.arange(len(decode))
+        for key in (~loads.fresh, free < blocks, cold, seconds, -free):
+            k = key[tied]
+            tied = tied[k == k.min()]
+        i = int(tied[session_slot(request.request_id, len(tied))])  # the same on every replica
+        chosen = decode.member(i)
+        if not loads.fresh[i]:
             return Choice(chosen, reason=" (no load report)")
-        c = costs[chosen.id]
-        return Choice(chosen, reason=f" (free {-best[4]} blocks, cost {c.describe()})")
+        report = ask.view.load(chosen.id)
+        c = cost.decode_cost(
+            report, steps.step(i), int(rows[i]), tokens, int(loads.block_size[i]), int(local[i])
+        )
+        return Choice(chosen, reason=f" (free {int(free[i])} blocks, cost {c.describe()})")
 
 
 class LeastLoad(CacheAware):
