@@ -101,7 +101,13 @@ def make_actuator(args: argparse.Namespace, observer: Observer) -> Actuator:
     if args.actuator == "docker":
         from rtp_serve.services.planner.docker_actuator import DockerActuator
 
-        return DockerActuator(project=args.docker_project, drain_timeout_s=args.drain_timeout)
+        def address(member_id: str) -> str | None:  # victims are member ids
+            member = observer.members.members.get(member_id)
+            return member.address if member is not None else None
+
+        return DockerActuator(
+            project=args.docker_project, locate=address, drain_timeout_s=args.drain_timeout
+        )
     flags = shlex.split(args.worker_flags)
     common = ["--nameservice", args.nameservice, "--drain-timeout", str(args.drain_timeout)]
     if args.nats_url:
