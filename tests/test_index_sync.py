@@ -318,7 +318,7 @@ def test_idle_audit_checks_integrity_and_a_failure_resyncs_everyone():
         assert view.sync.snapshot(due, snap(3, [H[0]], worker=w))
     now[0] = 10.0
     assert view.audit()  # idle and sound
-    view.index._holders[H[9]] = {"a"}  # corrupt: a holder the worker's set lacks
+    view.index._h.count[view.index._h.slot["a"]] += 1  # corrupt: a count its holders lack
     request = master_pb2.RouteRequest(request_id="r", block_hashes=[H[0]], num_prompt_tokens=20)
     CacheAware().route(view, request)  # busy: no audit while requests are routed
     now[0] = 12.0

@@ -1,0 +1,216 @@
+"""16-byte KV block hashes <-> dense int ids, in numpy arrays: no Python object per hash.
+
+The prefix index keys everything else (holders, per-worker logs) by these ids. A hash is
+two little-endian uint64 words (lo, hi); they are already uniform (blake2b), so their bits
+are used directly:
+
+    table  (buckets, 8) uint64, 0 = empty          keys  (ids, 2) uint64
+    +------------------------------------+           +---------+---------+
+    | tag<<32 | id+1 | ... 8 ways ...    |  id ----> |   lo    |   hi    |
+    +------------------------------------+           +---------+---------+
+      bucket b1 = lo & mask, b2 = hi & mask (b2 != b1): a hash sits in one of its two
+      buckets (the emptier one when added); tag = lo >> 32 | 1, never 0, so an empty
+      way never matches; a tag hit is confirmed against `keys`.
+
+One bucket is one 64-byte cache line, so a lookup is two lines plus one to confirm; a
+batch of n hashes is a fixed handful of numpy operations, whatever n. Removal clears the
+way (no tombstones: a hash is only ever in its two buckets). Freed ids are reused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WAYS = 8
+MAX_LOAD = 0.8  # entries per way before the table doubles
+U64 = np.dtype("<u8")
+U32 = np.dtype("<u4")
+ROWS = np.arange(1 << 12)
+
+
+def words(joined: bytes) -> np.ndarray:
+    """Concatenated 16-byte hashes -> (n, 4) uint32: lo low, lo high, hi low, hi high."""
+    return np.frombuffer(joined, U32).reshape(-1, 4)
+
+
+def _rows(n: int) -> np.ndarray:
+    return ROWS[:n] if n <= len(ROWS) else np.arange(n)
+
+
+class BlockIds:
+    def __init__(self, buckets: int = 1024) -> None:
+        self._table = np.zeros((0, WAYS), U64)
+        self._resize(buckets)
+        self._keys = np.zeros((1024, 2), U64)
+        self._free = np.zeros(0, np.int64)  # a stack of freed ids; _nfree of them valid
+        self._nfree = 0
+        self._next = 0  # ids below this were handed out at some time
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def limit(self) -> int:
+        """Every id is below this."""
+        return self._next
+
+    def _resize(self, buckets: int) -> None:
+        self._table = np.zeros((buckets, WAYS), U64)
+        self._claim = np.zeros(buckets, np.int64)  # scratch: who picked each bucket
+        # the first choice is an even bucket, the second an odd one: never the same
+        self._mask = np.array([(buckets - 1) & ~1, buckets - 1], U32)
+
+    def _buckets(self, w: np.ndarray) -> np.ndarray:
+        return (w[:, ::2] & self._mask) | np.array([0, 1], U32)
+
+    @staticmethod
+    def _entries(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return ((w[:, 1] | 1).astype(U64) << np.uint64(32)) | (ids + 1).astype(U64)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def find(self, w: np.ndarray) -> np.ndarray:
+        """The ids of the hashes `w` (from `words`), -1 for those not here (int64)."""
+        return self._find(w)[0]
+
+    def _find(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(w)
+        b = self._buckets(w)
+        cand = self._table[b].reshape(n, 2 * WAYS)
+        hit = cand.view(U32)[:, 1::2] == (w[:, 1] | 1)[:, None]
+        if not hit.any():
+            return np.full(n, -1, np.int64), b, cand
+        # id + 1 of the way whose tag matches (of the largest, if several), 0 if none
+        ids = (cand.view(U32)[:, ::2] * hit).max(axis=1).astype(np.int64) - 1
+        wrong = (self._keys[ids] != w.view(U64)).any(axis=1)
+        wrong &= ids >= 0
+        for i in np.flatnonzero(wrong):  # another hash with the same tag: ~n * 2**-28
+            ids[i] = self._confirm(cand[i], w[i])
+        return ids, b, cand
+
+    def _confirm(self, cand: np.ndarray, w: np.ndarray) -> int:
+        for e in cand[cand.view(U32)[1::2] == (w[1] | 1)]:
+            i = int(e & np.uint64(0xFFFFFFFF)) - 1
+            if (self._keys[i] == w.view(U64)).all():
+                return i
+        return -1
+
+    def keys(self, ids: np.ndarray) -> list[bytes]:
+        data = self._keys[ids].tobytes()
+        return [data[i : i + 16] for i in range(0, len(data), 16)]
+
+    def live_ids(self) -> np.ndarray:
+        e = self._table[self._table != 0]
+        return np.sort(e.view(U32)[::2].astype(np.int64) - 1)
+
+    # -- changes ---------------------------------------------------------------------------
+    def intern(self, w: np.ndarray) -> np.ndarray:
+        """The ids of the hashes `w` (repeats allowed), adding those not here yet."""
+        ids, b, cand = self._find(w)
+        new = np.flatnonzero(ids < 0)
+        if not len(new):
+            return ids
+        wn = w[new]
+        _, first, again = np.unique(wn.view(U64)[:, 0], return_index=True, return_inverse=True)
+        if len(first) < len(new) and not (wn[first][again] == wn).all():
+            seen: dict[bytes, int] = {}  # two hashes share a lo word: by their bytes
+            again = np.array([seen.setdefault(k.tobytes(), len(seen)) for k in wn])
+            first = np.unique(again, return_index=True)[1]
+        ids[new] = self._add(wn[first], b[new][first], cand[new][first])[again]
+        return ids
+
+    def _add(self, w: np.ndarray, b: np.ndarray, cand: np.ndarray) -> np.ndarray:
+        n = len(w)
+        take = min(n, self._nfree)
+        ids = np.empty(n, np.int64)
+        ids[:take] = self._free[self._nfree - take : self._nfree][::-1]
+        self._nfree -= take
+        ids[take:] = np.arange(self._next, self._next + n - take)
+        self._next += n - take
+        if self._next > len(self._keys):
+            grown = np.zeros((max(self._next, 2 * len(self._keys)), 2), U64)
+            grown[: len(self._keys)] = self._keys
+            self._keys = grown
+        self._keys[ids] = w.view(U64)
+        self._live += n
+        if self._live > MAX_LOAD * self._table.size or not self._place(ids, w, b, cand):
+            self._rehash(2 * len(self._table))
+        return ids
+
+    def discard(self, ids: np.ndarray) -> None:
+        """Forget these ids (live, distinct); they are handed out again later."""
+        if not len(ids):
+            return
+        w = self._keys[ids].view(U32)
+        b = self._buckets(w)
+        cand = self._table[b].reshape(len(ids), 2 * WAYS)
+        way = (cand == self._entries(w, ids)[:, None]).argmax(axis=1)
+        self._table[b[_rows(len(ids)), way // WAYS], way % WAYS] = 0
+        if self._nfree + len(ids) > len(self._free):
+            grown = np.zeros(max(2 * len(self._free), self._nfree + len(ids), 1024), np.int64)
+            grown[: self._nfree] = self._free[: self._nfree]
+            self._free = grown
+        self._free[self._nfree : self._nfree + len(ids)] = ids
+        self._nfree += len(ids)
+        self._live -= len(ids)
+
+    def _place(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, cand: np.ndarray) -> bool:
+        """Put entries into the emptier of their two buckets; batch-mates that pick the
+        same bucket take its free ways in turn, and those left over try again. False if
+        some found no room (the table has to grow)."""
+        entries = self._entries(w, ids)
+        for _ in range(4):
+            n = len(entries)
+            rows = _rows(n)
+            free = cand.reshape(n, 2, WAYS) == 0
+            nfree = free.sum(axis=2)
+            side = nfree.argmax(axis=1)
+            bucket, free, nfree = b[rows, side], free[rows, side], nfree[rows, side]
+            self._claim[bucket] = rows
+            if (self._claim[bucket] == rows).all():  # one each: its first free way
+                fits, way = nfree > 0, free.argmax(axis=1)
+            else:  # the k-th in a bucket takes its k-th free way
+                order = np.argsort(bucket, kind="stable")
+                sb = bucket[order]
+                first = np.ones(n, bool)
+                first[1:] = sb[1:] != sb[:-1]
+                rank = np.empty(n, np.intp)
+                rank[order] = rows - np.maximum.accumulate(np.where(first, rows, 0))
+                fits = rank < nfree
+                way = (np.cumsum(free, axis=1) > rank[:, None]).argmax(axis=1)
+            self._table[bucket[fits], way[fits]] = entries[fits]
+            if fits.all():
+                return True
+            entries, b = entries[~fits], b[~fits]
+            cand = self._table[b]
+        return False
+
+    def _rehash(self, buckets: int) -> None:
+        """A new table of `buckets` (or more, if that is too few) holding every live id."""
+        held = np.ones(self._next, bool)
+        held[self._free[: self._nfree]] = False
+        ids = np.flatnonzero(held)
+        chunks = [ids[i : i + (1 << 16)] for i in range(0, len(ids), 1 << 16)]
+        while True:
+            self._resize(buckets)
+            if all(self._placed(c) for c in chunks):
+                return
+            buckets *= 2
+
+    def _placed(self, ids: np.ndarray) -> bool:
+        w = self._keys[ids].view(U32)
+        b = self._buckets(w)
+        return self._place(ids, w, b, self._table[b])
+
+    def nbytes(self) -> dict[str, int]:
+        return {"table": self._table.nbytes, "keys": self._next * 16 + self._nfree * 8}
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        ids = self.live_ids()
+        assert len(ids) == self._live, f"{len(ids)} entries for {self._live} live ids"
+        assert len(np.unique(ids)) == len(ids), "an id in the table twice"
+        assert not np.isin(self._free[: self._nfree], ids).any(), "a free id in the table"
+        assert len(ids) + self._nfree == self._next, "ids neither live nor free"
+        if len(ids):
+            assert (self.find(self._keys[ids].view(U32)) == ids).all(), "a hash not found"
