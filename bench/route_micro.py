@@ -24,7 +24,9 @@ flags and the load average are printed beside them: the machine is shared.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
+import math
 import os
 import random
 import statistics
@@ -38,6 +40,7 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 from rtp_serve.core.cost_model import TIER_HOST, TIER_REMOTE, TIER_TRANSFER  # noqa: E402
 from rtp_serve.services.common.pb import events_pb2, master_pb2  # noqa: E402
 from rtp_serve.services.common.pb import nameservice_pb2 as ns  # noqa: E402
+from rtp_serve.services.master import cluster  # noqa: E402
 from rtp_serve.services.master.cluster import ClusterView  # noqa: E402
 from rtp_serve.services.master.policy import Policy, make_policy  # noqa: E402
 
@@ -139,17 +142,12 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def bench(n: int, args: argparse.Namespace) -> None:
+def setup(n: int, args: argparse.Namespace, policies: dict[str, Policy]):
+    """One view per policy, all of N members with the same KV and loads."""
     rng = random.Random(args.seed)
     clock = Clock()
     ms = members(n, args.mode)
-    runs = {"vectorized": Run(make_policy(args.policy, args.max_local_prefill_tokens), clock, ms)}
-    if not args.no_reference:
-        from rtp_serve.services.master.policy_reference import make_reference
-
-        runs["reference"] = Run(
-            make_reference(args.policy, args.max_local_prefill_tokens), clock, ms
-        )
+    runs = {name: Run(policy, clock, ms) for name, policy in policies.items()}
     ids = [m.id for m in ms]
     holders = [m.id for m in ms if m.role != ns.ROLE_DECODE]
     lengths = [rng.randrange(8, 513) for _ in range(args.prompts)]
@@ -163,6 +161,33 @@ def bench(n: int, args: argparse.Namespace) -> None:
         r = report(rng, w, w not in unfitted)
         for run in runs.values():
             run.load(r)
+    return runs, rng, clock, ids, unfitted, prompts
+
+
+def request(
+    rng: random.Random, prompts: list[list[bytes]], i: int, args
+) -> master_pb2.RouteRequest:
+    if rng.random() < args.fresh:
+        keys = prompt_keys(args.prompts + i, rng.randrange(8, 513))
+    else:  # a known prompt, maybe with a new tail
+        keys = prompts[rng.randrange(args.prompts)]
+        keys = keys[: rng.randrange(1, len(keys) + 1)]
+        keys += prompt_keys(10**9 + i, rng.randrange(0, 64))
+    return master_pb2.RouteRequest(
+        request_id=f"r{i}",
+        block_hashes=keys,
+        num_prompt_tokens=len(keys) * BLOCK_SIZE - rng.randrange(0, BLOCK_SIZE),
+        session_id=f"s{rng.randrange(50)}" if rng.random() < 0.2 else "",
+    )
+
+
+def bench(n: int, args: argparse.Namespace) -> None:
+    policies = {"vectorized": make_policy(args.policy, args.max_local_prefill_tokens)}
+    if not args.no_reference:
+        from rtp_serve.services.master.policy_reference import make_reference
+
+        policies["reference"] = make_reference(args.policy, args.max_local_prefill_tokens)
+    runs, rng, clock, ids, unfitted, prompts = setup(n, args, policies)
     per_route = n / REPORT_INTERVAL_S / args.route_rate
     due, turn, disagree = 0.0, 0, 0
     for i in range(args.routes):
@@ -175,27 +200,14 @@ def bench(n: int, args: argparse.Namespace) -> None:
             r = report(rng, w, w not in unfitted)
             for run in runs.values():
                 run.load(r)
-        if rng.random() < args.fresh:
-            keys = prompt_keys(args.prompts + i, rng.randrange(8, 513))
-        else:  # a known prompt, maybe with a new tail
-            keys = prompts[rng.randrange(args.prompts)]
-            keys = keys[: rng.randrange(1, len(keys) + 1)] + prompt_keys(
-                10**9 + i, rng.randrange(0, 64)
-            )
-        tokens = len(keys) * BLOCK_SIZE - rng.randrange(0, BLOCK_SIZE)
-        request = master_pb2.RouteRequest(
-            request_id=f"r{i}",
-            block_hashes=keys,
-            num_prompt_tokens=tokens,
-            session_id=f"s{rng.randrange(50)}" if rng.random() < 0.2 else "",
-        )
-        plans = {name: run.route(request) for name, run in runs.items()}
+        req = request(rng, prompts, i, args)
+        plans = {name: run.route(req) for name, run in runs.items()}
         first = plans["vectorized"]
         if any(p != first for p in plans.values()):
             disagree += 1
         computer = first.prefill.id or first.decode.id
         for run in runs.values():
-            run.store(computer, list(keys))
+            run.store(computer, list(req.block_hashes))
     load = os.getloadavg()
     print(f"\nN = {n} ({args.mode}, {args.policy}, {args.routes} routes, "
           f"{per_route:.1f} reports a route), load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")  # fmt: skip
@@ -209,6 +221,76 @@ def bench(n: int, args: argparse.Namespace) -> None:
         )
     if len(runs) > 1:
         print(f"plans that differ between the paths: {disagree} of {args.routes}")
+
+
+async def ingest_and_route(run: Run, rng: random.Random, prompts, ids, args) -> list[float]:
+    """Routes arriving every 1 / --route-rate s on the loop where KV events arrive in bursts
+    of --burst messages every --burst-ms, handled the way the master's NATS subscription
+    does (nats-py: queued messages back to back, each parsed, then ClusterView's handler);
+    each route's latency from its arrival to its plan."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    seqs = dict.fromkeys(ids, 0)
+
+    async def subscription() -> None:
+        while True:
+            data = await queue.get()
+            await run.view._on_kv_events(events_pb2.KVEvents.FromString(data), {})
+
+    async def reader() -> None:
+        fresh = 0
+        while True:
+            for _ in range(args.burst):
+                w = rng.choice(ids)
+                fresh += 1
+                keys = prompt_keys(2 * 10**9 + fresh, 64)
+                msg = events_pb2.KVEvents(worker_id=w, stored=keys)
+                queue.put_nowait(msg.SerializeToString())
+                seqs[w] += 1
+            await asyncio.sleep(args.burst_ms / 1e3)
+
+    tasks = [asyncio.create_task(subscription()), asyncio.create_task(reader())]
+    latency: list[float] = []
+    done = asyncio.Event()
+
+    async def handle(arrival: float, req: master_pb2.RouteRequest) -> None:
+        # As grpc.aio runs a call: a task of its own, started when the call arrives.
+        run.policy.decide(run.view, req)
+        latency.append(loop.time() - arrival)
+        if len(latency) == args.routes:
+            done.set()
+
+    start = loop.time() + 0.05
+    for i in range(args.routes):
+        arrival = start + i / args.route_rate
+        req = request(rng, prompts, i, args)
+        loop.call_at(arrival, lambda a=arrival, r=req: tasks.append(loop.create_task(handle(a, r))))
+    await done.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return latency
+
+
+def ingest(n: int, args: argparse.Namespace) -> None:
+    load = os.getloadavg()
+    print(f"\nN = {n}: routes at {args.route_rate:g}/s beside KV-event bursts of {args.burst} "
+          f"messages (64 blocks each) every {args.burst_ms:g} ms; load average "
+          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")  # fmt: skip
+    print("| ingest | route latency from arrival p50 / p99 / max (ms) | blocks ingested |")
+    print("|---|---|---|")
+    for name, slice_s in (("back to back", math.inf), ("yields every 2 ms", 0.002)):
+        cluster.INGEST_SLICE_S = slice_s
+        policy = make_policy(args.policy, args.max_local_prefill_tokens)
+        runs, rng, _, ids, _, prompts = setup(n, args, {name: policy})
+        run = runs[name]
+        before = len(run.view.index)
+        latency = asyncio.run(ingest_and_route(run, rng, prompts, ids, args))
+        print(
+            f"| {name} | {pct(latency, 0.5) * 1e3:.2f} / {pct(latency, 0.99) * 1e3:.2f} / "
+            f"{max(latency) * 1e3:.2f} | {len(run.view.index) - before:,} |"
+        )
+    cluster.INGEST_SLICE_S = 0.002
 
 
 def main() -> None:
@@ -227,10 +309,15 @@ def main() -> None:
     p.add_argument("--unfitted", type=float, default=0.0, help="share of workers not fitted yet")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reference", action="store_true", help="time the vectorized path only")
+    p.add_argument("--ingest", action="store_true",
+                   help="instead: route latency on the event loop beside bursts of KV events, "
+                   "the master's ingest yielding to the loop or not")  # fmt: skip
+    p.add_argument("--burst", type=int, default=100, help="--ingest: messages a burst")
+    p.add_argument("--burst-ms", type=float, default=100.0, help="--ingest: between bursts")
     args = p.parse_args()
     print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
     for n in (int(x) for x in args.workers.split(",")):
-        bench(n, args)
+        (ingest if args.ingest else bench)(n, args)
 
 
 if __name__ == "__main__":

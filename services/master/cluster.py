@@ -66,6 +66,12 @@ LOAD_TTL_S = 1.0
 INDEXED_ROLES = WORKER_ROLES | {nameservice_pb2.ROLE_CACHE}
 SNAPSHOT_TIMEOUT_S = 5.0
 AUDIT_INTERVAL_S = 5.0  # the idle-time integrity check
+# A NATS subscription hands its queued messages to its handler back to back without
+# returning to the event loop, so a burst of KV events or load reports from a thousand
+# workers would hold every Route call behind it: ingest yields to the loop after this much
+# work (bench/route_micro.py --ingest measures the difference).
+INGEST_SLICE_S = 0.002
+_INGEST_GAP_S = 2e-4  # a break this long between two messages: the loop ran other work
 MAX_CONCURRENT_SNAPSHOTS = 4
 
 FetchSnapshot = Callable[[Member], Awaitable[worker_pb2.KVSnapshot]]
@@ -110,6 +116,7 @@ class ClusterView:
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._started = False  # the first membership snapshot has ended
         self._last_charged = -math.inf  # clock() of the latest routed request
+        self._slice_start = self._ingest_end = time.perf_counter()  # ingest's last slice
         self.index = PrefixIndex()
         self.sync = IndexSync(self.index, clock)
         # The loads and pending charges again, as columns for the policies (kept equal).
@@ -353,15 +360,33 @@ class ClusterView:
             self.apply_membership(event)
 
     async def _on_kv_events(self, msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
+        self._ingest_starts()
         blocks = len(msg.stored) + len(msg.removed) + len(msg.host_stored) + len(msg.host_removed)
         metrics.master().kv_events(blocks, msg.published_unix_ns)
         try:
             self.apply_kv_events(msg)
         except ValueError as e:
             log.warning("bad kv events: %s", e)
+        await self._yield_after_a_slice()
 
     async def _on_load(self, msg: events_pb2.LoadReport, headers: dict[str, str]) -> None:
+        self._ingest_starts()
         self.apply_load(msg)
+        await self._yield_after_a_slice()
+
+    def _ingest_starts(self) -> None:
+        now = time.perf_counter()
+        if now - self._ingest_end > _INGEST_GAP_S:
+            self._slice_start = now  # not back to back with the last message: a new slice
+
+    async def _yield_after_a_slice(self) -> None:
+        """Let the event loop run the calls waiting for it (Route) once ingest has worked
+        INGEST_SLICE_S without a break."""
+        now = time.perf_counter()
+        if now - self._slice_start >= INGEST_SLICE_S:
+            await asyncio.sleep(0)
+            now = self._slice_start = time.perf_counter()
+        self._ingest_end = now
 
     async def _on_reconnected(self) -> None:
         self.sync.want_all(ResyncReason.RECONNECT)

@@ -25,11 +25,12 @@ MAX_BLOCK_HASHES = 1 << 20  # ~16M tokens at 16 per block: anything longer is a 
 
 def validate(request: master_pb2.RouteRequest) -> None:
     """Raises ValueError naming the first bad field."""
-    if len(request.block_hashes) > MAX_BLOCK_HASHES:
-        raise ValueError(f"too many block_hashes ({len(request.block_hashes)})")
-    for i, h in enumerate(request.block_hashes):
-        if len(h) != BLOCK_HASH_BYTES:
-            raise ValueError(f"block_hashes[{i}] is {len(h)} bytes, expected {BLOCK_HASH_BYTES}")
+    hashes = request.block_hashes
+    if len(hashes) > MAX_BLOCK_HASHES:
+        raise ValueError(f"too many block_hashes ({len(hashes)})")
+    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:  # in C: thousands of keys
+        i, n = next((i, len(h)) for i, h in enumerate(hashes) if len(h) != BLOCK_HASH_BYTES)
+        raise ValueError(f"block_hashes[{i}] is {n} bytes, expected {BLOCK_HASH_BYTES}")
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
