@@ -4,17 +4,16 @@ The prefix index keys everything else (holders, per-worker logs) by these ids. A
 two little-endian uint64 words (lo, hi); they are already uniform (blake2b), so their bits
 are used directly:
 
-    table  (buckets, 8) uint64, 0 = empty          keys  (ids, 2) uint64
-    +------------------------------------+           +---------+---------+
-    | tag<<32 | id+1 | ... 8 ways ...    |  id ----> |   lo    |   hi    |
-    +------------------------------------+           +---------+---------+
-      bucket b1 = lo & mask, b2 = hi & mask (b2 != b1): a hash sits in one of its two
-      buckets (the emptier one when added); tag = lo >> 32 | 1, never 0, so an empty
-      way never matches; a tag hit is confirmed against `keys`.
+    _tags (buckets, 8) uint32, 0 = empty     _ids (buckets, 8) int32     _keys (ids, 2) u64
+    +-------------------------------+        +-------------------+       +------+------+
+    | lo>>32|1 | ...  8 ways  ...   |  way-> | id | ...          | id--> |  lo  |  hi  |
+    +-------------------------------+        +-------------------+       +------+------+
+      a hash sits in one of two buckets: an even one from lo's low bits, an odd one from
+      hi's (the emptier when added); a tag hit is confirmed against `_keys`.
 
-One bucket is one 64-byte cache line, so a lookup is two lines plus one to confirm; a
-batch of n hashes is a fixed handful of numpy operations, whatever n. Removal clears the
-way (no tombstones: a hash is only ever in its two buckets). Freed ids are reused.
+A lookup reads two buckets' tags (32 bytes each), then the id and the key of the hit: a
+batch of n hashes is a fixed handful of numpy calls, whatever n. Removal clears the way
+(no tombstones: a hash is only ever in its two buckets). Freed ids are reused.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ def _rows(n: int) -> np.ndarray:
 
 class BlockIds:
     def __init__(self, buckets: int = 1024) -> None:
-        self._table = np.zeros((0, WAYS), U64)
         self._resize(buckets)
         self._keys = np.zeros((1024, 2), U64)
         self._free = np.zeros(0, np.int64)  # a stack of freed ids; _nfree of them valid
@@ -56,17 +54,15 @@ class BlockIds:
         return self._next
 
     def _resize(self, buckets: int) -> None:
-        self._table = np.zeros((buckets, WAYS), U64)
-        self._claim = np.zeros(buckets, np.int64)  # scratch: who picked each bucket
-        # the first choice is an even bucket, the second an odd one: never the same
+        self._tags = np.zeros((buckets, WAYS), U32)
+        self._ids = np.zeros((buckets, WAYS), np.int32)
+        self._claim = np.zeros(buckets, np.int32)  # scratch: who picked each bucket
         self._mask = np.array([(buckets - 1) & ~1, buckets - 1], U32)
+        self._odd = np.array([0, 1], U32)
 
     def _buckets(self, w: np.ndarray) -> np.ndarray:
-        return (w[:, ::2] & self._mask) | np.array([0, 1], U32)
-
-    @staticmethod
-    def _entries(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return ((w[:, 1] | 1).astype(U64) << np.uint64(32)) | (ids + 1).astype(U64)
+        """(n, 2) bucket numbers: an even one, an odd one (never the same)."""
+        return (w[:, ::2] & self._mask) | self._odd
 
     # -- lookups ---------------------------------------------------------------------------
     def find(self, w: np.ndarray) -> np.ndarray:
@@ -74,23 +70,23 @@ class BlockIds:
         return self._find(w)[0]
 
     def _find(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, buckets, their tags)."""
         n = len(w)
         b = self._buckets(w)
-        cand = self._table[b].reshape(n, 2 * WAYS)
-        hit = cand.view(U32)[:, 1::2] == (w[:, 1] | 1)[:, None]
-        if not hit.any():
-            return np.full(n, -1, np.int64), b, cand
-        # id + 1 of the way whose tag matches (of the largest, if several), 0 if none
-        ids = (cand.view(U32)[:, ::2] * hit).max(axis=1).astype(np.int64) - 1
-        wrong = (self._keys[ids] != w.view(U64)).any(axis=1)
-        wrong &= ids >= 0
-        for i in np.flatnonzero(wrong):  # another hash with the same tag: ~n * 2**-28
-            ids[i] = self._confirm(cand[i], w[i])
-        return ids, b, cand
+        tags = self._tags[b].reshape(n, 2 * WAYS)
+        ids = np.full(n, -1, np.int64)
+        at = np.flatnonzero(tags == (w[:, 1] | 1)[:, None])  # tag hits: about one a row
+        if not len(at):
+            return ids, b, tags
+        row, way = at // (2 * WAYS), at % (2 * WAYS)
+        ids[row] = self._ids[b[row, way // WAYS], way % WAYS]
+        wrong = (self._keys[ids[row]] != w.view(U64)[row]).any(axis=1)
+        for r in np.unique(row[wrong]).tolist():  # another hash, same tag: ~n * 2**-28
+            ids[r] = self._confirm(b[r], w[r])
+        return ids, b, tags
 
-    def _confirm(self, cand: np.ndarray, w: np.ndarray) -> int:
-        for e in cand[cand.view(U32)[1::2] == (w[1] | 1)]:
-            i = int(e & np.uint64(0xFFFFFFFF)) - 1
+    def _confirm(self, b: np.ndarray, w: np.ndarray) -> int:
+        for i in self._ids[b][self._tags[b] == (w[1] | 1)].tolist():
             if (self._keys[i] == w.view(U64)).all():
                 return i
         return -1
@@ -100,13 +96,12 @@ class BlockIds:
         return [data[i : i + 16] for i in range(0, len(data), 16)]
 
     def live_ids(self) -> np.ndarray:
-        e = self._table[self._table != 0]
-        return np.sort(e.view(U32)[::2].astype(np.int64) - 1)
+        return np.sort(self._ids[self._tags != 0].astype(np.int64))
 
     # -- changes ---------------------------------------------------------------------------
     def intern(self, w: np.ndarray) -> np.ndarray:
         """The ids of the hashes `w` (repeats allowed), adding those not here yet."""
-        ids, b, cand = self._find(w)
+        ids, b, tags = self._find(w)
         new = np.flatnonzero(ids < 0)
         if not len(new):
             return ids
@@ -116,10 +111,10 @@ class BlockIds:
             seen: dict[bytes, int] = {}  # two hashes share a lo word: by their bytes
             again = np.array([seen.setdefault(k.tobytes(), len(seen)) for k in wn])
             first = np.unique(again, return_index=True)[1]
-        ids[new] = self._add(wn[first], b[new][first], cand[new][first])[again]
+        ids[new] = self._add(wn[first], b[new][first], tags[new][first])[again]
         return ids
 
-    def _add(self, w: np.ndarray, b: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    def _add(self, w: np.ndarray, b: np.ndarray, tags: np.ndarray) -> np.ndarray:
         n = len(w)
         take = min(n, self._nfree)
         ids = np.empty(n, np.int64)
@@ -133,19 +128,19 @@ class BlockIds:
             self._keys = grown
         self._keys[ids] = w.view(U64)
         self._live += n
-        if self._live > MAX_LOAD * self._table.size or not self._place(ids, w, b, cand):
-            self._rehash(2 * len(self._table))
+        if self._live > MAX_LOAD * self._tags.size or not self._place(ids, w, b, tags):
+            self._rehash(2 * len(self._tags))
         return ids
 
     def discard(self, ids: np.ndarray) -> None:
         """Forget these ids (live, distinct); they are handed out again later."""
         if not len(ids):
             return
-        w = self._keys[ids].view(U32)
-        b = self._buckets(w)
-        cand = self._table[b].reshape(len(ids), 2 * WAYS)
-        way = (cand == self._entries(w, ids)[:, None]).argmax(axis=1)
-        self._table[b[_rows(len(ids)), way // WAYS], way % WAYS] = 0
+        b = self._buckets(self._keys[ids].view(U32))
+        mine = self._ids[b].reshape(len(ids), 2 * WAYS) == ids[:, None]
+        mine &= self._tags[b].reshape(len(ids), 2 * WAYS) != 0
+        way = mine.argmax(axis=1)
+        self._tags[b[_rows(len(ids)), way // WAYS], way % WAYS] = 0
         if self._nfree + len(ids) > len(self._free):
             grown = np.zeros(max(2 * len(self._free), self._nfree + len(ids), 1024), np.int64)
             grown[: self._nfree] = self._free[: self._nfree]
@@ -154,15 +149,15 @@ class BlockIds:
         self._nfree += len(ids)
         self._live -= len(ids)
 
-    def _place(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, cand: np.ndarray) -> bool:
-        """Put entries into the emptier of their two buckets; batch-mates that pick the
+    def _place(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, tags: np.ndarray) -> bool:
+        """Put hashes into the emptier of their two buckets; batch-mates that pick the
         same bucket take its free ways in turn, and those left over try again. False if
         some found no room (the table has to grow)."""
-        entries = self._entries(w, ids)
+        tag = w[:, 1] | 1
         for _ in range(4):
-            n = len(entries)
+            n = len(ids)
             rows = _rows(n)
-            free = cand.reshape(n, 2, WAYS) == 0
+            free = tags.reshape(n, 2, WAYS) == 0
             nfree = free.sum(axis=2)
             side = nfree.argmax(axis=1)
             bucket, free, nfree = b[rows, side], free[rows, side], nfree[rows, side]
@@ -178,11 +173,12 @@ class BlockIds:
                 rank[order] = rows - np.maximum.accumulate(np.where(first, rows, 0))
                 fits = rank < nfree
                 way = (np.cumsum(free, axis=1) > rank[:, None]).argmax(axis=1)
-            self._table[bucket[fits], way[fits]] = entries[fits]
+            self._tags[bucket[fits], way[fits]] = tag[fits]
+            self._ids[bucket[fits], way[fits]] = ids[fits]
             if fits.all():
                 return True
-            entries, b = entries[~fits], b[~fits]
-            cand = self._table[b]
+            ids, tag, b = ids[~fits], tag[~fits], b[~fits]
+            tags = self._tags[b]
         return False
 
     def _rehash(self, buckets: int) -> None:
@@ -200,10 +196,11 @@ class BlockIds:
     def _placed(self, ids: np.ndarray) -> bool:
         w = self._keys[ids].view(U32)
         b = self._buckets(w)
-        return self._place(ids, w, b, self._table[b])
+        return self._place(ids, w, b, self._tags[b])
 
     def nbytes(self) -> dict[str, int]:
-        return {"table": self._table.nbytes, "keys": self._next * 16 + self._nfree * 8}
+        table = self._tags.nbytes + self._ids.nbytes + self._claim.nbytes
+        return {"hash table": table, "keys by id": self._next * 16 + self._nfree * 8}
 
     # -- invariants ------------------------------------------------------------------------
     def check_integrity(self) -> None:

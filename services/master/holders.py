@@ -157,7 +157,10 @@ class Holders:
         rank = k - np.maximum.accumulate(np.where(first, k, 0))  # among pairs of its id
         free = self._inline[ids] < 0
         fits = rank < free.sum(axis=1)
-        way = (np.cumsum(free, axis=1) > rank[:, None]).argmax(axis=1)
+        if rank.any():  # the k-th new holder of an id takes its row's k-th free way
+            way = (np.cumsum(free, axis=1) > rank[:, None]).argmax(axis=1)
+        else:
+            way = free.argmax(axis=1)
         self._inline[ids[fits], way[fits]] = slots[fits]
         for i in np.flatnonzero(~fits).tolist():  # the row is full: past it
             j = int(ids[i])

@@ -282,11 +282,12 @@ def _chunks(hashes: Sequence[bytes], start: int) -> Iterator[Sequence[bytes]]:
         size *= 4
 
 
-def _valid(hashes: Sequence[bytes], worker_id: str | None = None) -> Sequence[bytes]:
+def _valid(hashes: Iterable[bytes], worker_id: str | None = None) -> list[bytes]:
     """`hashes` without those not 16 bytes long (logged if from `worker_id`)."""
-    if not set(map(len, hashes)) - {BLOCK_HASH_BYTES}:
-        return hashes
-    for h in hashes:
+    hs = list(hashes)
+    if not set(map(len, hs)) - {BLOCK_HASH_BYTES}:
+        return hs
+    for h in hs:
         if len(h) != BLOCK_HASH_BYTES and worker_id is not None:
             log.warning("ignoring %d-byte block hash from %s", len(h), worker_id)
-    return [h for h in hashes if len(h) == BLOCK_HASH_BYTES]
+    return [h for h in hs if len(h) == BLOCK_HASH_BYTES]
