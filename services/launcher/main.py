@@ -157,7 +157,7 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-workers", type=int, default=4, help="all roles together")
     g.add_argument("--ttft-p95-ms", type=float, default=2000.0)
     g.add_argument("--itl-p95-ms", type=float, default=200.0)
-    g.add_argument("--planner-interval-s", type=float, default=2.0)
+    g.add_argument("--planner-interval-s", type=float, default=1.0)
     g.add_argument("--down-cooldown-s", type=float, default=30.0)
     g.add_argument("--idle-to-zero-s", type=float, default=60.0)
     g.add_argument("--hold-for-workers-s", type=float, default=60.0,

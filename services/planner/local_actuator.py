@@ -35,6 +35,7 @@ class _Worker:
     proc: subprocess.Popen
     started: float
     stopping_since: float | None = None
+    killed: bool = False
 
 
 class LocalActuator:
