@@ -28,9 +28,9 @@ import torch  # noqa: E402
 
 from rtp_serve.core.cost_model import LinearFit  # noqa: E402
 from rtp_serve.core.sampling_params import SamplingParams  # noqa: E402
+from rtp_serve.core.sim_cost import SimCost  # noqa: E402
 from rtp_serve.engine.config import EngineConfig  # noqa: E402
 from rtp_serve.engine.llm_engine import LLMEngine  # noqa: E402
-from rtp_serve.core.sim_cost import SimCost  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 
