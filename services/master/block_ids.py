@@ -4,16 +4,17 @@ The prefix index keys everything else (holders, per-worker logs) by these ids. A
 two little-endian uint64 words (lo, hi); they are already uniform (blake2b), so their bits
 are used directly:
 
-    _tags (buckets, 8) uint32, 0 = empty     _ids (buckets, 8) int32     _keys (ids, 2) u64
-    +-------------------------------+        +-------------------+       +------+------+
-    | lo>>32|1 | ...  8 ways  ...   |  way-> | id | ...          | id--> |  lo  |  hi  |
-    +-------------------------------+        +-------------------+       +------+------+
+    _table (buckets, 16) uint32: one 64-byte cache line a bucket      _keys (ids, 2) uint64
+    +------------------------------+------------------------------+    +------+------+
+    | tag x 8 (lo >> 32 | 1; 0 =   | id x 8 (of the way's hash)   | -> |  lo  |  hi  |
+    |          an empty way)       |                              |    +------+------+
+    +------------------------------+------------------------------+
       a hash sits in one of two buckets: an even one from lo's low bits, an odd one from
       hi's (the emptier when added); a tag hit is confirmed against `_keys`.
 
-A lookup reads two buckets' tags (32 bytes each), then the id and the key of the hit: a
-batch of n hashes is a fixed handful of numpy calls, whatever n. Removal clears the way
-(no tombstones: a hash is only ever in its two buckets). Freed ids are reused.
+A lookup reads two buckets, then the key of the hit: a batch of n hashes is a fixed
+handful of numpy calls, whatever n. Removal clears the way's tag (no tombstones: a hash
+is only ever in its two buckets). Freed ids are reused.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ class BlockIds:
         return self._next
 
     def _resize(self, buckets: int) -> None:
-        self._tags = np.zeros((buckets, WAYS), U32)
-        self._ids = np.zeros((buckets, WAYS), np.int32)
+        self._table = np.zeros((buckets, 2 * WAYS), U32)
         self._claim = np.zeros(buckets, np.int32)  # scratch: who picked each bucket
         self._mask = np.array([(buckets - 1) & ~1, buckets - 1], U32)
         self._odd = np.array([0, 1], U32)
@@ -70,23 +70,25 @@ class BlockIds:
         return self._find(w)[0]
 
     def _find(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, buckets, their tags)."""
+        """(ids, buckets, the buckets' rows)."""
         n = len(w)
         b = self._buckets(w)
-        tags = self._tags[b].reshape(n, 2 * WAYS)
+        g = self._table[b]  # (n, 2, 16)
         ids = np.full(n, -1, np.int64)
-        at = np.flatnonzero(tags == (w[:, 1] | 1)[:, None])  # tag hits: about one a row
+        at = np.flatnonzero(g[:, :, :WAYS] == (w[:, 1] | 1)[:, None, None])  # about 1 a row
         if not len(at):
-            return ids, b, tags
-        row, way = at // (2 * WAYS), at % (2 * WAYS)
-        ids[row] = self._ids[b[row, way // WAYS], way % WAYS]
-        wrong = (self._keys[ids[row]] != w.view(U64)[row]).any(axis=1)
-        for r in np.unique(row[wrong]).tolist():  # another hash, same tag: ~n * 2**-28
+            return ids, b, g
+        row = at // (2 * WAYS)
+        ids[row] = g[row, (at // WAYS) % 2, WAYS + at % WAYS]
+        wrong = (self._keys[ids] != w.view(U64)).view(np.uint16)[:, 0] != 0
+        wrong &= ids >= 0
+        for r in np.flatnonzero(wrong).tolist():  # another hash, same tag: ~n * 2**-28
             ids[r] = self._confirm(b[r], w[r])
-        return ids, b, tags
+        return ids, b, g
 
     def _confirm(self, b: np.ndarray, w: np.ndarray) -> int:
-        for i in self._ids[b][self._tags[b] == (w[1] | 1)].tolist():
+        g = self._table[b]
+        for i in g[:, WAYS:][g[:, :WAYS] == (w[1] | 1)].tolist():
             if (self._keys[i] == w.view(U64)).all():
                 return i
         return -1
@@ -96,7 +98,7 @@ class BlockIds:
         return [data[i : i + 16] for i in range(0, len(data), 16)]
 
     def live_ids(self) -> np.ndarray:
-        return np.sort(self._ids[self._tags != 0].astype(np.int64))
+        return np.sort(self._table[:, WAYS:][self._table[:, :WAYS] != 0].astype(np.int64))
 
     # -- changes ---------------------------------------------------------------------------
     def intern(self, w: np.ndarray) -> np.ndarray:
@@ -128,8 +130,8 @@ class BlockIds:
             self._keys = grown
         self._keys[ids] = w.view(U64)
         self._live += n
-        if self._live > MAX_LOAD * self._tags.size or not self._place(ids, w, b, tags):
-            self._rehash(2 * len(self._tags))
+        if self._live > MAX_LOAD * len(self._table) * WAYS or not self._place(ids, w, b, tags):
+            self._rehash(2 * len(self._table))
         return ids
 
     def discard(self, ids: np.ndarray) -> None:
@@ -137,10 +139,10 @@ class BlockIds:
         if not len(ids):
             return
         b = self._buckets(self._keys[ids].view(U32))
-        mine = self._ids[b].reshape(len(ids), 2 * WAYS) == ids[:, None]
-        mine &= self._tags[b].reshape(len(ids), 2 * WAYS) != 0
-        way = mine.argmax(axis=1)
-        self._tags[b[_rows(len(ids)), way // WAYS], way % WAYS] = 0
+        g = self._table[b]
+        mine = (g[:, :, WAYS:] == ids[:, None, None]) & (g[:, :, :WAYS] != 0)
+        way = mine.reshape(len(ids), 2 * WAYS).argmax(axis=1)
+        self._table[b[_rows(len(ids)), way // WAYS], way % WAYS] = 0
         if self._nfree + len(ids) > len(self._free):
             grown = np.zeros(max(2 * len(self._free), self._nfree + len(ids), 1024), np.int64)
             grown[: self._nfree] = self._free[: self._nfree]
@@ -149,36 +151,38 @@ class BlockIds:
         self._nfree += len(ids)
         self._live -= len(ids)
 
-    def _place(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, tags: np.ndarray) -> bool:
-        """Put hashes into the emptier of their two buckets; batch-mates that pick the
-        same bucket take its free ways in turn, and those left over try again. False if
-        some found no room (the table has to grow)."""
+    def _place(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, rows_: np.ndarray) -> bool:
+        """Put hashes into the emptier of their two buckets (`rows_`: those buckets' rows).
+        Of those that pick the same bucket one goes in per round; from the third round on,
+        the k-th of them takes the bucket's k-th free way. False if one finds both its
+        buckets full (the table has to grow)."""
         tag = w[:, 1] | 1
-        for _ in range(4):
-            n = len(ids)
-            rows = _rows(n)
-            free = tags.reshape(n, 2, WAYS) == 0
+        for round_ in range(64):
+            rows = _rows(len(ids))
+            free = rows_[:, :, :WAYS] == 0
             nfree = free.sum(axis=2)
             side = nfree.argmax(axis=1)
             bucket, free, nfree = b[rows, side], free[rows, side], nfree[rows, side]
+            if not nfree.all():
+                return False
             self._claim[bucket] = rows
-            if (self._claim[bucket] == rows).all():  # one each: its first free way
-                fits, way = nfree > 0, free.argmax(axis=1)
-            else:  # the k-th in a bucket takes its k-th free way
+            go = self._claim[bucket] == rows  # the last of each bucket's claimants
+            if round_ < 2 or go.all():
+                way = free.argmax(axis=1)
+            else:
                 order = np.argsort(bucket, kind="stable")
-                sb = bucket[order]
-                first = np.ones(n, bool)
-                first[1:] = sb[1:] != sb[:-1]
-                rank = np.empty(n, np.intp)
+                first = np.ones(len(ids), bool)
+                first[1:] = bucket[order[1:]] != bucket[order[:-1]]
+                rank = np.empty(len(ids), np.intp)
                 rank[order] = rows - np.maximum.accumulate(np.where(first, rows, 0))
-                fits = rank < nfree
+                go = rank < nfree
                 way = (np.cumsum(free, axis=1) > rank[:, None]).argmax(axis=1)
-            self._tags[bucket[fits], way[fits]] = tag[fits]
-            self._ids[bucket[fits], way[fits]] = ids[fits]
-            if fits.all():
+            self._table[bucket[go], way[go]] = tag[go]
+            self._table[bucket[go], WAYS + way[go]] = ids[go]
+            if go.all():
                 return True
-            ids, tag, b = ids[~fits], tag[~fits], b[~fits]
-            tags = self._tags[b]
+            ids, tag, b = ids[~go], tag[~go], b[~go]
+            rows_ = self._table[b]
         return False
 
     def _rehash(self, buckets: int) -> None:
@@ -196,10 +200,10 @@ class BlockIds:
     def _placed(self, ids: np.ndarray) -> bool:
         w = self._keys[ids].view(U32)
         b = self._buckets(w)
-        return self._place(ids, w, b, self._tags[b])
+        return self._place(ids, w, b, self._table[b])
 
     def nbytes(self) -> dict[str, int]:
-        table = self._tags.nbytes + self._ids.nbytes + self._claim.nbytes
+        table = self._table.nbytes + self._claim.nbytes
         return {"hash table": table, "keys by id": self._next * 16 + self._nfree * 8}
 
     # -- invariants ------------------------------------------------------------------------
@@ -209,5 +213,5 @@ class BlockIds:
         assert len(np.unique(ids)) == len(ids), "an id in the table twice"
         assert not np.isin(self._free[: self._nfree], ids).any(), "a free id in the table"
         assert len(ids) + self._nfree == self._next, "ids neither live nor free"
-        if len(ids):
-            assert (self.find(self._keys[ids].view(U32)) == ids).all(), "a hash not found"
+        for part in np.split(ids, range(1 << 16, len(ids), 1 << 16)):
+            assert (self.find(self._keys[part].view(U32)) == part).all(), "a hash not found"

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-INLINE = 4
+INLINE = 4  # holders in an id's row: their flags make one uint32 (_any_in_row)
 
 
 class Holders:
@@ -62,7 +62,7 @@ class Holders:
 
     def held(self, ids: np.ndarray, slots: np.ndarray | int) -> np.ndarray:
         """Whether each id is held by its slot (or by `slots`, one for all)."""
-        mine = (self._inline[ids] == np.reshape(slots, (-1, 1))).any(axis=1)
+        mine = _any_in_row(self._inline[ids] == np.reshape(slots, (-1, 1)))
         if self._more:
             for i in np.flatnonzero(~mine & (self._nheld[ids] > INLINE)).tolist():
                 s = slots if isinstance(slots, int) else slots[i]
@@ -71,7 +71,7 @@ class Holders:
 
     def any_of(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Whether some slot in `mask` (a bool per slot, then False for none) holds each id."""
-        some = mask[self._inline[ids]].any(axis=1)
+        some = _any_in_row(mask[self._inline[ids]])
         if self._more:
             for i in np.flatnonzero(~some & (self._nheld[ids] > INLINE)).tolist():
                 some[i] = bool(mask[self._more[int(ids[i])]].any())
@@ -96,10 +96,20 @@ class Holders:
             slot 7     x x . . .          slot 9: 2 3      -> none
         """
         m = len(ids)
-        flat = self._inline[ids].ravel()
+        rows = self._inline[ids]
+        over = np.flatnonzero(self._nheld[ids] > INLINE) if self._more else ()
+        if not len(over):  # the usual case: a few holders, each checked down the rows
+            found = rows[0][rows[0] >= 0]
+            lengths = np.empty(len(found), np.int64)
+            for i, s in enumerate(found.tolist()):
+                miss = ~_any_in_row(rows == s)
+                k = int(miss.argmax())
+                lengths[i] = k if miss[k] else m
+            order = np.argsort(found)
+            return found[order].astype(np.int64), lengths[order]
+        flat = rows.ravel()
         at = np.flatnonzero(flat >= 0)
         slots, pos = flat[at].astype(np.int64), at // INLINE
-        over = np.flatnonzero(self._nheld[ids] > INLINE) if self._more else ()
         if len(over):
             more = [self._more[int(ids[i])] for i in over]
             slots = np.concatenate([slots, *more]).astype(np.int64)
@@ -254,3 +264,9 @@ class Holders:
                 assert len(self.held_ids(s)) == self.count[s], f"log of {name} misses ids"
         assert len(self.slot) == len(self.names) - len(self._free_slots)
         assert sum(self.count[s] for s in self.slot.values()) == self.pairs
+
+
+def _any_in_row(hit: np.ndarray) -> np.ndarray:
+    """`hit.any(axis=1)` for (n, INLINE) bools, as one 4-byte word a row (numpy's
+    reduction over a short axis loops per row)."""
+    return hit.view(np.uint32)[:, 0] != 0
