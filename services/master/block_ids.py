@@ -130,8 +130,17 @@ class BlockIds:
             self._keys = grown
         self._keys[ids] = w.view(U64)
         self._live += n
-        if self._live > MAX_LOAD * len(self._table) * WAYS or not self._place(ids, w, b, tags):
-            self._rehash(2 * len(self._table))
+        if self._live > MAX_LOAD * len(self._table) * WAYS:
+            while self._live > MAX_LOAD * len(self._table) * WAYS:
+                self._grow()
+            b = self._buckets(w)
+            tags = self._table[b]
+        left = self._place(ids, w, b, tags)
+        while len(left):  # both buckets full: rare below MAX_LOAD
+            self._grow()
+            wl = self._keys[left].view(U32)
+            bl = self._buckets(wl)
+            left = self._place(left, wl, bl, self._table[bl])
         return ids
 
     def discard(self, ids: np.ndarray) -> None:
@@ -151,11 +160,13 @@ class BlockIds:
         self._nfree += len(ids)
         self._live -= len(ids)
 
-    def _place(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, rows_: np.ndarray) -> bool:
+    def _place(
+        self, ids: np.ndarray, w: np.ndarray, b: np.ndarray, rows_: np.ndarray
+    ) -> np.ndarray:
         """Put hashes into the emptier of their two buckets (`rows_`: those buckets' rows).
         Of those that pick the same bucket one goes in per round; from the third round on,
-        the k-th of them takes the bucket's k-th free way. False if one finds both its
-        buckets full (the table has to grow)."""
+        the k-th of them takes the bucket's k-th free way. Returns the ids not placed (when
+        one finds both its buckets full, all of those left: the table has to grow)."""
         tag = w[:, 1] | 1
         for round_ in range(64):
             rows = _rows(len(ids))
@@ -164,7 +175,7 @@ class BlockIds:
             side = nfree.argmax(axis=1)
             bucket, free, nfree = b[rows, side], free[rows, side], nfree[rows, side]
             if not nfree.all():
-                return False
+                return ids  # some found both buckets full: all of these wait for a grow
             self._claim[bucket] = rows
             go = self._claim[bucket] == rows  # the last of each bucket's claimants
             if round_ < 2 or go.all():
@@ -180,27 +191,32 @@ class BlockIds:
             self._table[bucket[go], way[go]] = tag[go]
             self._table[bucket[go], WAYS + way[go]] = ids[go]
             if go.all():
-                return True
+                return ids[:0]
             ids, tag, b = ids[~go], tag[~go], b[~go]
             rows_ = self._table[b]
-        return False
+        return ids
 
-    def _rehash(self, buckets: int) -> None:
-        """A new table of `buckets` (or more, if that is too few) holding every live id."""
-        held = np.ones(self._next, bool)
-        held[self._free[: self._nfree]] = False
-        ids = np.flatnonzero(held)
-        chunks = [ids[i : i + (1 << 16)] for i in range(0, len(ids), 1 << 16)]
-        while True:
-            self._resize(buckets)
-            if all(self._placed(c) for c in chunks):
-                return
-            buckets *= 2
+    def _grow(self) -> None:
+        """Twice the buckets. The masks gain one bit, so bucket i's entries split between
+        i and i + old size by that bit of their word (lo in even buckets, hi in odd ones):
+        no hash is placed again.
 
-    def _placed(self, ids: np.ndarray) -> bool:
-        w = self._keys[ids].view(U32)
-        b = self._buckets(w)
-        return self._place(ids, w, b, self._table[b])
+            old  [ b0 | b1 | ... | bB-1 ]  ->  new  [ b0 | b1 | ... | bB-1 | bB | ... ]
+                   entries with the bit set move up by B; the rest stay
+        """
+        old = self._table
+        size = len(old)
+        self._resize(2 * size)
+        self._table[:size] = old
+        self._table[size:] = old
+        step = 1 << 16
+        for start in range(0, size, step):
+            part = old[start : start + step]
+            keys = self._keys[part[:, WAYS:].astype(np.intp)]  # (rows, 8, 2); stale ids too
+            odd = (np.arange(start, start + len(part)) % 2 == 1)[:, None]
+            up = (np.where(odd, keys[:, :, 1], keys[:, :, 0]) & np.uint64(size)) != 0
+            self._table[start : start + len(part), :WAYS][up] = 0
+            self._table[size + start : size + start + len(part), :WAYS][~up] = 0
 
     def nbytes(self) -> dict[str, int]:
         table = self._table.nbytes + self._claim.nbytes
