@@ -192,3 +192,17 @@ def test_match_holders_is_sparse(n: int):
     assert got == {f"w{i}": i % 12 + 1 for i in range(n)}
     assert index.match_holders(PROMPTS[1]) == {}
     assert index.match_all(PROMPTS[0], ["w0", GHOST]) == {"w0": 1, GHOST: 0}
+
+
+def test_more_workers_than_int16_slots():
+    """Slots past 32,767 turn the holder rows into int32."""
+    index = PrefixIndex(host_tier=False)
+    many = [f"w{i}" for i in range(2**15 + 3)]
+    for w in many:
+        index.store(w, PROMPTS[0][:1])
+    index.store(many[-1], PROMPTS[0][1:3])
+    assert index.match_holders(PROMPTS[0][:3])[many[-1]] == 3
+    assert index.match_all(PROMPTS[0][:3], many[-2:]) == {many[-2]: 1, many[-1]: 3}
+    assert len(index.match_holders(PROMPTS[0])) == len(many)
+    index.drop_worker(many[-1])
+    assert index.match(many[-2], PROMPTS[0]) == 1 and len(index) == len(many) - 1
