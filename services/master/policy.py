@@ -59,9 +59,8 @@ from rtp_serve.services.common.pb import master_pb2, nameservice_pb2
 from rtp_serve.services.master import cost
 from rtp_serve.services.master.cluster import ClusterView, Member
 from rtp_serve.services.master.load_table import DEFAULT_BLOCK_SIZE, Loads
-from rtp_serve.services.master.prefix_index import PrefixIndex
-
-__all__ = ["DEFAULT_BLOCK_SIZE", "CacheAware", "LeastLoad", "RoundRobin", "make_policy"]
+from rtp_serve.services.master.pool import Pool, lora_mask, reporting, serving, with_room
+from rtp_serve.services.master.prompt_prefix import Prefix
 
 
 class NoWorkersError(Exception):
@@ -114,46 +113,6 @@ def session_slot(session_id: str, n: int) -> int:
 
 
 # -- candidates ------------------------------------------------------------------------------
-class Pool:
-    """Candidate workers: their slots in the view's LoadTable, in member-id order, and
-    their loads (read from the table once, at first use: make a new pool after a charge)."""
-
-    __slots__ = ("view", "slots", "_loads")
-
-    def __init__(self, view: ClusterView, slots: np.ndarray, loads: Loads | None = None) -> None:
-        self.view, self.slots, self._loads = view, slots, loads
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    @property
-    def loads(self) -> Loads:
-        if self._loads is None:
-            view = self.view
-            self._loads = view.table.gather(self.slots, view.now(), view.load_ttl_s)
-        return self._loads
-
-    def member(self, i: int) -> Member:
-        return self.view.table.member(int(self.slots[i]))
-
-    def take(self, which: np.ndarray) -> Pool:
-        loads = self._loads.take(which) if self._loads is not None else None
-        return Pool(self.view, self.slots[which], loads)
-
-    def column(self, values: dict[str, int]) -> np.ndarray | None:
-        """`values` (worker id -> n) at the candidates' positions, 0 for the rest; None
-        where that is 0 everywhere."""
-        if not values:
-            return None
-        table = self.view.table
-        at = np.zeros(table.capacity, dtype=np.int64)
-        for worker_id, n in values.items():
-            if (slot := table.slot(worker_id)) is not None:
-                at[slot] = n
-        out = at[self.slots]
-        return out if out.any() else None
-
-
 def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[Pool, Pool]:
     """(first, decode): PD mode -> (prefill workers, decode workers); fused -> (fused, [])."""
     table, skip = view.table, set(exclude)
@@ -175,38 +134,6 @@ def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[Pool, Po
     )
 
 
-def _lora_mask(pool: Pool, loads: Loads, lora: str, resident: bool) -> np.ndarray:
-    """Which candidates' fresh reports list `lora` (among the resident ones: `resident`)."""
-    table = pool.view.table
-    sets = table.resident_loras if resident else table.loras
-    listed = np.array([lora in sets[s] for s in pool.slots.tolist()], dtype=bool)
-    return loads.fresh & listed
-
-
-def serving(pool: Pool, lora: str) -> Pool:
-    """The members whose load report lists `lora` among the adapters they serve; all of
-    them when none does (reports not in yet: the worker itself answers NOT_FOUND)."""
-    if not lora or not len(pool):
-        return pool
-    have = _lora_mask(pool, pool.loads, lora, resident=False)
-    return pool.take(have) if have.any() else pool
-
-
-def with_room(pool: Pool) -> Pool:
-    """The members whose waiting queue is below its bound (as last reported); all of them
-    when none has room (the chosen one then refuses the request: 429, retry later)."""
-    loads = pool.loads
-    full = loads.fresh & (loads.max_waiting > 0) & (loads.max_waiting <= loads.waiting)
-    return pool.take(~full) if full.any() and not full.all() else pool
-
-
-def reporting(pool: Pool) -> Pool:
-    """The members with a fresh load report; all of them when none has one (no NATS, or
-    all just started: then costs count only what was routed here)."""
-    fresh = pool.loads.fresh
-    return pool.take(fresh) if fresh.any() and not fresh.all() else pool
-
-
 def _running(view: ClusterView, worker_id: str) -> int:
     load = view.load(worker_id)
     return (load.num_running if load is not None else 0) + view.pending(worker_id).requests
@@ -219,54 +146,6 @@ def _block_size(view: ClusterView, worker_id: str) -> int:
 
 def uncached_tokens(view: ClusterView, worker_id: str, num_prompt_tokens: int, matched: int) -> int:
     return max(0, num_prompt_tokens - matched * _block_size(view, worker_id))
-
-
-def _host(member: Member) -> str:
-    """The host part of a member's address (host:port, [v6]:port)."""
-    return member.address.rpartition(":")[0]
-
-
-# -- the prompt's prefix in the index ----------------------------------------------------------
-def _first_block_holders(index: PrefixIndex, hashes) -> dict[str, int]:
-    """`index.match_all` of every worker that holds `hashes[0]` (the others match 0)."""
-    if not hashes:
-        return {}
-    sparse = getattr(index, "match_holders", None)
-    if sparse is not None:
-        return sparse(hashes)
-    holders = getattr(index, "_holders", None)  # until prefix_index has match_holders
-    ids = holders.get(hashes[0], ()) if holders is not None else index.workers()
-    return {w: n for w, n in index.match_all(hashes, sorted(ids)).items() if n}
-
-
-@dataclass(frozen=True, slots=True)
-class Prefix:
-    """Where the prompt's leading blocks are: per worker with any, its match in its pool
-    (T0) and its host tier's match after that (T1); every other worker matches 0 in both.
-    `reachable`: the longest prefix the remote tier can give (see cost.py)."""
-
-    device: dict[str, int]
-    host: dict[str, int]
-    reachable: int
-
-    @classmethod
-    def of(cls, view: ClusterView, hashes) -> Prefix:
-        index = view.index
-        device = _first_block_holders(index, hashes)
-        host = {}
-        if index.host is not None and len(index.host):
-            host = _first_block_holders(index.host, hashes)
-            host |= {w: index.host.match(w, hashes, n) for w, n in device.items()}
-            host = {w: n for w, n in host.items() if n}
-        # What the remote tier can give: what its instances hold (T2 and T3), and what any
-        # worker holds (each wrote it back).
-        caches = [m.id for m in view.members(nameservice_pb2.ROLE_CACHE)]
-        held = (device.get(w, 0) + host.get(w, 0) for w in device.keys() | host.keys()
-                if w not in caches)  # fmt: skip
-        reachable = max(held, default=0)
-        if caches:
-            reachable = max(reachable, index.match_any(hashes, caches))
-        return cls(device, host, reachable)
 
 
 @dataclass(slots=True)
@@ -452,7 +331,7 @@ class CacheAware(Policy):
         tokens = ask.request.num_prompt_tokens
         seconds = cost.predict_seconds(loads, steps, tokens, local, host, reachable)
         if lora := ask.request.lora_name:
-            cold = ~_lora_mask(first, loads, lora, resident=True)
+            cold = ~lora_mask(first, loads, lora, resident=True)
             seconds = seconds + cost.lora_swap_seconds(steps, cold)
         return Priced(first, loads, steps, seconds, local, host, reachable)
 
@@ -541,7 +420,7 @@ class CacheAware(Policy):
         # first of these keys that differs decides.
         free = loads.free - loads.pending_blocks
         cold = (
-            ~_lora_mask(decode, loads, request.lora_name, resident=True)
+            ~lora_mask(decode, loads, request.lora_name, resident=True)
             if request.lora_name
             else np.zeros(len(decode), dtype=bool)
         )
