@@ -96,7 +96,7 @@ def step(rng: random.Random, indexes: list) -> None:
 def queries(rng: random.Random) -> list[list[bytes]]:
     qs = [p for p in PROMPTS] + [some_hashes(rng) for _ in range(3)] + [[]]
     qs.append(PROMPTS[0][:5] + [BAD[0]] + PROMPTS[0][5:])
-    qs.append(PROMPTS[-1][:70] + PROMPTS[1])  # breaks after the first lookup chunk
+    qs.append(PROMPTS[-1][:140] + PROMPTS[1])  # breaks after the first lookup chunk
     return qs
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 
 INLINE = 4  # holders in an id's row: their flags make one uint32 (_any_in_row)
+SHORT = 256  # prefixes up to this long are walked in Python by `runs`
 
 
 class Holders:
@@ -99,14 +100,21 @@ class Holders:
         rows = self._inline[ids]
         over = np.flatnonzero(self._nheld[ids] > INLINE) if self._more else ()
         if not len(over):  # the usual case: a few holders, each checked down the rows
-            found = rows[0][rows[0] >= 0]
-            lengths = np.empty(len(found), np.int64)
-            for i, s in enumerate(found.tolist()):
-                miss = ~_any_in_row(rows == s)
-                k = int(miss.argmax())
-                lengths[i] = k if miss[k] else m
-            order = np.argsort(found)
-            return found[order].astype(np.int64), lengths[order]
+            found = sorted(s for s in rows[0].tolist() if s >= 0)
+            lengths = []
+            if m <= SHORT:  # numpy's per-call cost is more than the loop's
+                listed = rows.tolist()
+                for s in found:
+                    k = 1
+                    while k < m and s in listed[k]:
+                        k += 1
+                    lengths.append(k)
+            else:
+                for s in found:
+                    miss = ~_any_in_row(rows == s)
+                    k = int(miss.argmax())
+                    lengths.append(k if miss[k] else m)
+            return np.array(found, np.int64), np.array(lengths, np.int64)
         flat = rows.ravel()
         at = np.flatnonzero(flat >= 0)
         slots, pos = flat[at].astype(np.int64), at // INLINE

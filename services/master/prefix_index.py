@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_HASH_BYTES = 16
 PENDING = 1024  # hashes of event batches kept back, at most, to be applied together
-FIRST_CHUNK = 64  # hashes looked up before the first check for the end of the prefix
+FIRST_CHUNK = 128  # hashes looked up before the first check for the end of the prefix
 
 
 class PrefixIndex:
