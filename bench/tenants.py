@@ -158,7 +158,11 @@ async def phases(run: Run, args, cap: float) -> dict:
     )
     wall = max(wa, wb)
     out["burst"] = {"a": stats(a, wall), "b": stats(b, wall)}
-    n, k = max(4, round(cap * s)), 2 * args.max_num_seqs
+    # Each sends its first k at once: n - k more keep it backlogged, and the tokens are
+    # counted while both are (with n barely above k, as before, that was the first few
+    # completions: the start's transient, not the share).
+    k = 2 * args.max_num_seqs
+    n = k + max(4, round(cap * s))
     (c, wc), (d, wd) = await asyncio.gather(run.closed("c", n, k), run.closed("d", n, k))
     out["weights"] = {"c": stats(c, wc), "d": stats(d, wd)}
     # Both are backlogged until the first of them has sent its last request (from then on
