@@ -12,10 +12,10 @@ import pytest
 
 from rtp_serve.core.block_hash import block_hash_keys
 from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.engine.block_pool import BlockPool, KVEventKind
 from rtp_serve.engine.errors import QueueFullError
 from rtp_serve.engine.outputs import PromptKV
-from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.engine.sim.engine import SimConfig, SimLLM
 from rtp_serve.engine.sim.scheduler import SimRequest, SimScheduler, SimStatus
 

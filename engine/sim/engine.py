@@ -22,13 +22,13 @@ from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.outputs import SampledToken
 from rtp_serve.core.peft_config import UnknownAdapterError
 from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
 from rtp_serve.core.validation import check_prompt
 from rtp_serve.engine.block_pool import BlockPool, KVEvent
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.errors import EngineStoppedError
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
-from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.engine.sim.scheduler import SimRequest, SimScheduler, Work
 from rtp_serve.engine.stats import EngineCheck, EngineStats
 
