@@ -14,14 +14,7 @@ from rtp_serve.services.master.prefix_index import PrefixIndex
 
 def _first_block_holders(index: PrefixIndex, hashes: Sequence[bytes]) -> dict[str, int]:
     """`index.match_all` of every worker that holds `hashes[0]` (the others match 0)."""
-    if not hashes:
-        return {}
-    sparse = getattr(index, "match_holders", None)
-    if sparse is not None:
-        return sparse(hashes)
-    holders = getattr(index, "_holders", None)  # until prefix_index has match_holders
-    ids = holders.get(hashes[0], ()) if holders is not None else index.workers()
-    return {w: n for w, n in index.match_all(hashes, sorted(ids)).items() if n}
+    return index.match_holders(hashes) if hashes else {}
 
 
 @dataclass(frozen=True, slots=True)
