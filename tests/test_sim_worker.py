@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -324,3 +325,43 @@ async def _hundred(ns: str, master: str, model: str) -> None:
     async with grpc_util.channel(master) as ch:
         index = await master_pb2_grpc.MasterStub(ch).Index(master_pb2.IndexRequest())
     assert len([w for w in index.workers if w.block_hashes]) >= 2
+
+
+def test_the_launcher_runs_a_simulated_cluster(model_dir, tmp_path):
+    """`rtp-serve up --engine sim`: every service real, the workers simulated, their pools
+    sized as a real worker's of the same --kv-cache-mib, served through the official client
+    with the second identical prompt reusing the first's blocks."""
+    import openai
+
+    from rtp_serve.core.model_config import ModelConfig
+    from rtp_serve.engine.memory import kv_bytes_per_block
+    from tests.cluster import launch
+
+    model = str(model_dir("tiny-llama"))
+    flags = ("--engine", "sim", "--fused", "1", "--kv-cache-mib", "3", "--no-cache",
+             "--block-size", str(BLOCK))  # fmt: skip
+    with launch(model, tmp_path, *flags) as cluster:
+        stats = cluster.worker_stats()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+        prompt = list(range(200, 300))  # 100 tokens: 6 full blocks
+        first, second = (
+            client.completions.create(model=Path(model).name, prompt=prompt, max_tokens=4)
+            for _ in range(2)
+        )
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(model), "float32", BLOCK)
+    assert [s.total_blocks for s in stats.values()] == [(3 << 20) // per_block]
+    assert first.usage.completion_tokens == second.usage.completion_tokens == 4
+    assert first.choices[0].text == second.choices[0].text  # deterministic token ids
+    assert second.usage.prompt_tokens_details.cached_tokens == 6 * BLOCK
+
+
+def test_the_launcher_refuses_what_a_simulated_worker_lacks(model_dir):
+    from rtp_serve.services.launcher.process import CLI
+
+    run = subprocess.run(
+        [*CLI, "up", "--engine", "sim", "--model", str(model_dir("tiny-llama")), "--port", "0",
+         "--speculative", "ngram", "--threads", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "--engine sim: simulated workers have no --threads, --speculative" in run.stderr

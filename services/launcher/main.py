@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
 STOP_SLACK_S = 1.2  # past the drain timeout: for processes to exit before they are killed
 # The rest stops once these are gone (the planner stops the workers it started, draining).
-DRAINING = ("frontend", "prefill", "decode", "fused", "planner")
+DRAINING = ("frontend", "prefill", "decode", "fused", "sim-worker", "planner")
 SUPERVISE_EVERY_S = 0.25  # how often exited children are noticed (and restarted)
 
 
@@ -63,6 +63,19 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--fused", type=int, default=None, metavar="K", help="K fused workers (instead of PD)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("real", "sim"),
+        default="real",
+        help="sim: simulated workers (rtp-serve sim-worker: the real protocols, no model; "
+        "step times from --sim-cost), docs/operations/scale.md",
+    )
+    p.add_argument(
+        "--sim-cost",
+        default=None,
+        metavar="FILE",
+        help="with --engine sim: the step-time profile (bench/fit_sim.py; default: built-in)",
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (PD mode)")
@@ -322,34 +335,22 @@ def _start(cluster: Cluster, model: str) -> str:
         if args.cache_capacity_mib is not None:
             capacity = ("--capacity-mib", str(args.cache_capacity_mib))
         cluster.spawn("cache", *common, "--redis-url", redis_url, *capacity)
-    threads = args.threads or _default_threads(args)
     drain = ["--drain-timeout", str(args.drain_timeout)]
-    numerics = ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
-                "--kv-dtype", args.kv_dtype, "--block-size", str(args.block_size)]  # fmt: skip
-    worker = [*common, *drain, "--model", model, *numerics, "--threads", str(threads),
-              "--kv-cache-mib", str(args.kv_cache_mib),
-              "--host-kv-cache-mib", str(args.host_kv_cache_mib),
-              "--memory-share", str(_worker_slots(args)),
-              "--speculative", args.speculative]  # fmt: skip
-    if args.draft_model is not None:
-        from rtp_serve.models.make_model import resolve_model
-
-        worker += ["--draft-model", str(resolve_model(args.draft_model))]
-    for flag in ("max_num_seqs", "max_num_waiting", "num_speculative_tokens", "draft_layers"):
-        if getattr(args, flag) is not None:
-            worker += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    loras = [f"--lora={name}={path}" for name, path in args.loras]
-    worker += [*loras, "--max-loras", str(args.max_loras)]
+    worker = [*common, *drain, *(_sim_flags(args, model) if args.engine == "sim" else
+                                 _worker_flags(args, model))]  # fmt: skip
     if args.planner:
         _spawn_planner(cluster, common, worker[len(common) + len(drain) :], drain)
-    elif args.fused:
-        for _ in range(args.fused):
-            cluster.spawn("fused", *worker)
     else:
-        for _ in range(args.prefill):
-            cluster.spawn("prefill", *worker)
-        for _ in range(args.decode):
-            cluster.spawn("decode", *worker)
+        roles = (
+            ["fused"] * args.fused
+            if args.fused
+            else ["prefill"] * args.prefill + ["decode"] * args.decode
+        )
+        for role in roles:
+            if args.engine == "sim":
+                cluster.spawn("sim-worker", "--role", role, "--count", "1", *worker)
+            else:
+                cluster.spawn(role, *worker)
     port = args.port or servers.free_port()
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     keys += ["--lora-root", args.lora_root] if args.lora_root else []
@@ -357,6 +358,7 @@ def _start(cluster: Cluster, model: str) -> str:
         ["--priority-floor", str(args.priority_floor)] if args.priority_floor is not None else []
     )
     keys += ["--log-requests"] if args.log_requests else []
+    loras = [f"--lora={name}={path}" for name, path in args.loras]
     if args.planner and args.min_workers == 0:
         keys += ["--hold-for-workers-s", str(args.hold_for_workers_s)]
     # The frontend is on no NATS: membership comes from the nameservice, routes from the master.
@@ -364,6 +366,62 @@ def _start(cluster: Cluster, model: str) -> str:
                   "--host", args.host, "--port", str(port))  # fmt: skip
     cluster.addresses["frontend"] = f"http://{args.host}:{port}"
     return cluster.addresses["frontend"]
+
+
+def _numerics(args: argparse.Namespace) -> list[str]:
+    return ["--dtype", args.dtype, "--weight-dtype", args.weight_dtype,
+            "--kv-dtype", args.kv_dtype, "--block-size", str(args.block_size)]  # fmt: skip
+
+
+def _limits(args: argparse.Namespace, *flags: str) -> list[str]:
+    """The given per-worker flags that were set, as worker flags."""
+    out: list[str] = []
+    for flag in flags:
+        if getattr(args, flag) is not None:
+            out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return out
+
+
+def _worker_flags(args: argparse.Namespace, model: str) -> list[str]:
+    """A real worker's flags (after --nameservice, --nats-url and --drain-timeout)."""
+    threads = args.threads or _default_threads(args)
+    flags = ["--model", model, *_numerics(args), "--threads", str(threads),
+             "--kv-cache-mib", str(args.kv_cache_mib),
+             "--host-kv-cache-mib", str(args.host_kv_cache_mib),
+             "--memory-share", str(_worker_slots(args)),
+             "--speculative", args.speculative]  # fmt: skip
+    if args.draft_model is not None:
+        from rtp_serve.models.make_model import resolve_model
+
+        flags += ["--draft-model", str(resolve_model(args.draft_model))]
+    flags += _limits(args, "max_num_seqs", "max_num_waiting", "num_speculative_tokens",
+                     "draft_layers")  # fmt: skip
+    loras = [f"--lora={name}={path}" for name, path in args.loras]
+    return [*flags, *loras, "--max-loras", str(args.max_loras)]
+
+
+# What a simulated worker has no part of: refused by name rather than ignored.
+_NOT_SIMULATED = {
+    "--threads": lambda a: a.threads != 0,
+    "--host-kv-cache-mib": lambda a: a.host_kv_cache_mib != 0,
+    "--speculative": lambda a: a.speculative != "none",
+    "--draft-model": lambda a: a.draft_model is not None,
+    "--lora": lambda a: bool(a.loras),
+}
+
+
+def _sim_flags(args: argparse.Namespace, model: str) -> list[str]:
+    """A simulated worker's flags: the same model, numerics, pool size and limits as a real
+    one's, and the step-time profile."""
+    refused = [flag for flag, given in _NOT_SIMULATED.items() if given(args)]
+    if refused:
+        raise SystemExit(f"--engine sim: simulated workers have no {', '.join(refused)}")
+    flags = ["--model", model, *_numerics(args)]
+    if args.kv_cache_mib != "auto":
+        flags += ["--kv-cache-mib", str(args.kv_cache_mib)]
+    if args.sim_cost:
+        flags += ["--cost", str(Path(args.sim_cost).resolve())]
+    return [*flags, *_limits(args, "max_num_seqs", "max_num_waiting")]
 
 
 def _spawn_planner(
@@ -375,6 +433,7 @@ def _spawn_planner(
     cluster.addresses["planner"] = f"http://127.0.0.1:{port}"
     cluster.spawn(
         "planner", *common, *drain, "--port", str(port), "--actuator", "local",
+        "--engine", args.engine,
         "--mode", "fused" if args.fused else "pd",
         "--worker-flags", shlex.join(worker_flags),
         "--min-workers", str(args.min_workers), "--max-workers", str(args.max_workers),
@@ -382,6 +441,7 @@ def _spawn_planner(
         "--interval-s", str(args.planner_interval_s),
         "--down-cooldown-s", str(args.down_cooldown_s),
         "--idle-to-zero-s", str(args.idle_to_zero_s),
+        *(["--cost", str(Path(args.sim_cost).resolve())] if args.sim_cost else []),
     )  # fmt: skip
 
 

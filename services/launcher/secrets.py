@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from rtp_serve.services.launcher.certs import CertFiles
 
-WORKERS = ("prefill", "decode", "fused")
+WORKERS = ("prefill", "decode", "fused", "sim-worker")
 _NATS = ("nameservice", "master", "cache", "planner", *WORKERS)  # every service on the bus
 
 

@@ -12,8 +12,10 @@ import argparse
 import asyncio
 import logging
 
-from rtp_serve.core.dtypes import resolve_dtype
+from rtp_serve.core.dtypes import resolve_dtype, resolve_kv_dtype
+from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.sim_cost import SimCost
+from rtp_serve.engine.memory import kv_bytes_per_block
 from rtp_serve.engine.sim.engine import SimConfig, SimLLM
 from rtp_serve.services.common import metrics
 from rtp_serve.services.common.env import env
@@ -61,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="member id (with --count > 1, a prefix: ID-0, ID-1, ...); default: fresh ones",
     )
     p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", "4096")))
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="size the pool as a real worker's of this many MiB (the model's KV bytes per "
+        "block), instead of --num-blocks",
+    )
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", "64")))
     p.add_argument("--max-num-waiting", type=int, default=int(env("max_num_waiting", "256")))
     p.add_argument(
@@ -68,10 +77,19 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def num_blocks(args: argparse.Namespace) -> int:
+    """--num-blocks, or the blocks a real worker's pool of --kv-cache-mib holds."""
+    if args.kv_cache_mib is None:
+        return args.num_blocks
+    model = ModelConfig.from_dir(args.model)
+    kv_dtype = resolve_kv_dtype(resolve_dtype(args.dtype, args.model), args.kv_dtype)
+    return max(1, (args.kv_cache_mib << 20) // kv_bytes_per_block(model, kv_dtype, args.block_size))
+
+
 def sim_config(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         model=args.model,
-        num_blocks=args.num_blocks,
+        num_blocks=num_blocks(args),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_waiting=args.max_num_waiting,
