@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from rtp_serve.services.common import grpc_util, subjects
+from rtp_serve.services.common import grpc_util, rendezvous, subjects
 from rtp_serve.services.common.pb import events_pb2, master_pb2, master_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
 from rtp_serve.services.master.cluster import IN_TRANSIT_S, ClusterView, Pending
@@ -22,7 +22,6 @@ from rtp_serve.services.master.policy import (
     NoWorkersError,
     RoundRobin,
     make_policy,
-    session_slot,
 )
 from rtp_serve.services.master.prefix_index import PrefixIndex
 
@@ -148,9 +147,13 @@ def test_clearly_more_loaded_worker_loses_its_prefix():
     assert route(CacheAware(), big_blocks).prefill.id == "p1"  # 2 * 64 covers the prompt
 
 
+def _winner(key: str, members) -> str:
+    return rendezvous.order(key, [m.id for m in members])[0]
+
+
 def test_ties_session_affinity_then_fewest_running():
     for session in ("alice", "bob", "carol"):  # an idle cluster: a three-way tie
-        expected = PD3[session_slot(session, 3)].id
+        expected = _winner(session, PD3[:3])
         picks = {route(CacheAware(), cluster(*PD3), session=session).prefill.id for _ in range(3)}
         assert picks == {expected}
     spread = {route(CacheAware(), cluster(*PD3), session=f"s{i}").prefill.id for i in range(20)}
@@ -161,7 +164,7 @@ def test_ties_session_affinity_then_fewest_running():
     assert plan.prefill.id == "p3" and "(tie of 3 broken by fewest running)" in plan.reason
     even = [load(w, running=1) for w in ("p1", "p2", "p3")]
     plan = route(CacheAware(), cluster(*PD3, loads=even))
-    expected = PD3[session_slot("r", 3)].id  # the request id's hash: the same on any replica
+    expected = _winner("r", PD3[:3])  # the request id's rendezvous: the same on any replica
     assert plan.prefill.id == expected and "(tie of 3 broken by request id)" in plan.reason
     policy = CacheAware()  # no rotation state: the same view gives the same choice each time
     assert {route(policy, cluster(*PD3, loads=even)).prefill.id for _ in range(5)} == {expected}
@@ -466,9 +469,7 @@ def test_modes_exclude_and_no_workers():
     plan = route(CacheAware(), view, exclude=["p1", "p2", "p3"])  # no prefill left: fused
     assert not plan.HasField("prefill") and (plan.decode.id, plan.matched_blocks) == ("f2", 3)
     assert route(CacheAware(), view, exclude=["d1", "d2", "f2"]).decode.id == "f1"
-    assert (
-        route(CacheAware(), view, exclude=["p2"]).prefill.id == ["p1", "p3"][session_slot("r", 2)]
-    )
+    assert route(CacheAware(), view, exclude=["p2"]).prefill.id == _winner("r", [PD3[0], PD3[2]])
     with pytest.raises(NoWorkersError, match="0 fused .excluded: d1, d2, f1, f2"):
         route(CacheAware(), view, exclude=["d1", "d2", "f1", "f2"])
     with pytest.raises(NoWorkersError):

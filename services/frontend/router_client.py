@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common import grpc_util, rendezvous
 from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.naming import WORKER_ROLES, MemberSet
 from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
@@ -45,17 +44,6 @@ def master_list(value: str | Sequence[str] | None) -> tuple[str, ...]:
     """Master addresses from "host:port[,host:port...]" (or a sequence of them)."""
     items = (value or "").split(",") if isinstance(value, str | None) else value
     return tuple(a.strip() for a in items if a.strip())
-
-
-def rendezvous(request_id: str, addresses: Sequence[str]) -> list[str]:
-    """`addresses` in the order a request with this id asks them (highest random weight
-    first: the same order in every process, and removing one moves only its share)."""
-
-    def weight(address: str) -> int:
-        key = f"{request_id}\0{address}".encode()
-        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
-
-    return sorted(addresses, key=weight, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +168,7 @@ class Router:
         if not request_id:
             turn = next(self._turn) % len(live)
             return live[turn:] + live[:turn]
-        return rendezvous(request_id, live)
+        return rendezvous.order(request_id, live)
 
     def num_workers(self) -> int:
         """Workers known from the nameservice (0 without a membership view)."""

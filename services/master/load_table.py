@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from rtp_serve.core.cost_model import TIER_HOST, TIER_REMOTE, TIER_TRANSFER
+from rtp_serve.services.common import rendezvous
 from rtp_serve.services.common.pb import events_pb2, nameservice_pb2
 
 DEFAULT_BLOCK_SIZE = 16  # used until a worker's LoadReport says otherwise
@@ -73,6 +74,7 @@ class LoadTable:
         self._slots: dict[str, int] = {}
         self._free: list[int] = list(reversed(range(capacity)))
         self._members: list[nameservice_pb2.Member | None] = [None] * capacity
+        self._id_hash = np.zeros(capacity, dtype=np.uint64)  # rendezvous.hash64(member id)
         self.loras: list[frozenset[str]] = [frozenset()] * capacity
         self.resident_loras: list[frozenset[str]] = [frozenset()] * capacity
         self._hosts: dict[str, int] = {}
@@ -85,6 +87,7 @@ class LoadTable:
             if not self._free:
                 self._grow()
             slot = self._slots[member.id] = self._free.pop()
+            self._id_hash[slot] = rendezvous.hash64(member.id)
             self._order = None
         elif self._members[slot].role != member.role:
             self._order = None
@@ -113,6 +116,7 @@ class LoadTable:
         self._floats[_F["arrival"], old:] = -math.inf
         self._ints = np.concatenate([self._ints, np.zeros((len(INTS), old), np.int64)], axis=1)
         self._members.extend([None] * old)
+        self._id_hash = np.concatenate([self._id_hash, np.zeros(old, np.uint64)])
         self.loras.extend([frozenset()] * old)
         self.resident_loras.extend([frozenset()] * old)
         self._free.extend(reversed(range(old, 2 * old)))
@@ -160,6 +164,11 @@ class LoadTable:
 
     def member(self, slot: int) -> nameservice_pb2.Member:
         return self._members[slot]
+
+    def pick(self, key: str, slots: np.ndarray) -> int:
+        """The index in `slots` whose member wins `key`'s rendezvous (the same on every
+        master replica, whatever else each holds)."""
+        return rendezvous.pick(key, self._id_hash[slots])
 
     def order(self, role: int) -> np.ndarray:
         """The slots of `role`'s members, sorted by member id (do not modify)."""

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import itertools
 import math
 from abc import ABC, abstractmethod
@@ -104,12 +103,6 @@ def predicted(pred: cost.Prediction | None) -> dict[str, float]:
 class Decision:
     plan: master_pb2.RoutePlan
     reason: RouteReason
-
-
-def session_slot(session_id: str, n: int) -> int:
-    """Stable (across processes and restarts) index in [0, n) for a session."""
-    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % n
 
 
 # -- candidates ------------------------------------------------------------------------------
@@ -344,13 +337,13 @@ class CacheAware(Policy):
         if len(tied) == 1:
             i, tie = int(tied[0]), ""
         elif request.session_id:
-            i, tie = int(tied[session_slot(request.session_id, len(tied))]), "session"
+            i, tie = int(tied[first.pick(request.session_id, tied)]), "session"
         else:
             # Every master replica breaks the tie the same way: no rotation state.
             loads = priced.loads
             running = (loads.running + loads.pending_requests)[tied]
             idle = tied[running == running.min()]
-            i = int(idle[session_slot(request.request_id, len(idle))])
+            i = int(idle[first.pick(request.request_id, idle)])
             tie = "fewest running" if len(idle) < len(tied) else "request id"
         chosen, pred = first.member(i), priced.prediction(ask, i)
         n = ask.prefix.device.get(chosen.id, 0)
@@ -428,7 +421,7 @@ class CacheAware(Policy):
         for key in (~loads.fresh, free < blocks, cold, seconds, -free):
             k = key[tied]
             tied = tied[k == k.min()]
-        i = int(tied[session_slot(request.request_id, len(tied))])  # the same on every replica
+        i = int(tied[decode.pick(request.request_id, tied)])  # the same on every replica
         chosen = decode.member(i)
         if not loads.fresh[i]:
             return Choice(chosen, reason=" (no load report)")

@@ -15,6 +15,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 
+from rtp_serve.services.common import rendezvous
 from rtp_serve.services.common.pb import master_pb2, nameservice_pb2
 from rtp_serve.services.master import cost
 from rtp_serve.services.master.cluster import ClusterView, Member
@@ -25,8 +26,13 @@ from rtp_serve.services.master.policy import (
     NoWorkersError,
     RouteReason,
     predicted,
-    session_slot,
 )
+
+
+def _rendezvous(key: str, members: list[Member]) -> Member:
+    """The member with the highest rendezvous weight for `key` (the first of equals)."""
+    k = rendezvous.hash64(key)
+    return max(members, key=lambda m: rendezvous.weight(k, rendezvous.hash64(m.id)))
 
 
 def candidates(view: ClusterView, exclude: Iterable[str] = ()) -> tuple[list[Member], list[Member]]:
@@ -283,12 +289,12 @@ class CacheAware(Policy):
         if len(tied) == 1:
             chosen, tie = tied[0], ""
         elif request.session_id:
-            chosen, tie = tied[session_slot(request.session_id, len(tied))], "session"
+            chosen, tie = _rendezvous(request.session_id, tied), "session"
         else:
             # Every master replica breaks the tie the same way: no rotation state.
             fewest = min(_running(view, m.id) for m in tied)
             idle = [m for m in tied if _running(view, m.id) == fewest]
-            chosen = idle[session_slot(request.request_id, len(idle))]
+            chosen = _rendezvous(request.request_id, idle)
             tie = "fewest running" if len(idle) < len(tied) else "request id"
         n, pred = matched[chosen.id], preds[chosen.id]
         reason = f"prefix {n} blocks on {chosen.id}, cost {pred.describe()}"
@@ -372,7 +378,7 @@ class CacheAware(Policy):
 
         best = min(key(m) for m in decode)
         tied = [m for m in decode if key(m) == best]
-        chosen = tied[session_slot(request.request_id, len(tied))]  # the same on every replica
+        chosen = _rendezvous(request.request_id, tied)  # the same on every replica
         if best[0]:
             return Choice(chosen, reason=" (no load report)")
         c = costs[chosen.id]

@@ -32,6 +32,11 @@ class Pool:
     def member(self, i: int) -> Member:
         return self.view.table.member(int(self.slots[i]))
 
+    def pick(self, key: str, among: np.ndarray) -> int:
+        """The index in `among` (positions here) of the worker that wins `key`'s rendezvous:
+        ties break the same way on every master replica (services/common/rendezvous.py)."""
+        return self.view.table.pick(key, self.slots[among])
+
     def take(self, which: np.ndarray) -> Pool:
         loads = self._loads.take(which) if self._loads is not None else None
         return Pool(self.view, self.slots[which], loads)
