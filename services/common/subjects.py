@@ -33,6 +33,11 @@ def load_report_all(namespace: str = DEFAULT_NAMESPACE) -> str:
     return f"rtp.{_check(namespace)}.load.*"
 
 
+def route_charges(namespace: str = DEFAULT_NAMESPACE) -> str:
+    """The charges of the routes each master replica makes (rtp.v1.RouteCharges)."""
+    return f"rtp.{_check(namespace)}.charges"
+
+
 def membership(namespace: str = DEFAULT_NAMESPACE) -> str:
     """Joins and leaves published by the nameservice (rtp.v1.MembershipEvent)."""
     return f"rtp.{_check(namespace)}.members"

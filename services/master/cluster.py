@@ -116,6 +116,7 @@ class ClusterView:
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._started = False  # the first membership snapshot has ended
         self._last_charged = -math.inf  # clock() of the latest routed request
+        self._routed: list[tuple[str, int, int]] | None = None  # None: charges not shared
         self._slice_start = self._ingest_end = time.perf_counter()  # ingest's last slice
         self.index = PrefixIndex()
         self.sync = IndexSync(self.index, clock)
@@ -180,18 +181,35 @@ class ClusterView:
             self.table.add_pending(worker_id, -1, -c.tokens, -c.blocks)
         return charges
 
-    def charge(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> None:
+    def charge(
+        self, worker_id: str, tokens: int = 0, blocks: int = 0, *, here: bool = True
+    ) -> None:
         """Count a request just routed to `worker_id` until a LoadReport made after it
-        reached the worker (see IN_TRANSIT_S) or PENDING_TTL_S."""
+        reached the worker (see IN_TRANSIT_S) or PENDING_TTL_S. `here`: routed by this
+        master (kept for `take_routed` while charges are shared), not by another replica."""
         self._last_charged = self._clock()
         if worker_id not in self._members:
             return
+        if here and self._routed is not None:
+            self._routed.append((worker_id, tokens, blocks))
         self._pending.setdefault(worker_id, deque())
         now = self._clock()
         self._expire(worker_id).append(_Charge(now, tokens, blocks))
         self.table.add_pending(worker_id, 1, tokens, blocks)
         self._charges.append((now, worker_id))
         self.expire_charges()  # bounds the log where no route asks (tests charge directly)
+
+    def share_charges(self) -> None:
+        """Keep the charges of this master's routes for `take_routed` from now on."""
+        if self._routed is None:
+            self._routed = []
+
+    def take_routed(self) -> list[tuple[str, int, int]]:
+        """(worker, tokens, blocks) of every charge made here since the last call."""
+        if self._routed is None:
+            return []
+        routed, self._routed = self._routed, []
+        return routed
 
     @property
     def in_snapshot(self) -> bool:

@@ -21,6 +21,7 @@ from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import add_common_flags, advertised
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import master_pb2_grpc, nameservice_pb2
+from rtp_serve.services.master.charge_exchange import ChargeExchange
 from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
 from rtp_serve.services.master.metrics import IndexSizeCollector
 from rtp_serve.services.master.policy import POLICIES, make_policy
@@ -60,13 +61,16 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--max-local-prefill-tokens must be >= 0")
     policy = make_policy(args.policy, args.max_local_prefill_tokens)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
-    master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(view, policy), server)
     address = advertised(args, port)
     metrics_port = metrics.start_metrics_server(args.metrics_port, args.host)
     member = make_member(
         nameservice_pb2.ROLE_MASTER, address, metrics_address=advertised(args, metrics_port)
     )
     bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
+    # Every replica charges every replica's routes (charge_exchange.py).
+    exchange = ChargeExchange(view, bus, member.id, args.namespace) if bus.enabled else None
+    servicer = MasterServicer(view, policy, exchange=exchange)
+    master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     names = NameClient(args.nameservice) if args.nameservice else None
     feeder: asyncio.Task[None] | None = None
     fetch = SnapshotClient()
@@ -77,6 +81,7 @@ async def serve(args: argparse.Namespace) -> None:
         await server.start()
         if bus.enabled:
             await view.subscribe(bus, args.namespace)
+            await exchange.subscribe()
             await bus.flush()  # subscribed before anyone can find us
         else:
             log.warning("no --nats-url: routing by membership only (no prefix or load info)")

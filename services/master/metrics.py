@@ -57,7 +57,15 @@ class MasterMetrics(Families):
             "Idle-time integrity checks of the cluster view that failed (each resyncs the "
             "whole index).",
         ),
+        MetricSpec(
+            "charges_shared", "counter", "shared_charges",
+            "Route charges received from other master replicas and applied here "
+            "(services.master.charge_exchange).",
+        ),
     )  # fmt: skip
+
+    def shared_charges(self, n: int) -> None:
+        self.charges_shared.inc(n)
 
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()

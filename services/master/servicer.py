@@ -13,6 +13,7 @@ from opentelemetry import trace
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
 from rtp_serve.services.master import metrics
+from rtp_serve.services.master.charge_exchange import ChargeExchange
 from rtp_serve.services.master.cluster import ClusterView
 from rtp_serve.services.master.leases import RequestLeases
 from rtp_serve.services.master.policy import NoWorkersError, Policy, RouteReason
@@ -35,11 +36,16 @@ def validate(request: master_pb2.RouteRequest) -> None:
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
     def __init__(
-        self, view: ClusterView, policy: Policy, leases: RequestLeases | None = None
+        self,
+        view: ClusterView,
+        policy: Policy,
+        leases: RequestLeases | None = None,
+        exchange: ChargeExchange | None = None,
     ) -> None:
         self.view = view
         self.policy = policy
         self.leases = leases if leases is not None else RequestLeases()
+        self.exchange = exchange  # shares this master's route charges with the others
 
     async def Route(
         self, request: master_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -75,6 +81,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         plan = decision.plan
         metrics.master().route(plan.policy, decision.reason)
         metrics.master().routed_in(time.perf_counter() - started)
+        if self.exchange is not None:
+            await self.exchange.publish_routed()
         log.debug("route %s: %s", request.request_id, plan.reason, extra=extra)
         if span.is_recording():
             span.set_attributes(

@@ -87,3 +87,21 @@ class TierFetchCost(_message.Message):
     fixed_s: float
     byte_s: float
     def __init__(self, tier: _Optional[str] = ..., fixed_s: _Optional[float] = ..., byte_s: _Optional[float] = ...) -> None: ...
+
+class RouteCharges(_message.Message):
+    __slots__ = ("master_id", "charges")
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
+    master_id: str
+    charges: _containers.RepeatedCompositeFieldContainer[RouteCharge]
+    def __init__(self, master_id: _Optional[str] = ..., charges: _Optional[_Iterable[_Union[RouteCharge, _Mapping]]] = ...) -> None: ...
+
+class RouteCharge(_message.Message):
+    __slots__ = ("worker_id", "tokens", "blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    tokens: int
+    blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
