@@ -69,8 +69,8 @@ def run_steps(engine: LLMEngine, kind: str, samples: list[Sample]) -> None:
         for rid, (computed, prompt) in before.items():
             r = engine.scheduler.requests.get(rid)
             after = r.num_computed_tokens if r is not None else None
-            if after is None:  # finished this step: it computed its last token
-                after = computed + 1
+            if after is None:  # finished this step: the rest of its prompt, or one token
+                after = max(prompt, computed + 1)
             n = after - computed
             if n <= 0:
                 continue
@@ -100,7 +100,10 @@ def decode_workloads(engine: LLMEngine, vocab: int, samples: list[Sample], seed:
     for rows in (1, 4, 16, 32):
         for length in (64, 512, 1536):
             for j in range(rows):
-                prompt = [(seed + j * 104729 + t * 17 + length) % vocab for t in range(length)]
+                # Every prompt its own (no prefix shared with another batch's: a cached
+                # prefix would count as computed in the step that admits it).
+                first = seed + (rows * 1000 + j) * 104729 + length
+                prompt = [(first + t * 17) % vocab for t in range(length)]
                 rid = f"d{seed}-{rows}-{length}-{j}"
                 engine.add_request(engine.make_request(rid, prompt, params))
             run_steps(engine, "decode", samples)
