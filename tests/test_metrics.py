@@ -68,14 +68,14 @@ class Sent:
 def test_sequence_timer_counts_each_token_once():
     registry = CollectorRegistry()
     m = metrics.FrontendMetrics(metrics.FrontendFamilies(registry), "m")
-    timer = m.sequence()
+    timer = m.sequence(7)
     timer.started()
     timer.started()  # a retry opens another stream: still one queue time
     for n in (1, 0, 3, 1):  # the first token alone, then a batch of three, then one
         timer.tokens(n)
     timer.finished("length", prompt_tokens=7, completion_tokens=5)
     timer.closed()
-    aborted = m.sequence()
+    aborted = m.sequence(3)
     aborted.closed()
 
     def value(name: str, **labels: str) -> float | None:
@@ -88,7 +88,9 @@ def test_sequence_timer_counts_each_token_once():
     assert value("rtp:request_success_total", finished_reason="length") == 1
     assert value("rtp:request_success_total", finished_reason="abort") == 1
     assert value("rtp:generation_tokens_total") == 5
-    assert value("rtp:prompt_tokens_total") == 7
+    assert value("rtp:prompt_tokens_total") == 7  # of the finished
+    assert value("rtp:requests_received_total") == 2
+    assert value("rtp:prompt_tokens_received_total") == 10  # of every arrival, on arrival
 
 
 def test_prediction_errors_signed_and_absolute(monkeypatch):
@@ -100,7 +102,7 @@ def test_prediction_errors_signed_and_absolute(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
     for predicted, took in ((0.5, 0.7), (0.5, 0.4), (0.0, 0.3)):
-        timer = m.sequence()
+        timer = m.sequence(1)
         timer.routed(predicted)
         now[0] += took
         timer.tokens(1)

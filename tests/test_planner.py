@@ -66,15 +66,29 @@ def test_decode_sizing_is_littles_law_over_the_step_cost() -> None:
     assert out.batch == pytest.approx(10.0, rel=1e-6)
 
 
+def _mm1_ttft_p95(service_s: float, rate: float) -> float:
+    # S + the wait's p95: P(wait > x) = rho exp(-(mu - lam) x) = 0.05
+    rho = rate * service_s
+    return service_s + max(0.0, math.log(20 * rho)) / (1 / service_s - rate)
+
+
 def test_prefill_sizing_is_the_mm1_p95() -> None:
     # One 1,000-token prompt: 2 chunks x 10 ms + 1000 x 0.1 ms = 0.12 s of service.
     d = sizing.Demand(rate=20.0, prompt_tokens=1000.0, output_tokens=1.0)
-    t = sizing.Targets(ttft_p95_s=1.0, itl_p95_s=1.0, headroom=1.0)
+    t = sizing.Targets(ttft_p95_s=0.5, itl_p95_s=1.0, headroom=1.0)
     out = sizing.size_prefill(MODEL, d, t, decode_step_s=0.0, limit=32)
-    mu = 1 / 0.12
-    # ln(20) / (mu - 20/n) <= 1  <=>  n >= 20 / (mu - ln 20) = 3.9...: 4 workers
-    assert out.workers == math.ceil(20 / (mu - math.log(20)))
-    assert out.ttft_p95_s == pytest.approx(math.log(20) / (mu - 20 / out.workers))
+    # n = 4: rho 0.6, 0.12 + ln(12) / (8.33 - 5) = 0.866 s; 5: 0.12 + ln(9.6) / 4.33 = 0.642;
+    # 6: 0.12 + ln(8) / 5 = 0.536; 7: rho 0.343, 0.12 + ln(6.86) / 5.48 = 0.471 <= 0.5
+    assert [_mm1_ttft_p95(0.12, 20 / n) <= 0.5 for n in (4, 5, 6, 7)] == [False] * 3 + [True]
+    assert out.workers == 7
+    assert out.ttft_p95_s == pytest.approx(_mm1_ttft_p95(0.12, 20 / 7))
+
+
+def test_a_lone_prompt_waits_for_nothing() -> None:
+    # Fewer than 1 in 20 requests find the worker busy: the p95 is the service time.
+    d = sizing.Demand(rate=0.1, prompt_tokens=1000.0, output_tokens=1.0)
+    out = sizing.size_prefill(MODEL, d, sizing.Targets(1.0, 1.0, 1.0), 0.0, limit=8)
+    assert out.workers == 1 and out.ttft_p95_s == pytest.approx(0.12)
 
 
 def test_sizing_wants_more_workers_as_the_rate_grows_and_none_at_zero() -> None:
@@ -87,11 +101,21 @@ def test_sizing_wants_more_workers_as_the_rate_grows_and_none_at_zero() -> None:
     assert counts == sorted(counts) and counts[-1] > counts[1] >= 1
 
 
-def test_unreachable_targets_say_so_at_the_limit() -> None:
-    # A single 100k-token prompt takes > 10 s: no worker count reaches a 1 s TTFT.
-    d = sizing.Demand(rate=1.0, prompt_tokens=100_000.0, output_tokens=10.0)
-    out = sizing.size_fused(MODEL, d, sizing.Targets(1.0, 1.0), limit=5)
-    assert out.workers == 5 and not out.feasible
+def test_unreachable_targets_ask_only_for_workers_that_help() -> None:
+    # A 100k-token prompt: 196 chunks x 10 ms + 100k x 0.1 ms = 11.96 s of service, so no
+    # worker count reaches a 1 s TTFT.
+    t = sizing.Targets(1.0, 1.0, headroom=1.0)
+    rare = sizing.Demand(rate=0.001, prompt_tokens=100_000.0, output_tokens=10.0)
+    out = sizing.size_prefill(MODEL, rare, t, 0.0, limit=16)
+    assert not out.feasible and out.workers == 1  # it never waits: more would not help
+    assert out.ttft_p95_s == pytest.approx(11.96)
+    # At 0.05 req/s, 16 workers give 11.96 s (rho 0.037: no wait at p95); the fewest within
+    # 10% of that: 11 (0.0545 busy, 11.96 + ln(1.087) / 0.0791 = 13.02 s); 10 give 14.2 s.
+    busy = sizing.Demand(rate=0.05, prompt_tokens=100_000.0, output_tokens=10.0)
+    out = sizing.size_prefill(MODEL, busy, t, 0.0, limit=16)
+    assert not out.feasible and out.workers == 11
+    assert out.ttft_p95_s == pytest.approx(_mm1_ttft_p95(11.96, 0.05 / 11))
+    assert _mm1_ttft_p95(11.96, 0.05 / 10) > 1.1 * 11.96
 
 
 def test_a_correction_scales_the_service_time() -> None:
@@ -152,6 +176,8 @@ def test_scaler_min_workers_one_never_goes_to_zero() -> None:
 EXPOSITION = """\
 # TYPE rtp:requests_received counter
 rtp:requests_received_total{{model_name="m"}} {arrived}
+# TYPE rtp:prompt_tokens_received counter
+rtp:prompt_tokens_received_total{{model_name="m"}} {arrived_prompt}
 # TYPE rtp:request_success counter
 rtp:request_success_total{{model_name="m",finished_reason="stop"}} {finished}
 # TYPE rtp:prompt_tokens counter
@@ -169,15 +195,17 @@ rtp:time_to_first_token_seconds_sum{{model_name="m"}} 1.0
 """
 
 
-def _scrape(**numbers: float) -> Scrape:
-    return Scrape.parse(EXPOSITION.format(**numbers))
+def _scrape(arrived_prompt: float = 0, **numbers: float) -> Scrape:
+    return Scrape.parse(EXPOSITION.format(arrived_prompt=arrived_prompt, **numbers))
 
 
 def test_window_is_the_difference_of_two_scrapes() -> None:
     a = _scrape(arrived=10, finished=8, prompt=800, output=80, waiting=0, b1=5, b2=8)
-    b = _scrape(arrived=30, finished=28, prompt=2800, output=1080, waiting=2, b1=5, b2=28)
+    b = _scrape(arrived=30, finished=28, prompt=2800, output=1080, waiting=2, b1=5, b2=28,
+                arrived_prompt=3000)  # fmt: skip
     w = Window.of(10.0, [b.minus(a)])
     assert w.rate == 2.0 and w.finished == 20 and w.prompt_tokens == 2000
+    assert w.arrived_prompt_tokens == 3000
     assert w.output_tokens == 1000 and w.waiting_for_workers == 2 and w.ttft_count == 20
     # all 20 new first tokens in (0.1, 1]: the p95 interpolates to 0.1 + 0.9 * 0.95
     assert w.ttft_p95_s == pytest.approx(0.1 + 0.9 * 0.95)

@@ -202,7 +202,8 @@ class Generator:
     async def start(self, inp: GenerateInput) -> DeltaStream:
         """Route and open the worker stream; returns once the first output arrived.
         The caller must `aclose()` the stream (contextlib.aclosing)."""
-        timer = self.metrics.sequence(inp.tenant.metrics if inp.tenant else None)
+        tenant = inp.tenant.metrics if inp.tenant else None
+        timer = self.metrics.sequence(len(inp.prompt_token_ids), tenant)
         messages = self._worker_messages(inp, timer)
         first = await anext(messages, None)
         if first is None:

@@ -68,6 +68,12 @@ class FrontendFamilies(Families):
             _MODEL,
         ),
         MetricSpec(
+            "prompt_tokens_received", "counter", "prompt_tokens_received",
+            "Prompt tokens of the sequences that arrived (counted on arrival, not at the end "
+            "as rtp:prompt_tokens): the planner's prompt length before any request finished.",
+            _MODEL,
+        ),
+        MetricSpec(
             "waiting_for_workers", "gauge", "requests_waiting_for_workers",
             "Requests held because no worker runs (scale from zero: --hold-for-workers-s).",
         ),
@@ -247,9 +253,10 @@ class FrontendMetrics:
     def routed_by(self, source: str) -> None:
         self.families.routes.labels(self.model_name, source).inc()
 
-    def sequence(self, tenant: TenantMetrics | None = None) -> SequenceTimer:
-        """A timer for a sequence arriving now (of this tenant's)."""
+    def sequence(self, prompt_tokens: int, tenant: TenantMetrics | None = None) -> SequenceTimer:
+        """A timer for a sequence of `prompt_tokens` arriving now (of this tenant's)."""
         self.families.requests_received.labels(self.model_name).inc()
+        self.families.prompt_tokens_received.labels(self.model_name).inc(prompt_tokens)
         return SequenceTimer(self, tenant)
 
     def tenant(self, label: str) -> TenantMetrics:

@@ -87,8 +87,12 @@ class Planner:
         )
 
     def demand(self, window: Window | None) -> tuple[float, sizing.Demand]:
-        if window is not None and window.finished > 0:
+        if window is not None and window.arrivals > 0 and window.arrived_prompt_tokens > 0:
+            # Prompts are known on arrival: a burst of long ones is sized for at once.
+            self.prompts.observe(window.arrived_prompt_tokens / window.arrivals)
+        elif window is not None and window.finished > 0:  # a frontend without the counter
             self.prompts.observe(window.prompt_tokens / window.finished)
+        if window is not None and window.finished > 0:
             self.outputs.observe(window.output_tokens / window.finished)
         observed = window.rate if window is not None else 0.0
         if window is not None:

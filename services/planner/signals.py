@@ -43,6 +43,7 @@ ARRIVED = "rtp:requests_received"
 WAITING = "rtp:requests_waiting_for_workers"
 FINISHED = "rtp:request_success"
 PROMPT = "rtp:prompt_tokens"
+PROMPT_ARRIVED = "rtp:prompt_tokens_received"
 OUTPUT = "rtp:generation_tokens"
 TTFT = "rtp:time_to_first_token_seconds"
 ITL = "rtp:inter_token_latency_seconds"
@@ -61,7 +62,8 @@ class Scrape:
         """By sample name: the parser names a counter's family with or without `_total`
         depending on how its TYPE line spells it."""
         scrape = cls()
-        counters = {name + "_total": name for name in (ARRIVED, FINISHED, PROMPT, OUTPUT)}
+        names = (ARRIVED, PROMPT_ARRIVED, FINISHED, PROMPT, OUTPUT)
+        counters = {name + "_total": name for name in names}
         buckets = {name + "_bucket": name for name in (TTFT, ITL)}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -117,6 +119,7 @@ class Window:
     seconds: float
     arrivals: float  # sequences that arrived
     finished: float
+    arrived_prompt_tokens: float  # of the sequences that arrived
     prompt_tokens: float  # of the finished ones
     output_tokens: float
     ttft_p95_s: float  # nan: no first token in the window
@@ -143,6 +146,7 @@ class Window:
         return cls(
             seconds=seconds,
             arrivals=total.counters.get(ARRIVED, 0.0),
+            arrived_prompt_tokens=total.counters.get(PROMPT_ARRIVED, 0.0),
             finished=total.counters.get(FINISHED, 0.0),
             prompt_tokens=total.counters.get(PROMPT, 0.0),
             output_tokens=total.counters.get(OUTPUT, 0.0),

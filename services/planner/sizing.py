@@ -17,21 +17,26 @@ its max_num_seqs.
 
 Prefill (a prefill worker, or a fused one's prompts). One prompt's service time is
 S = ceil(P / budget) chunk steps + t*P (its tokens), each chunk step also carrying the
-b decoding rows on a fused worker. Each worker is taken as an M/M/1 queue, whose time in
-system is exponential with rate 1/S - lam/n, so its 95th percentile is
+b decoding rows on a fused worker. Each worker is taken as an M/M/1 queue for the wait
+before its prompt starts: with utilisation rho = (lam/n) * S the wait is 0 with probability
+1 - rho and otherwise exponential with rate 1/S - lam/n, so P(wait > x) = rho e^-(1/S - lam/n)x
+and the prompt's own service follows:
 
-    ttft_p95 = ln(20) / (1/S - lam/n)
+    ttft_p95 = S + max(0, ln(20 rho)) / (1/S - lam/n)
 
-(pessimistic for near-constant service times, which is the side to err on). On a PD pair
-the first token also needs one decode step after the KV arrives.
+(S alone while fewer than 1 in 20 requests wait; the M/M/1 tail beyond, pessimistic for
+near-constant service times, which is the side to err on). On a PD pair the first token
+also needs one decode step after the KV arrives.
 
 The corrections multiply the service times (prompts; decode steps): the ratio of what the frontend measured to what
 this arithmetic predicted for the workers that ran (Dynamo's planner keeps such correction
 factors too), so a model that is off is pulled back by what happened.
 
 The smallest n that qualifies is searched upward from 1 (every quantity falls with n), up to
-`limit`; none: the target cannot be met by adding workers (one prompt alone takes longer
-than the TTFT target, say), and `limit` is returned with feasible=False.
+`limit`. None: the target cannot be met by adding workers (one prompt alone takes longer
+than the TTFT target, say), and the sizing says feasible=False with the fewest workers that
+come within 10% of what `limit` workers would give: past that, more workers buy nothing the
+targets can see, so they are not asked for.
 """
 
 from __future__ import annotations
@@ -120,8 +125,14 @@ def _prompt_service_s(model: WorkerModel, d: Demand, decode_rows: float) -> floa
 
 
 def _ttft_p95(service_s: float, per_worker_rate: float) -> float:
-    slack = 1.0 / service_s - per_worker_rate if service_s > 0 else math.inf
-    return P95_LOG / slack if slack > 0 else math.inf
+    """The prompt's own service after the M/M/1 wait's 95th percentile."""
+    if service_s <= 0:
+        return 0.0
+    slack = 1.0 / service_s - per_worker_rate
+    if slack <= 0:
+        return math.inf
+    waiting = per_worker_rate * service_s  # rho: the share of arrivals that wait
+    return service_s + max(0.0, P95_LOG + math.log(waiting) if waiting > 0 else 0.0) / slack
 
 
 def _meets(t: Targets, ttft: float, itl: float) -> bool:
@@ -176,4 +187,9 @@ def _smallest(at: Callable[[int], Sizing], d: Demand, limit: int) -> Sizing:
         sizing = at(n)
         if sizing.feasible:
             return sizing
-    return at(limit)
+    best = at(limit)
+    for n in range(1, limit + 1):  # out of reach: the fewest within 10% of the most
+        sizing = at(n)
+        if sizing.ttft_p95_s <= 1.1 * best.ttft_p95_s and sizing.itl_s <= 1.1 * best.itl_s:
+            return sizing
+    return best
