@@ -6,6 +6,7 @@ Owns the model weights and the KV cache tensors; knows nothing about queues or p
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -55,6 +56,24 @@ def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
     return EngineLimits(
         num_kv_blocks=num_blocks, max_model_len=max_model_len, bytes_per_block=bytes_per_block
     )
+
+
+# A CPU pool this large is its own anonymous mapping (glibc serves allocations above its
+# mmap threshold, at most 32 MiB, with mmap), which the kernel hands out zero-filled page
+# by page on first touch: torch.empty reads as zeros without writing them. Writing them
+# (torch.zeros) costs about 2 s a GiB here, so the "auto" pool of an idle 2-core box (11
+# GiB) made a worker take 21 s to start, the whole of a scale-from-zero cold start; the
+# first-touch cost instead lands on the requests that first use each block (a 270-token
+# prompt's 17 blocks of smollm2: about 25 ms). Smaller pools, and device memory, are
+# zeroed as before.
+_FRESH_MAPPING_BYTES = 64 << 20
+
+
+def _kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and nbytes >= _FRESH_MAPPING_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class ModelRunner:
@@ -113,9 +132,7 @@ class ModelRunner:
             model_config.num_kv_heads,
             model_config.head_dim,
         )
-        # Zeroed up front, like a GPU pool reserved at start-up: first-touch page faults would
-        # otherwise land on the first requests' steps.
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = _kv_pool(shape, self.kv_dtype, self.device)
         # An int8 cache: a float32 scale per layer, K/V, block and kv head.
         self.kv_scales = None
         if self.kv_dtype == torch.int8:
