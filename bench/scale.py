@@ -60,7 +60,7 @@ from rtp_serve.core.block_hash import block_hash_keys, salt_of  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.core.sampling_params import SamplingParams  # noqa: E402
 from rtp_serve.core.sim_cost import SimCost  # noqa: E402
-from rtp_serve.services.common import grpc_util  # noqa: E402
+from rtp_serve.services.common import grpc_util, rendezvous  # noqa: E402
 from rtp_serve.services.common.convert import params_to_pb  # noqa: E402
 from rtp_serve.services.common.kv_namespace import KVNamespace  # noqa: E402
 from rtp_serve.services.common.pb import (  # noqa: E402
@@ -71,7 +71,6 @@ from rtp_serve.services.common.pb import (  # noqa: E402
     worker_pb2,
     worker_pb2_grpc,
 )
-from rtp_serve.services.frontend.router_client import rendezvous  # noqa: E402
 from rtp_serve.services.launcher.servers import free_port, start_nats  # noqa: E402
 
 TRACE = _ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -487,8 +486,8 @@ async def failover(c: ScaleCluster, model: str, vocab: int, rate: float, window_
     proc.wait()
     fallback = routes_by(scrape(c.frontend), "fallback") - fallback0
     after = [(rid, t.result()) for at, rid, t in sent if killed is not None and at >= killed]
-    to_dead = [r.ttft_s for rid, r in after if r.ok and rendezvous(rid, c.masters)[0] == dead]
-    others = [r.ttft_s for rid, r in after if r.ok and rendezvous(rid, c.masters)[0] != dead]
+    to_dead = [r.ttft_s for rid, r in after if r.ok and rendezvous.order(rid, c.masters)[0] == dead]
+    others = [r.ttft_s for rid, r in after if r.ok and rendezvous.order(rid, c.masters)[0] != dead]
     return {
         "failover_requests": len(after),
         "failover_failed": sum(not r.ok for _, r in after),

@@ -365,3 +365,8 @@ def test_the_launcher_refuses_what_a_simulated_worker_lacks(model_dir):
     )  # fmt: skip
     assert run.returncode != 0
     assert "--engine sim: simulated workers have no --threads, --speculative" in run.stderr
+    run = subprocess.run(
+        [*CLI, "up", "--model", str(model_dir("tiny-llama")), "--port", "0", "--sim-cost", "x"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0 and "--sim-cost is a simulated worker's" in run.stderr

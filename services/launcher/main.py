@@ -384,6 +384,8 @@ def _limits(args: argparse.Namespace, *flags: str) -> list[str]:
 
 def _worker_flags(args: argparse.Namespace, model: str) -> list[str]:
     """A real worker's flags (after --nameservice, --nats-url and --drain-timeout)."""
+    if args.sim_cost:
+        raise SystemExit("--sim-cost is a simulated worker's: it needs --engine sim")
     threads = args.threads or _default_threads(args)
     flags = ["--model", model, *_numerics(args), "--threads", str(threads),
              "--kv-cache-mib", str(args.kv_cache_mib),
