@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 from rtp_serve.kernels.triton.rounding import cast
 
-QMAX = 127.0
+# A jit function reads module globals only as constexprs: compiled Triton refuses a plain
+# float (the CPU interpreter the tests run under allows it; found on the first GPU run).
+QMAX = tl.constexpr(127.0)
 
 
 @triton.jit

@@ -57,7 +57,9 @@ def write_int8(
     grown = (old > 0) & (new > old)
     if bool(grown.any()):
         runs = grown.any(1).nonzero().squeeze(1)
-        rows = (run_block[runs, None] * block_size + torch.arange(block_size)).flatten()
+        rows = (
+            run_block[runs, None] * block_size + torch.arange(block_size, device=x.device)
+        ).flatten()
         ratio = torch.where(grown[runs], old[runs] / new[runs], 1.0)  # [R, H]
         held = cache[rows].view(len(runs), block_size, heads, -1).float()
         requant = (held * ratio[:, None, :, None]).round().clamp_(-QMAX, QMAX)
