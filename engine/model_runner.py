@@ -62,7 +62,7 @@ def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
 # mmap threshold, at most 32 MiB, with mmap), which the kernel hands out zero-filled page
 # by page on first touch: torch.empty reads as zeros without writing them. Writing them
 # (torch.zeros) costs about 2 s a GiB here, so the "auto" pool of an idle 2-core box (11
-# GiB) made a worker take 21 s to start, the whole of a scale-from-zero cold start; the
+# GiB) made a worker take 12 to 21 s to start, most of a scale-from-zero cold start; the
 # first-touch cost instead lands on the requests that first use each block (a 270-token
 # prompt's 17 blocks of smollm2: about 25 ms). Smaller pools, and device memory, are
 # zeroed as before.
