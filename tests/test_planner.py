@@ -116,6 +116,10 @@ def test_unreachable_targets_ask_only_for_workers_that_help() -> None:
     assert not out.feasible and out.workers == 11
     assert out.ttft_p95_s == pytest.approx(_mm1_ttft_p95(11.96, 0.05 / 11))
     assert _mm1_ttft_p95(11.96, 0.05 / 10) > 1.1 * 11.96
+    # Over capacity even at the limit (0.5 req/s of 11.96 s prompts needs 6+): all of it.
+    flood = sizing.Demand(rate=0.5, prompt_tokens=100_000.0, output_tokens=10.0)
+    out = sizing.size_prefill(MODEL, flood, t, 0.0, limit=4)
+    assert not out.feasible and out.workers == 4 and math.isinf(out.ttft_p95_s)
 
 
 def test_a_correction_scales_the_service_time() -> None:

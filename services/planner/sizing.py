@@ -188,6 +188,8 @@ def _smallest(at: Callable[[int], Sizing], d: Demand, limit: int) -> Sizing:
         if sizing.feasible:
             return sizing
     best = at(limit)
+    if math.isinf(best.ttft_p95_s) or math.isinf(best.itl_s):
+        return best  # over capacity even then: all of it
     for n in range(1, limit + 1):  # out of reach: the fewest within 10% of the most
         sizing = at(n)
         if sizing.ttft_p95_s <= 1.1 * best.ttft_p95_s and sizing.itl_s <= 1.1 * best.itl_s:
