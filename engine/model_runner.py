@@ -34,7 +34,7 @@ from rtp_serve.engine.spec_decode.rejection import DraftRow, accept, rows_of
 from rtp_serve.engine.weights import load_tensors
 from rtp_serve.kernels import backends
 from rtp_serve.kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
-from rtp_serve.kernels.linear import cpu_kernels
+from rtp_serve.kernels.linear import cpu_kernels, tune_linears
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class ModelRunner:
             config.weight_dtype,
             threads=torch.get_num_threads(),
         )
+        tune_linears(weights.projections())  # each shape's kernel per row count, measured
         choice = backends.choose(self.device, self.dtype, self.kv_dtype, config.block_size)
         self.attention_backend = choice.describe()
         attention = backends.build(choice, model_config.head_dim**-0.5, self.device)

@@ -127,10 +127,14 @@ def test_linear_ops_match_reference(ops, path, dtype, weight_dtype, m):
         dense = w.to(dtype)
     xd, bd, rd = x.to(dtype), bias.to(dtype), residual.to(dtype)
     expected = F.linear(xd.float(), dense.float(), bd.float()) + rd.float()
-    got = op(xd, bd, rd)
-    assert got.dtype == dtype and got.shape == (m, 200)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    # The op's table picks one path per row count: every path must give the same answer.
+    for name, run in [("table", op), *op.paths().items()]:
+        got = run(xd, bd, rd)
+        assert got.dtype == dtype and got.shape == (m, 200), name
+        torch.testing.assert_close(
+            got.float(), expected, rtol=tol, atol=tol, msg=lambda e, name=name: f"{name}: {e}"
+        )
     assert op.nbytes == w.numel() * (1 if weight_dtype == "int8" else dense.element_size())
 
 
@@ -161,7 +165,7 @@ def test_prepacked_bf16_matches_reference(ops, m):
     """From PACKED_FROM rows on the prepacked GEMM, below it rows_gemm: both as reference."""
     x, w, bias, residual = _case(m, 96, 200)
     op = make_linear(w.bfloat16(), torch.bfloat16, "auto", Kernels(ops=ops, prepack_bf16=True))
-    assert op._packed is not None
+    assert op._prepacked is not None
     got = op(x.bfloat16(), bias.bfloat16(), residual.bfloat16())
     expected = F.linear(x.bfloat16().float(), w.bfloat16().float(), bias.bfloat16().float())
     torch.testing.assert_close(

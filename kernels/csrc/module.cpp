@@ -15,6 +15,11 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::
                          c10::optional<torch::Tensor> residual);
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
+torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
+                          c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> residual);
+int64_t panel_width();
+double fma_peak_gflops(int64_t iters);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
@@ -43,5 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
   m.def("lora_rows", &lora_rows, "y += LoRA updates of rows, each with its own adapter (float32)");
+  m.def("packed_gemm", &packed_gemm,
+        "x @ w.T (* scale) (+ bias) (+ residual) over w packed in column panels [P, K, 16]",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("scale") = py::none(),
+        py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("panel_width", &panel_width, "output columns per packed_gemm panel");
+  m.def("fma_peak_gflops", &fma_peak_gflops, "the FMA pipes' rate, measured in registers");
   m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }

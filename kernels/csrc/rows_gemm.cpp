@@ -17,34 +17,18 @@
 // with no buffer in between. A single row of x against float32 weights takes eight weight
 // rows at a time, more rows four.
 #include "tensor.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-// The vector helpers must inline into the loops: an out-of-line call per FMA, which GCC's
-// inlining budget chose for this file's many instantiations, ran at half the speed.
-#define RTP_INLINE inline __attribute__((always_inline))
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define RTP_AVX2 1
-#endif
-
 namespace {
 
 constexpr int64_t kRows = 4;  // weight rows widened and dotted together
 
-inline float widen(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-inline float widen(int8_t v) { return static_cast<float>(v); }
-inline float widen(float v) { return v; }
+using rtp::widen;
 
 // Dot products of x row m against kRows weight rows, widened as they are read.
 template <typename w_t>
@@ -68,18 +52,7 @@ inline void dot_rows_portable(const float* __restrict xm, const w_t* __restrict 
 #ifdef RTP_AVX2
 // The compiler does not vectorise the widening of mixed-type streams well (int8 above all),
 // so the memory-bound path is written out for AVX2, which every x86 machine here has.
-RTP_INLINE __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-RTP_INLINE __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-RTP_INLINE __m256 load8(const int8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-RTP_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+using rtp::load8;
 RTP_INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

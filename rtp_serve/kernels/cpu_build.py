@@ -27,6 +27,8 @@ SOURCES = (
     "paged_decode.cpp",
     "small_gemm.cpp",
     "rows_gemm.cpp",
+    "packed_gemm.cpp",
+    "fma_peak.cpp",
     "rms_norm.cpp",
     "kv_quant.cpp",
     "paged_prefill.cpp",

@@ -1,18 +1,21 @@
 """Projections: a weight prepared once at load for the CPU it runs on, called per step.
 
 `make_linear(w, ...)` takes a checkpoint weight [out, in] and returns a `LinearOp`, which
-computes `(residual +) x @ w.T (+ bias)` for x [T, in] in the model's dtype. Which kernel
-runs depends on the weight's storage, the number of rows and the CPU (rtp_serve/kernels/isa.py):
+computes `(residual +) x @ w.T (+ bias)` for x [T, in] in the model's dtype. On the CPU an
+op can run several ways (its paths), and its KernelTable picks one per row count T:
 
-    storage          T <= SMALL_M (decode: memory-bound)       more rows (prefill: compute-bound)
-    float32 [o,i]    rows_gemm (streams fp32 weights)           MKL sgemm
-    bf16/fp16 [o,i]  rows_gemm (widens to fp32 as it streams)   avx512_bf16+: oneDNN prepacked
-                                                                else: widen, MKL sgemm
-    int8 [out, in]   rows_gemm (x * q, then * scale per out)    dequantize, then as above
-    + scale [out]
+    path          reads the weight as                  serves best
+    rows_gemm     [out, in], as loaded                 a few rows: each weight streamed once
+    packed_gemm   column panels packed at load         a few to hundreds of rows: 6 x 16
+                  (kernels/csrc/packed_gemm.cpp)       register tiles near the FMA peak
+    mkl / widen   [out, in] (bf16 widened to fp32)     large prefill chunks: MKL's sgemm
+    onednn        oneDNN's prepacked bf16              avx512_bf16 / AMX CPUs, from PACKED_FROM
+    torch         F.linear in the model's dtype        off the CPU, or no compiled kernels
 
-On CPUs with native bf16 dot products (avx512_bf16, AMX), bf16 activations over bf16 weights
-take oneDNN's prepacked GEMM from PACKED_FROM rows on: it beats widening to float32 there.
+The table starts as the split measured on the first machines (rows_gemm up to SMALL_M rows,
+then the large path); when a model loads, `gemm_table.tune()` times the paths on its own
+shapes and replaces it (rtp_serve/kernels/gemm_table.py). The panels are a second copy of
+the weight; an op whose table never picks packed_gemm drops them.
 
 Every weight keeps the checkpoint's [out, in] layout, so one already in the dtype it runs in
 is used where the loader put it (a view of the mapped file: engine/weights.py), never
@@ -25,12 +28,15 @@ halves bf16's weight bytes, which is what bounds decode. Without compiled kernel
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from rtp_serve.kernels import gemm_table
+from rtp_serve.kernels.gemm_table import KernelTable
 from rtp_serve.kernels.isa import CpuIsa
 
 log = logging.getLogger(__name__)
@@ -72,25 +78,75 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-class Fp32Linear:
+class TunedLinear:
+    """A projection that can run several ways (its `paths`) and runs each call on the one
+    its KernelTable picks for the row count. The table starts as the fixed split measured
+    on the first machines (SMALL_M); `gemm_table.tune()` replaces it with one measured here."""
+
+    w: torch.Tensor
+    panels: torch.Tensor | None
+    table: KernelTable
+    _paths: dict[str, Callable[..., torch.Tensor]]
+
+    def __call__(self, x, bias=None, residual=None):
+        return self._paths[self.table.pick(x.shape[0])](x, bias, residual)
+
+    @property
+    def kernel(self) -> str:  # what serves a one-row decode step
+        return self.table.pick(1)
+
+    def paths(self) -> dict[str, Callable[..., torch.Tensor]]:
+        return dict(self._paths)
+
+    def use(self, table: KernelTable) -> None:
+        self.table = table
+        if "packed_gemm" not in table.kernel and self.panels is not None:
+            self.panels = None  # the packed copy serves no row count: its memory back
+            del self._paths["packed_gemm"]
+
+    def in_features(self) -> int:
+        return self.w.shape[1]
+
+    def act_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def shape_key(self) -> str:
+        scaled = "+scale" if getattr(self, "scale", None) is not None else ""
+        n, k = self.w.shape
+        return f"{type(self).__name__} {n}x{k} {self.w.dtype}{scaled} -> {self.act_dtype()}"
+
+
+class Fp32Linear(TunedLinear):
     """float32 weights [out, in], as the checkpoint stores them (no copy where it is float32)."""
 
     def __init__(self, w: torch.Tensor, kernels: Kernels) -> None:
         self.w = w.float().contiguous()
         self.params = self.w.numel()
         self.nbytes = self.params * 4
-        self._rows = getattr(kernels.ops, "rows_gemm", None)
-        self.kernel = "rows_gemm" if self._rows else "mkl"
+        self.panels = None
+        self._paths = {}  # fewest rows first: the order a KernelTable keeps
+        ops = kernels.ops
+        if ops is not None:
+            rows, packed = ops.rows_gemm, ops.packed_gemm
+            self.panels = pack_panels(self.w, ops.panel_width())
+            self._paths["rows_gemm"] = lambda x, b=None, r=None: rows(x, self.w, None, b, r)
+            self._paths["packed_gemm"] = lambda x, b=None, r=None: packed(
+                x, self.panels, self.w.shape[0], None, b, r
+            )
+        self._paths["mkl"] = self._mkl
+        small = "rows_gemm" if ops is not None else "mkl"
+        self.table = KernelTable.split(small, SMALL_M, "mkl")
 
-    def __call__(self, x, bias=None, residual=None):
-        if self._rows is not None and x.shape[0] <= SMALL_M:
-            return self._rows(x, self.w, None, bias, residual)
+    def act_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def _mkl(self, x, bias=None, residual=None):
         if residual is None:
             return F.linear(x, self.w, bias)
         return torch.addmm(residual if bias is None else residual + bias, x, self.w.t())
 
 
-class RowsLinear:
+class RowsLinear(TunedLinear):
     """bf16 / fp16 weights [out, in], or int8 [out, in] with a per-row float32 scale."""
 
     def __init__(
@@ -105,16 +161,37 @@ class RowsLinear:
         self.dtype = dtype  # activations and output
         self.params = self.w.numel()
         self.nbytes = self.params * self.w.element_size()
-        self._rows = getattr(kernels.ops, "rows_gemm", None)
-        self.kernel = "rows_gemm" if self._rows else "torch"
-        self._packed = None
+        self.panels = None
+        self._prepacked = None  # oneDNN's own packing of the weight (AVX512-BF16 / AMX)
         if kernels.prepack_bf16 and dtype == torch.bfloat16:
-            self._packed = _prepack(self.dense())
-        # rows_gemm up to SMALL_M rows, or below PACKED_FROM where the prepacked GEMM is there.
-        self._rows_up_to = SMALL_M if self._packed is None else PACKED_FROM - 1
+            self._prepacked = _prepack(self.dense())
         # oneDNN's bf16 GEMM emulated on AVX2 is several times slower than widening the
         # weight and calling MKL's sgemm (bench/linear.py), so large batches widen there.
-        self._widen = not kernels.prepack_bf16 and kernels.ops is not None
+        if self._prepacked is not None:
+            large = "onednn"
+        elif not kernels.prepack_bf16 and kernels.ops is not None:
+            large = "widen"
+        else:
+            large = "torch"
+        self._paths = {}  # fewest rows first: the order a KernelTable keeps
+        ops = kernels.ops
+        if ops is not None:
+            rows, packed = ops.rows_gemm, ops.packed_gemm
+            self.panels = pack_panels(self.w, ops.panel_width())
+            self._paths["rows_gemm"] = lambda x, b=None, r=None: rows(x, self.w, self.scale, b, r)
+            self._paths["packed_gemm"] = lambda x, b=None, r=None: packed(
+                x, self.panels, self.w.shape[0], self.scale, b, r
+            )
+        self._paths[large] = getattr(self, f"_{large}")
+        if ops is not None:
+            # rows_gemm up to SMALL_M rows, or below PACKED_FROM where oneDNN's is there.
+            up_to = SMALL_M if self._prepacked is None else PACKED_FROM - 1
+            self.table = KernelTable.split("rows_gemm", up_to, large)
+        else:
+            self.table = KernelTable.split(large, 1, large)
+
+    def act_dtype(self) -> torch.dtype:
+        return self.dtype
 
     def dense(self) -> torch.Tensor:
         """The weight as [out, in] in the activation dtype (dequantized if int8)."""
@@ -122,18 +199,28 @@ class RowsLinear:
             return self.w.to(self.dtype)
         return (self.w.float() * self.scale[:, None]).to(self.dtype)
 
-    def __call__(self, x, bias=None, residual=None):
-        if self._rows is not None and x.shape[0] <= self._rows_up_to:
-            return self._rows(x, self.w, self.scale, bias, residual)
-        if self._packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        elif self._widen:  # float32 math on the widened weight, the result in x's dtype
-            w = self.w.float() if self.scale is None else self.w.float() * self.scale[:, None]
-            b = None if bias is None else bias.float()
-            out = F.linear(x.float(), w, b).to(x.dtype)
-        else:
-            out = F.linear(x, self.dense(), bias)
+    def _onednn(self, x, bias=None, residual=None):
+        out = torch.ops.mkldnn._linear_pointwise(x, self._prepacked, bias, "none", [], "")
         return out if residual is None else out.add_(residual)
+
+    def _widen(self, x, bias=None, residual=None):
+        """float32 math on the widened weight, the result in x's dtype."""
+        w = self.w.float() if self.scale is None else self.w.float() * self.scale[:, None]
+        b = None if bias is None else bias.float()
+        out = F.linear(x.float(), w, b).to(x.dtype)
+        return out if residual is None else out.add_(residual)
+
+    def _torch(self, x, bias=None, residual=None):
+        out = F.linear(x, self.dense(), bias)
+        return out if residual is None else out.add_(residual)
+
+
+def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:
+    """w [N, K] as packed_gemm streams it: [ceil(N / width), K, width], zero rows padding N
+    (kernels/csrc/packed_gemm.cpp draws the layout)."""
+    n, k = w.shape
+    p = -(-n // width)
+    return F.pad(w, (0, 0, 0, p * width - n)).view(p, width, k).transpose(1, 2).contiguous()
 
 
 class PartsLinear:
@@ -145,12 +232,23 @@ class PartsLinear:
         self.parts, self.sizes = parts, sizes
         self.params = sum(p.params for p in parts)
         self.nbytes = sum(p.nbytes for p in parts)
-        self.kernel = parts[0].kernel
+
+    @property
+    def kernel(self) -> str:
+        return self.parts[0].kernel
 
     def __call__(self, x, bias=None, residual=None):
         biases = bias.split(self.sizes) if bias is not None else [None] * len(self.parts)
         out = torch.cat([p(x, b) for p, b in zip(self.parts, biases, strict=True)], dim=-1)
         return out if residual is None else out.add_(residual)
+
+
+def tune_linears(ops: Iterable[LinearOp], cache: bool = True) -> None:
+    """Give every CPU projection of a model the kernel table measured for its shape."""
+    leaves = [leaf for op in ops for leaf in getattr(op, "parts", [op])]
+    tunable = [op for op in leaves if isinstance(op, TunedLinear) and len(op.paths()) > 1]
+    if tunable:
+        gemm_table.tune(tunable, cache=cache)
 
 
 def make_linear(

@@ -1,0 +1,217 @@
+"""Which GEMM kernel serves a projection at each row count: measured on this machine, per
+shape, when the model loads (not a fixed threshold), and cached on disk.
+
+A CPU projection can run several ways (rtp_serve/kernels/linear.py): `rows_gemm` over the
+checkpoint's [out, in] layout (each weight read once, dotted against a few rows: best while
+a step is bound by streaming weights), `packed_gemm` over column panels (register-blocked
+6 x 16 tiles: best once arithmetic counts), MKL's or oneDNN's GEMM (large prefill chunks,
+and wider vectors on AVX-512 CPUs). Where one overtakes another moves with the CPU, the
+shape and the thread count, so `tune()` times every path of each distinct shape at the row
+counts in BUCKETS and gives the ops of that shape a `KernelTable`. The paths come in the
+order of the rows they are built for (`Tunable.paths`), and a table keeps that order.
+
+Small row counts are timed over as many of the model's own weights of that shape as make
+STREAM_BYTES (more than a last-level cache), so they stream from memory as in a decode
+step; larger ones over one weight, where arithmetic dominates. A table is cached under
+$RTP_SERVE_CACHE/gemm (default ~/.cache/rtp-serve) by CPU, kernel build, threads and
+shape: a restart reads it instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STREAM_BYTES = 48 << 20
+STREAM_BELOW = 64  # from this many rows one weight is timed: the step is compute-bound
+REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTable:
+    """kernel[i] serves row counts in (upto[i-1], upto[i]]; the last serves every larger."""
+
+    upto: tuple[int, ...]
+    kernel: tuple[str, ...]
+
+    def pick(self, rows: int) -> str:
+        return self.kernel[min(bisect.bisect_left(self.upto, rows), len(self.kernel) - 1)]
+
+    @classmethod
+    def split(cls, small: str, up_to: int, large: str) -> KernelTable:
+        """`small` up to `up_to` rows, `large` beyond: the untuned default."""
+        return cls((up_to, up_to + 1), (small, large))
+
+    def compact(self) -> KernelTable:
+        """Adjacent buckets with the same kernel merged (what the logs print)."""
+        upto, kernel = [], []
+        for u, k in zip(self.upto, self.kernel, strict=True):
+            if kernel and kernel[-1] == k:
+                upto[-1] = u
+            else:
+                upto.append(u)
+                kernel.append(k)
+        return KernelTable(tuple(upto), tuple(kernel))
+
+    def describe(self) -> str:
+        t = self.compact()
+        lo = [1] + [u + 1 for u in t.upto[:-1]]
+        return ", ".join(
+            f"{a}-{b} {k}" if i < len(t.kernel) - 1 else f"{a}+ {k}"
+            for i, (a, b, k) in enumerate(zip(lo, t.upto, t.kernel, strict=True))
+        )
+
+
+Path_ = Callable[[torch.Tensor], object]  # x -> the projection of x through one op
+
+
+class Tunable(Protocol):
+    nbytes: int
+
+    def shape_key(self) -> str: ...  # what makes two ops interchangeable for timing
+    def in_features(self) -> int: ...
+    def act_dtype(self) -> torch.dtype: ...
+    def paths(self) -> dict[str, Path_]: ...  # fewest rows first
+    def use(self, table: KernelTable) -> None: ...
+
+
+def tune(ops: Sequence[Tunable], cache: bool = True) -> dict[str, KernelTable]:
+    """Measure (or read from the cache) a table per distinct shape and hand it to its ops."""
+    groups: dict[str, list[Tunable]] = {}
+    for op in ops:
+        groups.setdefault(op.shape_key(), []).append(op)
+    tables = {}
+    start = time.perf_counter()
+    measured = 0
+    for key, members in groups.items():
+        file = _cache_file(key) if cache else None
+        table = _read(file)
+        if table is None or set(table.kernel) - set(members[0].paths()):
+            table = measure(members)
+            measured += 1
+            _write(file, table)
+        for op in members:
+            op.use(table)
+        tables[key] = table
+        log.info("GEMM table %s: %s", key, table.describe())
+    if measured:
+        log.info("GEMM tables: %d measured in %.2fs", measured, time.perf_counter() - start)
+    return tables
+
+
+def measure(members: Sequence[Tunable]) -> KernelTable:
+    """Time every path of `members` (ops of one shape) at each of BUCKETS rows, and fit the
+    table: the paths in their order (fewest rows first), each serving one contiguous run of
+    buckets (possibly none), with the least total time relative to each bucket's best.
+    Where two paths are within noise of each other, measured one bucket at a time the
+    winner flips back and forth; the fit keeps the order and takes the switch points that
+    cost the least."""
+    first = members[0]
+    names = list(first.paths())
+    streamed = members[: max(1, min(len(members), math.ceil(STREAM_BYTES / first.nbytes)))]
+    g = torch.Generator().manual_seed(0)
+    rel: list[list[float]] = []  # [bucket][path]: time / the bucket's best time
+    for rows in BUCKETS:
+        use = streamed if rows < STREAM_BELOW else members[:1]
+        x = torch.randn(rows, first.in_features(), generator=g).to(first.act_dtype())
+        runs = [[op.paths()[name] for op in use] for name in names]
+        best = [math.inf] * len(names)
+        for rep in range(REPEATS + 1):  # interleaved, so a busy spell falls on every path
+            for i, fns in enumerate(runs):
+                t0 = time.perf_counter()
+                for fn in fns:
+                    fn(x)
+                if rep:  # the first round warms caches and allocators
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        rel.append([b / min(best) for b in best])
+    return KernelTable(BUCKETS, fit_runs(rel, names))
+
+
+def fit_runs(rel: list[list[float]], names: list[str]) -> tuple[str, ...]:
+    """The path per bucket: non-decreasing path index (each path one contiguous run of
+    buckets) with the least total of rel[bucket][path]. Dynamic programming over
+    (bucket, path): O(buckets x paths^2)."""
+    n, k = len(rel), len(names)
+    cost = [[math.inf] * k for _ in range(n)]
+    back = [[0] * k for _ in range(n)]
+    for p in range(k):
+        cost[0][p] = rel[0][p]
+    for b in range(1, n):
+        for p in range(k):
+            prev = min(range(p + 1), key=lambda q: cost[b - 1][q])
+            cost[b][p] = cost[b - 1][prev] + rel[b][p]
+            back[b][p] = prev
+    p = min(range(k), key=lambda q: cost[n - 1][q])
+    chosen = [p]
+    for b in range(n - 1, 0, -1):
+        p = back[b][p]
+        chosen.append(p)
+    return tuple(names[p] for p in reversed(chosen))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RTP_SERVE_CACHE", Path.home() / ".cache" / "rtp-serve")) / "gemm"
+
+
+def _cache_file(key: str) -> Path:
+    ident = f"{_machine()}|threads={torch.get_num_threads()}|{key}"
+    return cache_dir() / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
+
+
+@functools.cache
+def _machine() -> str:
+    """The CPU and the kernel build: a table is only valid where both are the same."""
+    from rtp_serve.kernels import cpu
+    from rtp_serve.kernels.isa import cpu_isa
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    ops = cpu.load()
+    build = ""
+    if ops is not None and getattr(ops, "__file__", None):
+        build = hashlib.sha256(Path(ops.__file__).read_bytes()).hexdigest()[:16]
+    return f"{model}|{cpu_isa().describe()}|{build}|torch {torch.__version__}"
+
+
+def _read(file: Path | None) -> KernelTable | None:
+    if file is None or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+        return KernelTable(tuple(data["upto"]), tuple(data["kernel"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring GEMM table cache %s: %s", file, exc)
+        return None
+
+
+def _write(file: Path | None, table: KernelTable) -> None:
+    if file is None:
+        return
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"upto": table.upto, "kernel": table.kernel}))
+        tmp.replace(file)  # atomic: a concurrent reader sees the old file or the new
+    except OSError as exc:  # a read-only home: measured again next start
+        log.warning("GEMM table not cached (%s)", exc)

@@ -1,0 +1,191 @@
+"""packed_gemm (kernels/csrc/packed_gemm.cpp) against torch.mm at every row count from 1 to
+64 (every tile remainder), odd K and odd N (a partial last panel), every weight storage; and
+the kernel tables (rtp_serve/kernels/gemm_table.py) that choose it per row count.
+
+Tolerances as tests/test_linear_kernel.py: float32 1e-4 (summation order only); narrow
+storage against the same widened weights in float32, 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rtp_serve.kernels import cpu, gemm_table
+from rtp_serve.kernels.gemm_table import BUCKETS, KernelTable
+from rtp_serve.kernels.linear import Fp32Linear, Kernels, pack_panels, quantize_int8, tune_linears
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu.load()
+    if ops is None:
+        pytest.fail("the CPU kernels did not build (set RTP_SERVE_CPU_KERNELS=0 to run without)")
+    return ops
+
+
+def _case(m: int, k: int, n: int):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    return x, w, torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+
+
+@pytest.mark.parametrize("m", range(1, 65))
+@pytest.mark.parametrize("k,n", [(33, 17), (131, 301)])
+def test_packed_gemm_float32_matches_torch_mm(ops, m, k, n):
+    x, w, bias, residual = _case(m, k, n)
+    panels = pack_panels(w, ops.panel_width())
+    torch.testing.assert_close(
+        ops.packed_gemm(x, panels, n), torch.mm(x, w.t()), rtol=1e-4, atol=1e-4
+    )
+    got = ops.packed_gemm(x, panels, n, None, bias, residual)
+    torch.testing.assert_close(got, torch.mm(x, w.t()) + bias + residual, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 64, 200])
+def test_packed_gemm_narrow_storage_matches_torch(ops, wdtype, m):
+    x, w, bias, residual = _case(m, 77, 45)
+    if wdtype == torch.int8:
+        stored, scale = quantize_int8(w)
+        dense = stored.float() * scale[:, None]
+    else:
+        stored, scale = w.to(wdtype), None
+        dense = stored.float()
+    got = ops.packed_gemm(x, pack_panels(stored, ops.panel_width()), 45, scale, bias, residual)
+    torch.testing.assert_close(got, x @ dense.t() + bias + residual, rtol=1e-4, atol=1e-4)
+    # bf16 activations in, bf16 out (the model's dtype), float32 inside
+    xb = x.bfloat16()
+    got = ops.packed_gemm(xb, pack_panels(stored, ops.panel_width()), 45, scale)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), xb.float() @ dense.t(), rtol=2e-2, atol=2e-2)
+
+
+def test_pack_panels_layout():
+    """panels[p, k, j] == w[16 p + j, k]; the rows past N are zeros."""
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    panels = pack_panels(w, 16)
+    assert panels.shape == (2, 3, 16)
+    assert torch.equal(panels[1, 2, 3], w[19, 2])
+    assert torch.equal(panels[0, :, 5], w[5])
+    assert not panels[1, :, 4:].any()
+
+
+def test_packed_gemm_refuses_mismatched_shapes(ops):
+    panels = pack_panels(torch.randn(20, 8), ops.panel_width())
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.packed_gemm(torch.randn(2, 8), panels, 40)
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        ops.packed_gemm(torch.randn(2, 9), panels, 20)
+    with pytest.raises(RuntimeError, match="need a scale"):
+        ops.packed_gemm(torch.randn(2, 8), pack_panels(torch.ones(20, 8, dtype=torch.int8), 16), 20)
+
+
+def test_kernel_table_picks_by_row_count():
+    table = KernelTable((2, 8, 64), ("rows_gemm", "packed_gemm", "mkl"))
+    assert [table.pick(m) for m in (1, 2, 3, 8, 9, 64, 65, 4096)] == [
+        "rows_gemm", "rows_gemm", "packed_gemm", "packed_gemm", "mkl", "mkl", "mkl", "mkl",
+    ]  # fmt: skip
+    split = KernelTable.split("rows_gemm", 32, "mkl")
+    assert (split.pick(32), split.pick(33), split.pick(10_000)) == ("rows_gemm", "mkl", "mkl")
+    runs = KernelTable((1, 2, 4, 8, 16), ("a", "a", "b", "b", "a"))
+    assert runs.compact() == KernelTable((2, 8, 16), ("a", "b", "a"))
+    assert runs.describe() == "1-2 a, 3-8 b, 9+ a"
+
+
+class _Timed:
+    """A stand-in op whose paths take known times: which one measure() picks is known."""
+
+    nbytes = 1 << 20
+
+    def __init__(self, slow_below: int) -> None:
+        self.slow_below = slow_below  # "fast_small" is slow from this many rows on
+        self.table = None
+
+    def shape_key(self) -> str:
+        return f"timed {self.slow_below}"
+
+    def in_features(self) -> int:
+        return 4
+
+    def act_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def paths(self):
+        def fast_small(x):
+            time.sleep(0.004 if x.shape[0] >= self.slow_below else 0)
+
+        def fast_large(x):
+            time.sleep(0 if x.shape[0] >= self.slow_below else 0.004)
+
+        return {"fast_small": fast_small, "fast_large": fast_large}
+
+    def use(self, table):
+        self.table = table
+
+
+def test_measure_picks_the_faster_path_per_bucket():
+    table = gemm_table.measure([_Timed(slow_below=24)])
+    assert table.upto == BUCKETS
+    assert table.compact().kernel == ("fast_small", "fast_large")
+    assert table.pick(16) == "fast_small" and table.pick(24) == "fast_large"
+
+
+def test_fit_keeps_the_path_order_through_noise():
+    """Within noise the per-bucket winner flips; the fit keeps each path one run, in order."""
+    names = ["rows_gemm", "packed_gemm", "mkl"]
+    rel = [
+        [1.0, 1.02, 5.0],
+        [1.01, 1.0, 4.0],  # packed wins by a hair ...
+        [1.0, 1.03, 3.0],  # ... and loses by one
+        [1.3, 1.0, 2.0],
+        [2.0, 1.0, 1.01],
+        [3.0, 1.0, 1.02],
+        [4.0, 1.1, 1.0],
+    ]
+    got = gemm_table.fit_runs(rel, names)
+    assert got == ("rows_gemm",) * 3 + ("packed_gemm",) * 3 + ("mkl",)
+    # a path that is never best gets no run at all
+    assert gemm_table.fit_runs([[1.0, 2.0, 3.0], [1.5, 2.0, 1.0]], names) == ("rows_gemm", "mkl")
+
+
+def test_tune_shares_a_table_per_shape_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RTP_SERVE_CACHE", str(tmp_path))
+    a, b, c = _Timed(24), _Timed(24), _Timed(8)
+    tables = gemm_table.tune([a, b, c])
+    assert a.table is b.table and a.table is not c.table and len(tables) == 2
+    assert c.table.pick(8) == "fast_large" and a.table.pick(8) == "fast_small"
+    files = sorted((tmp_path / "gemm").glob("*.json"))
+    assert len(files) == 2
+    # A restart reads the cache: a table written there is used as it is, not re-measured.
+    for f in files:
+        f.write_text(json.dumps({"upto": [1], "kernel": ["fast_large"]}))
+    d = _Timed(24)
+    gemm_table.tune([d])
+    assert d.table == KernelTable((1,), ("fast_large",))
+    # A cached table naming a path this op lacks (another build) is measured again.
+    for f in files:
+        f.write_text(json.dumps({"upto": [1], "kernel": ["gone"]}))
+    e = _Timed(24)
+    gemm_table.tune([e])
+    assert set(e.table.kernel) == {"fast_small", "fast_large"}
+
+
+def test_tuned_op_drops_its_panels_where_unused(ops, tmp_path, monkeypatch):
+    monkeypatch.setenv("RTP_SERVE_CACHE", str(tmp_path))
+    kernels = Kernels(ops=ops, prepack_bf16=False)
+    op = Fp32Linear(torch.randn(40, 24), kernels)
+    assert op.panels is not None and set(op.paths()) == {"rows_gemm", "packed_gemm", "mkl"}
+    op.use(KernelTable.split("rows_gemm", 8, "mkl"))
+    assert op.panels is None and "packed_gemm" not in op.paths()
+    x = torch.randn(20, 24)
+    torch.testing.assert_close(op(x), F.linear(x, op.w), rtol=1e-4, atol=1e-4)
+    # tune_linears gives real ops measured tables over their real paths
+    ops2 = [Fp32Linear(torch.randn(40, 24), kernels) for _ in range(2)]
+    tune_linears(ops2)
+    assert ops2[0].table is ops2[1].table and ops2[0].table.upto == BUCKETS
+    assert set(ops2[0].table.kernel) <= {"rows_gemm", "packed_gemm", "mkl"}
