@@ -9,7 +9,8 @@ Header: the CPU flags, the threads, and two ceilings measured in this run:
                threads) it gives the clock the cores ran at (AVX2: two 256-bit FMA pipes
                on the Zen and Intel cores measured here)
   GEMM peak    the best of MKL (torch.mm), oneDNN (torch's mkldnn linear) and packed_gemm
-               on large GEMMs (2048 x 2048 x 2048 and the model's largest shape at 2048 rows)
+               on large GEMMs (2048 x 2048 x 2048, and the model's largest shape at 256,
+               1024 and 2048 rows)
 
 Per row count M: one layer's projections (q/k/v, o, gate/up, down, the LM head once per
 `--layers`) as the engine holds them (rtp_serve/kernels/linear.py), `--layers` copies with
@@ -60,7 +61,7 @@ def gemm_peak(ops, threads: int, big_shape: tuple[int, int]) -> dict[str, float]
     g = torch.Generator().manual_seed(0)
     k, n = big_shape
     out: dict[str, float] = {}
-    for m_, k_, n_ in ((2048, 2048, 2048), (2048, k, n)):
+    for m_, k_, n_ in ((2048, 2048, 2048), (256, k, n), (1024, k, n), (2048, k, n)):
         x, w = torch.randn(m_, k_, generator=g), torch.randn(n_, k_, generator=g)
         wt = w.t().contiguous()
         flops = 2 * m_ * k_ * n_

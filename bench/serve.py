@@ -17,8 +17,9 @@ comparison of the in-process engine with launched clusters on the same workload.
 Arrivals: `--request-rate` (default inf: all at once) with gamma gaps of shape
 `--burstiness` (1: Poisson), capped by `--max-concurrency`; a trace replays its own times.
 TPOT excludes the first token: (latency - ttft) / (output tokens - 1). Prints the CPU's ISA
-and one table (a row per target); `--save-result` writes one JSON object per target, a
-line each, to `--result-file`.
+and one table (a row per target), then for each of our clusters its mean TTFT split by hop
+(HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py);
+`--save-result` writes one JSON object per target, a line each, to `--result-file`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench import hops  # noqa: E402
 from bench.workload import (  # noqa: E402
     SampleRequest,
     arrival_times,
@@ -255,7 +257,9 @@ def url_target(url: str) -> Target:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             async with session.get(f"{url}/v1/models") as reply:
                 model = (await reply.json())["data"][0]["id"]
-            yield openai_stream(url, model, session)
+            stream = openai_stream(url, model, session)
+            stream.metrics_url = url  # type: ignore[attr-defined]  # bench/hops.py reads it
+            yield stream
 
     return open_
 
@@ -453,15 +457,44 @@ def dataset_args(args) -> dict:
     return {k: getattr(args, k) for k in DATASET_ARGS[args.dataset_name]}
 
 
-async def bench_targets(
-    targets: dict[str, Target], requests: list[SampleRequest], vocab: int, args
-) -> dict[str, dict]:
-    """The same requests at the same times to each target in turn, after a short warm-up
-    (unrelated prompts, so the run's prefix-cache hits are its own)."""
+@dataclass(slots=True)
+class Point:
+    """One load to run against every target: its requests, their arrival times, the cap."""
+
+    label: str  # "" for a single run, "c=16" in a concurrency sweep
+    requests: list[SampleRequest]
+    arrivals: list[float]
+    max_concurrency: int | None
+
+
+def load_points(args, vocab: int) -> list[Point]:
+    """The run's loads: one, or one per `--sweep-concurrency` value, each with prompts of its
+    own (so no point reuses a prefix an earlier one cached): at least --num-prompts, and two
+    per concurrent stream."""
+    if not args.sweep_concurrency:
+        requests = build_requests(args, vocab)
+        return [Point("", requests, arrivals_of(requests, args), args.max_concurrency)]
+    points = []
+    for i, c in enumerate(int(v) for v in args.sweep_concurrency.split(",")):
+        sub = argparse.Namespace(**vars(args))
+        sub.num_prompts, sub.seed = max(args.num_prompts, 2 * c), args.seed + 1000 * (i + 1)
+        requests = build_requests(sub, vocab)
+        points.append(Point(f"c={c}", requests, arrivals_of(requests, sub), c))
+    return points
+
+
+def arrivals_of(requests: list[SampleRequest], args) -> list[float]:
     if requests and all(r.arrival_s is not None for r in requests):
-        arrivals = [r.arrival_s for r in requests]
-    else:
-        arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+        return [r.arrival_s for r in requests]
+    return arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+
+
+async def bench_targets(
+    targets: dict[str, Target], points: list[Point], vocab: int, args
+) -> dict[str, dict]:
+    """The same requests at the same times to each target in turn (each load in `points`
+    against one start of the target), after a short warm-up (unrelated prompts, so the
+    run's prefix-cache hits are its own)."""
     warm = random_requests(args.num_warmups, 16, 4, vocab, args.seed + 1)
     out = {}
     for name, target in targets.items():
@@ -469,13 +502,23 @@ async def bench_targets(
         try:
             async with target() as stream:
                 await run_load(stream, warm, [0.0] * len(warm))
-                results, duration = await run_load(
-                    stream, requests, arrivals, args.max_concurrency, args.disable_tqdm
-                )
+                url = getattr(stream, "metrics_url", None)
+                for point in points:
+                    row = f"{name} {point.label}".strip()
+                    before = await hops.scrape(url) if url else None
+                    results, duration = await run_load(
+                        stream, point.requests, point.arrivals, point.max_concurrency,
+                        args.disable_tqdm,
+                    )  # fmt: skip
+                    after = await hops.scrape(url) if before else None
+                    r = summarize(results, duration, args.metric_percentiles, args.save_detailed)
+                    r["max_concurrency"] = point.max_concurrency
+                    if before and after and r["completed"]:
+                        r["ttft_hops_ms"] = hops.split(before, after, r["mean_ttft_ms"])
+                    out[row] = r
         except Exception as exc:  # one target that cannot start does not cost the others
             print(f"# {name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
-        out[name] = summarize(results, duration, args.metric_percentiles, args.save_detailed)
     if not out:
         raise SystemExit("no target ran")
     return out
@@ -492,12 +535,21 @@ def table(results: dict[str, dict], percentiles: Sequence[float]) -> str:
         f"{label:>{w}}" for label, _, w, _ in cols
     )
     lines = [f"{head} {'x first':>7}"]
-    base = next(iter(results.values()))["output_throughput"]
+    base: dict[str, float] = {}  # per load (a sweep's "c=16"): the first target's throughput
     for name, r in results.items():
-        ratio = r["output_throughput"] / base if base else math.nan
+        base.setdefault(_point(name), r["output_throughput"])
+    for name, r in results.items():
+        first = base[_point(name)]
+        ratio = r["output_throughput"] / first if first else math.nan
         cells = " ".join(f"{r[key]:>{w}.{d}f}" for _, key, w, d in cols)
         lines.append(f"{name:<{width}} {r['completed']:>5} {r['failed']:>4} {cells} {ratio:>7.2f}")
     return "\n".join(lines)
+
+
+def _point(row: str) -> str:
+    """The load a result row is of ("c=16" of "fused:1 c=16"; "" without a sweep)."""
+    last = row.rsplit(" ", 1)[-1]
+    return last if last.startswith("c=") else ""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -549,6 +601,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
     a.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency", type=int,
                    default=None)  # fmt: skip
+    a.add_argument("--sweep-concurrency", default="",
+                   help="e.g. 1,4,16,64: one load per value against each target started once, "
+                        "each with its own prompts (max(--num-prompts, 2 x value) of them)")  # fmt: skip
     a.add_argument("--num-warmups", type=int, default=2)
     o = ap.add_argument_group("output")
     o.add_argument("--metric-percentiles", default="50,90,95,99",
@@ -579,15 +634,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         for spec in args.topologies.split(","):
             targets[spec] = topology_target(spec, model, launcher, engine, args)
     targets |= {u.rstrip("/"): url_target(u.rstrip("/")) for u in args.url}
-    requests = build_requests(args, vocab)
+    points = load_points(args, vocab)
     cpu = cpu_info()
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    loads = ", ".join(f"{p.label or 'max concurrency'} {len(p.requests)} requests"
+                      + ("" if p.label else f" {p.max_concurrency or 'none'}") for p in points)  # fmt: skip
     print(f"# CPU ISA: {cpu['describe']}")
-    print(f"# dataset {args.dataset_name} {dataset_args(args)}: {len(requests)} requests; "
-          f"rate {rate}, burstiness {args.burstiness}, max concurrency "
-          f"{args.max_concurrency or 'none'}; model {model or 'the server'}")  # fmt: skip
-    results = asyncio.run(bench_targets(targets, requests, vocab, args))
+    print(f"# dataset {args.dataset_name} {dataset_args(args)}: {loads}; rate {rate}, "
+          f"burstiness {args.burstiness}; model {model or 'the server'}")  # fmt: skip
+    results = asyncio.run(bench_targets(targets, points, vocab, args))
     print(table(results, args.metric_percentiles))
+    for name, r in results.items():
+        if "ttft_hops_ms" in r:
+            print(f"# {name}: {hops.describe(r['ttft_hops_ms'])}")
     for name, r in results.items():
         for err in r["error_kinds"]:
             print(f"# {name}: failed: {err}", file=sys.stderr)
@@ -600,7 +659,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
             for name, r in results.items():
                 head = {"date": stamp, "backend": "rtp-serve", "target": name,
                         "model_id": model, "dataset_name": args.dataset_name,
-                        "dataset_args": dataset_args(args), "num_prompts": len(requests),
+                        "dataset_args": dataset_args(args),
+                        "num_prompts": sum(len(p.requests) for p in points),
                         "request_rate": rate, "burstiness": args.burstiness,
                         "max_concurrency": args.max_concurrency, "cpu_isa": cpu}  # fmt: skip
                 f.write(json.dumps(head | r) + "\n")

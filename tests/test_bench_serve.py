@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import workload
-from bench.serve import RequestResult, main, metric_stats, summarize
+from bench import hops, workload
+from bench.serve import RequestResult, load_points, main, metric_stats, parse_args, summarize
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -192,6 +192,46 @@ def test_smoke_against_the_in_process_engine(
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["target"] == "engine" and saved["cpu_isa"]["level"]
     assert saved["request_rate"] == 50.0 and saved["p99_itl_ms"] > 0
+
+
+def test_concurrency_sweep_runs_each_load_with_prompts_of_its_own(
+    model_dir: Callable[[str], Path], capsys
+):
+    model = model_dir("tiny-llama")
+    args = parse_args(
+        ["--compare", "--sweep-concurrency", "1,3", "--num-prompts", "2", "--input-len", "16"]
+    )
+    points = load_points(args, 500)
+    assert [(p.label, len(p.requests), p.max_concurrency) for p in points] == [
+        ("c=1", 2, 1), ("c=3", 6, 3),
+    ]  # fmt: skip
+    first = {tuple(r.prompt) for r in points[0].requests}
+    assert not first & {tuple(r.prompt) for r in points[1].requests}
+    results = main(["--compare", "--topologies", "engine", "--model", str(model),
+                    "--sweep-concurrency", "1,3", "--num-prompts", "2", "--input-len", "16",
+                    "--output-len", "4", "--disable-tqdm", "--num-warmups", "1"])  # fmt: skip
+    assert list(results) == ["engine c=1", "engine c=3"]
+    assert [results[k]["completed"] for k in results] == [2, 6]
+    assert results["engine c=3"]["max_concurrency"] == 3
+    out = capsys.readouterr().out
+    assert "c=1 2 requests, c=3 6 requests" in out
+
+
+def test_ttft_hops_add_up_to_the_clients_ttft():
+    """bench/hops.py on scripted scrapes: means of the run's increase, the rest is transit."""
+    before = {"frontend": (1.0, 2), "admit and route": (0.1, 2),
+              "worker queue": (0.2, 2), "worker prefill": (0.5, 2)}  # fmt: skip
+    after = {"frontend": (2.0, 6), "admit and route": (0.14, 6),
+             "worker queue": (0.28, 6), "worker prefill": (1.1, 6)}  # fmt: skip
+    got = hops.split(before, after, client_ttft_ms=300.0)
+    assert got["HTTP and client"] == pytest.approx(50.0)  # 300 - 1000 ms / 4
+    assert got["admit and route"] == pytest.approx(10.0)
+    assert got["worker queue"] == pytest.approx(20.0)
+    assert got["worker prefill"] == pytest.approx(150.0)
+    assert got["transit"] == pytest.approx(70.0)
+    parts = sum(v for k, v in got.items() if k != "client TTFT")
+    assert parts == pytest.approx(300.0)
+    assert hops.describe(got).startswith("TTFT 300.0 ms = HTTP and client 50.0 (17%)")
 
 
 def test_route_ceiling_counts_chained_full_blocks_of_earlier_prompts():

@@ -282,6 +282,13 @@ def test_frontend_latencies_and_counts(cluster, sent):
     )
     assert 0 < queue <= ttft
     assert itl > 0
+    # The worker's queue and compute shares of each first token (bench/hops.py splits TTFT
+    # by them) fall between the stream opening and the token's arrival.
+    worker = [total(s, f"rtp:ttft_worker_{hop}_seconds_sum") for hop in ("queue", "prefill")]
+    assert total(s, "rtp:ttft_worker_prefill_seconds_count") == n
+    assert total(s, "rtp:ttft_worker_queue_seconds_count") == n
+    assert worker[1] > 0 and min(worker) >= 0
+    assert sum(worker) <= ttft - queue + 1e-6 * n
     assert ttft + itl <= e2e + 1e-6 * n
     assert e2e <= sent.wall_s
     model = {"model_name": _member(cluster, ns_pb2.ROLE_FRONTEND).model}

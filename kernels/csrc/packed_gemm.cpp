@@ -22,6 +22,7 @@ namespace {
 
 constexpr int64_t kNR = 16;  // panel width: output columns per tile
 constexpr int kMR = 6;       // rows of x per tile: 12 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kAhead = 16;  // k steps the panel is prefetched ahead
 
 #ifdef RTP_AVX2
 using rtp::load8;
@@ -45,6 +46,7 @@ RTP_INLINE void tile(const float* __restrict x, int64_t K, const w_t* __restrict
   __m256 lo0 = _mm256_setzero_ps(), lo1 = lo0, lo2 = lo0, lo3 = lo0, lo4 = lo0, lo5 = lo0;
   __m256 hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0, hi4 = lo0, hi5 = lo0;
   for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + kNR * (k + kAhead)), _MM_HINT_T0);
     const __m256 b0 = load8(b + kNR * k), b1 = load8(b + kNR * k + 8);
     RTP_ROW(0) RTP_ROW(1) RTP_ROW(2) RTP_ROW(3) RTP_ROW(4) RTP_ROW(5)
   }

@@ -28,6 +28,7 @@ halves bf16's weight bytes, which is what bounds decode. Without compiled kernel
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -244,7 +245,11 @@ class PartsLinear:
 
 
 def tune_linears(ops: Iterable[LinearOp], cache: bool = True) -> None:
-    """Give every CPU projection of a model the kernel table measured for its shape."""
+    """Give every CPU projection of a model the kernel table measured for its shape.
+    RTP_SERVE_GEMM_TUNE=0 keeps the fixed split (what ran before tables were measured:
+    bench/gemm.py and bench/engine.py compare the two)."""
+    if os.environ.get("RTP_SERVE_GEMM_TUNE", "1") == "0":
+        return
     leaves = [leaf for op in ops for leaf in getattr(op, "parts", [op])]
     tunable = [op for op in leaves if isinstance(op, TunedLinear) and len(op.paths()) > 1]
     if tunable:

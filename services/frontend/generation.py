@@ -161,6 +161,7 @@ class Generator:
             tracing.WORKER_PREFILL: msg.prefill_s,
         }
         trace.get_current_span().set_attributes(split)
+        self.metrics.worker_split(msg.queue_s, msg.prefill_s)
         if self.log_requests:
             log.info(
                 "first token: request=%s worker=%s prompt_tokens=%d cached_tokens=%d "

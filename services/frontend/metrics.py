@@ -62,6 +62,19 @@ class FrontendFamilies(Families):
             _MODEL, QUEUE_BUCKETS,
         ),
         MetricSpec(
+            "ttft_worker_queue", "histogram", "ttft_worker_queue_seconds",
+            "The worker's share of a sequence's time to first token spent queued: from its "
+            "arrival at the worker's engine to its first scheduled step (as the worker "
+            "reports it with the first token).",
+            _MODEL, QUEUE_BUCKETS,
+        ),
+        MetricSpec(
+            "ttft_worker_prefill", "histogram", "ttft_worker_prefill_seconds",
+            "The worker's share of a sequence's time to first token spent computing: from "
+            "its first scheduled step to its first token leaving the engine.",
+            _MODEL, TTFT_BUCKETS,
+        ),
+        MetricSpec(
             "requests_received", "counter", "requests_received",
             "Sequences that arrived (admitted past validation and limits); the planner's "
             "arrival rate.",
@@ -230,6 +243,8 @@ class FrontendMetrics:
         "itl",
         "e2e",
         "queue_time",
+        "worker_queue",
+        "worker_prefill",
         "prompt_tokens",
         "generation_tokens",
         "migrations",
@@ -245,10 +260,19 @@ class FrontendMetrics:
         self.itl = families.inter_token_latency.labels(model_name)
         self.e2e = families.e2e_request_latency.labels(model_name)
         self.queue_time = families.request_queue_time.labels(model_name)
+        self.worker_queue = families.ttft_worker_queue.labels(model_name)
+        self.worker_prefill = families.ttft_worker_prefill.labels(model_name)
         self.prompt_tokens = families.prompt_tokens.labels(model_name)
         self.generation_tokens = families.generation_tokens.labels(model_name)
         self.migrations = families.migrations.labels(model_name)
         self.migration_limit = families.migration_limit.labels(model_name)
+
+    def worker_split(self, queue_s: float, prefill_s: float) -> None:
+        """The worker's queue and compute shares of a first token (where it measured them:
+        a PD decode worker that computed no prompt reports none)."""
+        if prefill_s > 0:
+            self.worker_queue.observe(queue_s)
+            self.worker_prefill.observe(prefill_s)
 
     def routed_by(self, source: str) -> None:
         self.families.routes.labels(self.model_name, source).inc()
