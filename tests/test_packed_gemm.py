@@ -189,3 +189,31 @@ def test_tuned_op_drops_its_panels_where_unused(ops, tmp_path, monkeypatch):
     tune_linears(ops2)
     assert ops2[0].table is ops2[1].table and ops2[0].table.upto == BUCKETS
     assert set(ops2[0].table.kernel) <= {"rows_gemm", "packed_gemm", "mkl"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_run_as_one_packed_gemm(ops, dtype):
+    """q, k and v apart in the checkpoint: every path of the PartsLinear gives the joined
+    projection, and its packed path is one GEMM over the parts packed together (sizes that
+    are not multiples of the panel width included)."""
+    from rtp_serve.kernels.linear import PartsLinear, make_linear
+
+    x, w, bias, residual = _case(9, 64, 40 + 24 + 20)
+    kernels = Kernels(ops=ops, prepack_bf16=False)
+    sizes = [40, 24, 20]
+    parts = [make_linear(p.to(dtype), dtype, "auto", kernels) for p in w.split(sizes)]
+    op = PartsLinear(parts, sizes)
+    assert op.panels is not None and all(p.panels is None for p in parts)
+    assert list(op.paths()) == [
+        *list(parts[0].paths())[:1],
+        "packed_gemm",
+        *list(parts[0].paths())[1:],
+    ]
+    xd, bd, rd = x.to(dtype), bias.to(dtype), residual.to(dtype)
+    expected = F.linear(xd.float(), w.to(dtype).float(), bd.float()) + rd.float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, run in [("table", op), *op.paths().items()]:
+        got = run(xd, bd, rd)
+        assert got.shape == (9, 84) and got.dtype == dtype, name
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    assert "as parts [40, 24, 20]" in op.shape_key()

@@ -40,6 +40,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STREAM_BYTES = 48 << 20
 STREAM_BELOW = 64  # from this many rows one weight is timed: the step is compute-bound
 REPEATS = 3
+ROUND_BUDGET_S = 0.1  # a round of a bucket longer than this is measured once, not REPEATS times
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +131,24 @@ def measure(members: Sequence[Tunable]) -> KernelTable:
         use = streamed if rows < STREAM_BELOW else members[:1]
         x = torch.randn(rows, first.in_features(), generator=g).to(first.act_dtype())
         runs = [[op.paths()[name] for op in use] for name in names]
-        best = [math.inf] * len(names)
-        for rep in range(REPEATS + 1):  # interleaved, so a busy spell falls on every path
-            for i, fns in enumerate(runs):
-                t0 = time.perf_counter()
-                for fn in fns:
-                    fn(x)
-                if rep:  # the first round warms caches and allocators
-                    best[i] = min(best[i], time.perf_counter() - t0)
+        rounds = [_round(runs, x)]  # warms caches and allocators
+        if sum(rounds[0]) < ROUND_BUDGET_S:  # else (a large GEMM) it is the measurement
+            rounds = [_round(runs, x) for _ in range(REPEATS)]
+        best = [min(r[i] for r in rounds) for i in range(len(names))]
         rel.append([b / min(best) for b in best])
     return KernelTable(BUCKETS, fit_runs(rel, names))
+
+
+def _round(runs: list[list[Path_]], x: torch.Tensor) -> list[float]:
+    """Seconds of each path over its ops, the paths in turn (so a busy spell of a shared
+    machine falls on all of them)."""
+    times = []
+    for fns in runs:
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn(x)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def fit_runs(rel: list[list[float]], names: list[str]) -> tuple[str, ...]:

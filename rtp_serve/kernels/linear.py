@@ -27,6 +27,7 @@ halves bf16's weight bytes, which is what bounds decode. Without compiled kernel
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -85,7 +86,9 @@ class TunedLinear:
     on the first machines (SMALL_M); `gemm_table.tune()` replaces it with one measured here."""
 
     w: torch.Tensor
+    scale: torch.Tensor | None  # int8's, per output row
     panels: torch.Tensor | None
+    packed_gemm: Callable[..., torch.Tensor] | None
     table: KernelTable
     _paths: dict[str, Callable[..., torch.Tensor]]
 
@@ -124,9 +127,10 @@ class Fp32Linear(TunedLinear):
         self.w = w.float().contiguous()
         self.params = self.w.numel()
         self.nbytes = self.params * 4
-        self.panels = None
+        self.panels, self.scale = None, None
         self._paths = {}  # fewest rows first: the order a KernelTable keeps
         ops = kernels.ops
+        self.packed_gemm = getattr(ops, "packed_gemm", None)
         if ops is not None:
             rows, packed = ops.rows_gemm, ops.packed_gemm
             self.panels = pack_panels(self.w, ops.panel_width())
@@ -176,6 +180,7 @@ class RowsLinear(TunedLinear):
             large = "torch"
         self._paths = {}  # fewest rows first: the order a KernelTable keeps
         ops = kernels.ops
+        self.packed_gemm = getattr(ops, "packed_gemm", None)
         if ops is not None:
             rows, packed = ops.rows_gemm, ops.packed_gemm
             self.panels = pack_panels(self.w, ops.panel_width())
@@ -224,24 +229,47 @@ def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(w, (0, 0, 0, p * width - n)).view(p, width, k).transpose(1, 2).contiguous()
 
 
-class PartsLinear:
+class PartsLinear(TunedLinear):
     """One projection made of several (a layer's q, k and v where the checkpoint does not
-    hold their weights back to back): each part runs on its own weight, where the loader
-    left it, and the outputs are concatenated, instead of copying the weights together."""
+    hold their weights back to back). The unpacked paths run each part on its own weight,
+    where the loader left it, and concatenate the outputs, instead of copying the weights
+    together; packed_gemm, which copies them anyway, packs them as one weight and runs once
+    (one GEMM for q, k and v, no concatenation)."""
 
-    def __init__(self, parts: list[LinearOp], sizes: list[int]) -> None:
+    def __init__(self, parts: list[TunedLinear], sizes: list[int]) -> None:
         self.parts, self.sizes = parts, sizes
         self.params = sum(p.params for p in parts)
         self.nbytes = sum(p.nbytes for p in parts)
+        first = parts[0]
+        self.w, self.scale, self.panels = first.w, None, None  # w: in_features and dtype
+        self._paths = {}
+        for name in first.paths():  # the parts' order
+            if name == "packed_gemm":
+                self._paths[name] = self._packed_path(parts)
+            else:
+                self._paths[name] = functools.partial(self._each, [p._paths[name] for p in parts])
+        self.table = first.table
 
-    @property
-    def kernel(self) -> str:
-        return self.parts[0].kernel
+    def _packed_path(self, parts: list[TunedLinear]) -> Callable[..., torch.Tensor]:
+        gemm, n = parts[0].packed_gemm, sum(self.sizes)
+        self.panels = pack_panels(torch.cat([p.w for p in parts]), parts[0].panels.shape[2])
+        if parts[0].scale is not None:
+            self.scale = torch.cat([p.scale for p in parts])
+        for p in parts:  # each part's own panels serve nothing now
+            p.panels = None
+            del p._paths["packed_gemm"]
+        return lambda x, b=None, r=None: gemm(x, self.panels, n, self.scale, b, r)
 
-    def __call__(self, x, bias=None, residual=None):
-        biases = bias.split(self.sizes) if bias is not None else [None] * len(self.parts)
-        out = torch.cat([p(x, b) for p, b in zip(self.parts, biases, strict=True)], dim=-1)
+    def _each(self, fns, x, bias=None, residual=None):
+        biases = bias.split(self.sizes) if bias is not None else [None] * len(fns)
+        out = torch.cat([fn(x, b) for fn, b in zip(fns, biases, strict=True)], dim=-1)
         return out if residual is None else out.add_(residual)
+
+    def act_dtype(self) -> torch.dtype:
+        return self.parts[0].act_dtype()
+
+    def shape_key(self) -> str:
+        return f"{self.parts[0].shape_key()} as parts {self.sizes}"
 
 
 def tune_linears(ops: Iterable[LinearOp], cache: bool = True) -> None:
@@ -250,8 +278,7 @@ def tune_linears(ops: Iterable[LinearOp], cache: bool = True) -> None:
     bench/gemm.py and bench/engine.py compare the two)."""
     if os.environ.get("RTP_SERVE_GEMM_TUNE", "1") == "0":
         return
-    leaves = [leaf for op in ops for leaf in getattr(op, "parts", [op])]
-    tunable = [op for op in leaves if isinstance(op, TunedLinear) and len(op.paths()) > 1]
+    tunable = [op for op in ops if isinstance(op, TunedLinear) and len(op.paths()) > 1]
     if tunable:
         gemm_table.tune(tunable, cache=cache)
 
