@@ -160,3 +160,42 @@ def test_device_hits_count_what_a_request_reused_when_admitted(model_dir, corpus
     labels = {"role": "fused", "model_name": "m", "tier": "device"}
     assert registry.get_sample_value("rtp:prefix_cache_hits_total", labels) == 4
     assert registry.get_sample_value("rtp:prefix_cache_queries_total", labels) == 8
+
+
+def test_write_back_yields_while_requests_wait(model_dir, corpus_ids):
+    """A worker writes computed prompts back to the remote tier only while nothing waits for
+    its engine: a saturated worker serves first, and counts what it skipped."""
+    from prometheus_client import CollectorRegistry
+
+    from rtp_serve.services.cache.client import CacheClient
+    from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
+    from rtp_serve.services.worker.tiers import Tiers
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(WorkerFamilies(registry), "fused", "m")
+    config = EngineConfig(model=str(model_dir("tiny-llama")), block_size=BS, num_kv_blocks=64)
+    llm = AsyncLLM(config)
+    tiers = Tiers(llm, CacheClient(), metrics)
+
+    async def main() -> list[bool]:
+        seen = [tiers.writes_back()]  # idle
+        async with engine_held(llm):
+            run = asyncio.ensure_future(_drain(llm.generate(corpus_ids[:40], GREEDY, "w")))
+            await asyncio.sleep(0.05)  # sent, waiting in the engine's inbox
+            seen.append(tiers.writes_back())
+        await run
+        seen.append(tiers.writes_back())  # done: idle again
+        return seen
+
+    try:
+        assert asyncio.run(main()) == [True, False, True]
+        assert not Tiers(llm, None, metrics).writes_back()  # no remote tier at all
+    finally:
+        llm.shutdown()
+    labels = {"role": "fused", "model_name": "m"}
+    assert registry.get_sample_value("rtp:kv_writeback_skipped_total", labels) == 1
+
+
+async def _drain(outputs) -> None:
+    async for _ in outputs:
+        pass

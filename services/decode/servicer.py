@@ -129,10 +129,10 @@ class DecodeServicer(WorkerServicer):
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
         fetch = self.tiers.prefetch(prompt, hashes)
-        # With a remote tier, the KV of the prompt blocks computed here (past the cache's
-        # hits) comes back with the last output, to be written back (the blocks are intact
-        # until the engine's next step).
-        remote = self.tiers.remote
+        # With a remote tier (and room to spare: Tiers.writes_back), the KV of the prompt
+        # blocks computed here (past the cache's hits) comes back with the last output, to
+        # be written back (the blocks are intact until the engine's next step).
+        remote = self.tiers.writes_back()
         async for out in self.llm.generate(
             prompt,
             params,

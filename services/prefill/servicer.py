@@ -103,7 +103,8 @@ class PrefillServicer(WorkerServicer):
             extra={"request_id": request.request_id},
         )
         _trace_kv_sent(trace.get_current_span(), blocks)
-        self.tiers.write_back(blocks, hits)
+        if self.tiers.writes_back():
+            self.tiers.write_back(blocks, hits)
 
     def _prompt_keys(self, prompt: list[int], given: list[BlockHash], lora: str) -> list[BlockHash]:
         """The decode worker's keys for this prompt after a cheap check, else our own."""

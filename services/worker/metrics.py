@@ -85,6 +85,12 @@ class WorkerFamilies(Families):
             (*_W, "direction"),
         ),
         MetricSpec(
+            "kv_writeback_skipped", "counter", "kv_writeback_skipped",
+            "Prompts whose computed blocks were not written back to the remote tier because "
+            "requests were waiting for this worker's engine (write-back yields to serving).",
+            _W,
+        ),
+        MetricSpec(
             "kv_transfer_blocks", "counter", "kv_transfer_blocks",
             "KV blocks moved between prefill and decode workers.",
             (*_W, "direction"),
@@ -297,6 +303,9 @@ class WorkerMetrics:
         finally:
             self.transfers_in_flight -= 1
             gauge.dec()
+
+    def writeback_skipped(self) -> None:
+        self.families.kv_writeback_skipped.labels(self.role, self.model_name).inc()
 
     def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
         labels = (self.role, self.model_name, direction)

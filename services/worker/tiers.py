@@ -5,7 +5,8 @@ the device pool (or copied up from the engine's host tier), it is reused; else f
 remote tier (the cache service instances, backed by Redis), it is fetched and imported into
 the pool; else it is computed. The lookup (`Prefetch`) runs while the request is queued
 (the engine holds it until the lookup is over, engine/scheduler.py). Full blocks computed here are written back to the remote tier
-off the request path. Prefill workers and fused workers both do this. The remote tier is an
+off the request path, unless requests are waiting for the engine (`writes_back`: a saturated
+worker serves first). Prefill workers and fused workers both do this. The remote tier is an
 optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
 uses its own pool alone. Blocks fetched from it are used only if their integrity tag matches
 the key asked for (services/cache/integrity.py): a poisoned block reads as a miss too, and
@@ -153,6 +154,20 @@ class Tiers:
         # What the master's cost model predicts a remote hit with (rtp_serve/core/cost_model.py).
         self.llm.costs.observe_fetch(TIER_REMOTE, time.perf_counter() - started, kv.nbytes)
         return TierHits(device, len(found)), StagedKV(usable[device:end], kv)
+
+    def writes_back(self) -> bool:
+        """Whether the prompt of a request arriving now is to be written back to the remote
+        tier: not while requests wait for this worker's engine. Writing back reads the KV
+        out of the pool, serialises, hashes and sends it, on the cores the engine computes
+        on: on 2 cores it cost a fused worker a fifth of its tokens/s at concurrency 16
+        (docs/benchmarks.md). A saturated worker serves first; the fleet still gets the
+        blocks of every worker with room to spare."""
+        if self.cache is None:
+            return False
+        if self.llm.stats().num_waiting > 0:
+            self.metrics.writeback_skipped()
+            return False
+        return True
 
     def write_back(self, blocks: list[common_pb2.KVBlock], hits: TierHits) -> None:
         """Put the full blocks computed here (past the hits) into the remote tier, in the
