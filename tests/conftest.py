@@ -157,6 +157,17 @@ def smollm2() -> Path:
 # Real nats-server / redis-server processes on free 127.0.0.1 ports, one each per session.
 
 
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled CPU kernels (a failure, not a skip, where they do not build)."""
+    from rtp_serve.kernels import cpu
+
+    compiled = cpu.load()
+    if compiled is None:
+        pytest.fail("the CPU kernels did not build (set RTP_SERVE_CPU_KERNELS=0 to run without)")
+    return compiled
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL (nats://127.0.0.1:PORT) of a nats-server shared by the session."""

@@ -135,3 +135,10 @@ async def engine_held(llm: AsyncLLM):
     finally:
         gate.set()
         await blocker
+
+
+def linear_case(m: int, k: int, n: int):
+    """x [m, k], w [n, k] (scaled so outputs stay near 1), bias [n] and residual [m, n]."""
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    return x, w, torch.randn(n, generator=g), torch.randn(m, n, generator=g)

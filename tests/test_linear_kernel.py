@@ -26,26 +26,13 @@ from rtp_serve.kernels.linear import (
     prepack_works,
     quantize_int8,
 )
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu.load()
-    if ops is None:
-        pytest.fail("the CPU kernels did not build (set RTP_SERVE_CPU_KERNELS=0 to run without)")
-    return ops
-
-
-def _case(m: int, k: int, n: int):
-    g = torch.Generator().manual_seed(m * 1000 + k + n)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
-    return x, w, torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+from tests.helpers import linear_case
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, SMALL_M])
 @pytest.mark.parametrize("k,n", [(64, 96), (130, 7), (768, 2304)])
 def test_small_gemm_matches_torch(ops, m, k, n):
-    x, w, bias, residual = _case(m, k, n)
+    x, w, bias, residual = linear_case(m, k, n)
     w = w.t().contiguous()
     for b, r in ((None, None), (bias, None), (None, residual), (bias, residual)):
         expected = x @ w + (0 if b is None else b) + (0 if r is None else r)
@@ -59,7 +46,7 @@ def test_small_gemm_matches_torch(ops, m, k, n):
 @pytest.mark.parametrize("k,n", [(64, 96), (130, 7), (13, 5), (768, 2304)])
 def test_rows_gemm_matches_torch(ops, wdtype, m, k, n):
     """Odd K (no full vector), N not a multiple of the 4-row block, 1..32 rows."""
-    x, w, bias, residual = _case(m, k, n)
+    x, w, bias, residual = linear_case(m, k, n)
     scale = None
     if wdtype == torch.int8:
         q, scale = quantize_int8(w)
@@ -116,7 +103,7 @@ _KERNEL_SETS = {
 )
 @pytest.mark.parametrize("m", [1, 7, SMALL_M, SMALL_M + 1, 80])
 def test_linear_ops_match_reference(ops, path, dtype, weight_dtype, m):
-    x, w, bias, residual = _case(m, 96, 200)
+    x, w, bias, residual = linear_case(m, 96, 200)
     op = make_linear(
         w.to(dtype) if weight_dtype == "auto" else w, dtype, weight_dtype, _KERNEL_SETS[path](ops)
     )
@@ -140,7 +127,7 @@ def test_linear_ops_match_reference(ops, path, dtype, weight_dtype, m):
 
 def test_int8_weights_are_close_to_the_float_weights():
     """Per-channel INT8 keeps a projection's output within ~1% of float32 (random weights)."""
-    x, w, _, _ = _case(16, 768, 512)
+    x, w, _, _ = linear_case(16, 768, 512)
     op = make_linear(w, torch.float32, "int8", Kernels(ops=cpu.load(), prepack_bf16=False))
     ref = F.linear(x, w)
     rel = (op(x) - ref).norm() / ref.norm()
@@ -163,7 +150,7 @@ def test_kernel_choice_follows_the_machine(ops):
 @pytest.mark.parametrize("m", [PACKED_FROM - 1, PACKED_FROM, 7, SMALL_M + 1, 200])
 def test_prepacked_bf16_matches_reference(ops, m):
     """From PACKED_FROM rows on the prepacked GEMM, below it rows_gemm: both as reference."""
-    x, w, bias, residual = _case(m, 96, 200)
+    x, w, bias, residual = linear_case(m, 96, 200)
     op = make_linear(w.bfloat16(), torch.bfloat16, "auto", Kernels(ops=ops, prepack_bf16=True))
     assert op._prepacked is not None
     got = op(x.bfloat16(), bias.bfloat16(), residual.bfloat16())

@@ -15,29 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rtp_serve.kernels import cpu, gemm_table
+from rtp_serve.kernels import gemm_table
 from rtp_serve.kernels.gemm_table import BUCKETS, KernelTable
 from rtp_serve.kernels.linear import Fp32Linear, Kernels, pack_panels, quantize_int8, tune_linears
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu.load()
-    if ops is None:
-        pytest.fail("the CPU kernels did not build (set RTP_SERVE_CPU_KERNELS=0 to run without)")
-    return ops
-
-
-def _case(m: int, k: int, n: int):
-    g = torch.Generator().manual_seed(m * 1000 + k + n)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
-    return x, w, torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+from tests.helpers import linear_case
 
 
 @pytest.mark.parametrize("m", range(1, 65))
 @pytest.mark.parametrize("k,n", [(33, 17), (131, 301)])
 def test_packed_gemm_float32_matches_torch_mm(ops, m, k, n):
-    x, w, bias, residual = _case(m, k, n)
+    x, w, bias, residual = linear_case(m, k, n)
     panels = pack_panels(w, ops.panel_width())
     torch.testing.assert_close(
         ops.packed_gemm(x, panels, n), torch.mm(x, w.t()), rtol=1e-4, atol=1e-4
@@ -49,7 +36,7 @@ def test_packed_gemm_float32_matches_torch_mm(ops, m, k, n):
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 64, 200])
 def test_packed_gemm_narrow_storage_matches_torch(ops, wdtype, m):
-    x, w, bias, residual = _case(m, 77, 45)
+    x, w, bias, residual = linear_case(m, 77, 45)
     if wdtype == torch.int8:
         stored, scale = quantize_int8(w)
         dense = stored.float() * scale[:, None]
@@ -198,7 +185,7 @@ def test_parts_run_as_one_packed_gemm(ops, dtype):
     are not multiples of the panel width included)."""
     from rtp_serve.kernels.linear import PartsLinear, make_linear
 
-    x, w, bias, residual = _case(9, 64, 40 + 24 + 20)
+    x, w, bias, residual = linear_case(9, 64, 40 + 24 + 20)
     kernels = Kernels(ops=ops, prepack_bf16=False)
     sizes = [40, 24, 20]
     parts = [make_linear(p.to(dtype), dtype, "auto", kernels) for p in w.split(sizes)]
@@ -217,3 +204,10 @@ def test_parts_run_as_one_packed_gemm(ops, dtype):
         assert got.shape == (9, 84) and got.dtype == dtype, name
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert "as parts [40, 24, 20]" in op.shape_key()
+
+
+def test_untuned_ops_keep_the_fixed_split_and_pack_nothing(ops, monkeypatch):
+    monkeypatch.setenv("RTP_SERVE_GEMM_TUNE", "0")
+    op = Fp32Linear(torch.randn(40, 24), Kernels(ops=ops, prepack_bf16=False))
+    tune_linears([op])
+    assert op.table == KernelTable.split("rows_gemm", 32, "mkl") and op.panels is None

@@ -13,6 +13,7 @@
 // from memory for the first 6 rows and from L1/L2 for the rest: every weight is read from
 // memory once per call, whatever M is. The AVX-512 build runs the same AVX2 micro-kernel
 // (no wider one is built: no machine here has been able to run it).
+#include "gemm_args.h"
 #include "tensor.h"
 #include "vec.h"
 
@@ -117,22 +118,13 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
   const bool int8 = panels.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == scale.has_value(), "int8 weights need a scale, other dtypes none");
   const int64_t M = x.size(0), K = x.size(1);
-  auto xf = x.to(at::kFloat).contiguous();
-  auto f32 = [&](const c10::optional<torch::Tensor>& t) -> c10::optional<torch::Tensor> {
-    if (!t.has_value()) return c10::nullopt;
-    return t->to(at::kFloat).contiguous();
-  };
-  auto sf = f32(scale), bf = f32(bias), rf = f32(residual);
-  if (sf) TORCH_CHECK(sf->numel() == N, "scale must be [N]");
-  if (bf) TORCH_CHECK(bf->numel() == N, "bias must be [N]");
-  if (rf) TORCH_CHECK(rf->size(0) == M && rf->size(1) == N, "residual must be [M, N]");
-  auto out = torch::empty({M, N}, xf.options());
+  auto args = gemm_args(x, N, scale, bias, residual);
 #ifdef RTP_AVX2
-  const float* sp = sf ? sf->data_ptr<float>() : nullptr;
-  const float* bp = bf ? bf->data_ptr<float>() : nullptr;
-  const float* rp = rf ? rf->data_ptr<float>() : nullptr;
-  const float* xp = xf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* sp = ptr_or_null(args.scale);
+  const float* bp = ptr_or_null(args.bias);
+  const float* rp = ptr_or_null(args.residual);
+  const float* xp = args.x.data_ptr<float>();
+  float* op = args.out.data_ptr<float>();
   switch (panels.scalar_type()) {
     case at::kFloat:
       panels_kernel(xp, panels.data_ptr<float>(), sp, bp, rp, op, M, K, N);
@@ -152,5 +144,5 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
 #else
   TORCH_CHECK(false, "packed_gemm needs AVX2 and FMA");
 #endif
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? args.out : args.out.to(x.scalar_type());
 }

@@ -16,6 +16,7 @@
 // are loaded: each weight row is read from memory once and from L1 once per group of rows,
 // with no buffer in between. A single row of x against float32 weights takes eight weight
 // rows at a time, more rows four.
+#include "gemm_args.h"
 #include "tensor.h"
 #include "vec.h"
 
@@ -320,21 +321,12 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   const bool int8 = w.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == scale.has_value(), "int8 weights need a scale, other dtypes none");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto xf = x.to(at::kFloat).contiguous();
-  auto f32 = [&](const c10::optional<torch::Tensor>& t) -> c10::optional<torch::Tensor> {
-    if (!t.has_value()) return c10::nullopt;
-    return t->to(at::kFloat).contiguous();
-  };
-  auto sf = f32(scale), bf = f32(bias), rf = f32(residual);
-  if (sf) TORCH_CHECK(sf->numel() == N, "scale must be [N]");
-  if (bf) TORCH_CHECK(bf->numel() == N, "bias must be [N]");
-  if (rf) TORCH_CHECK(rf->size(0) == M && rf->size(1) == N, "residual must be [M, N]");
-  auto out = torch::empty({M, N}, xf.options());
-  const float* sp = sf ? sf->data_ptr<float>() : nullptr;
-  const float* bp = bf ? bf->data_ptr<float>() : nullptr;
-  const float* rp = rf ? rf->data_ptr<float>() : nullptr;
-  const float* xp = xf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  auto args = gemm_args(x, N, scale, bias, residual);
+  const float* sp = ptr_or_null(args.scale);
+  const float* bp = ptr_or_null(args.bias);
+  const float* rp = ptr_or_null(args.residual);
+  const float* xp = args.x.data_ptr<float>();
+  float* op = args.out.data_ptr<float>();
   switch (w.scalar_type()) {
     case at::kBFloat16:
       rows_kernel(xp, w.data_ptr<c10::BFloat16>(), sp, bp, rp, op, M, K, N);
@@ -352,5 +344,5 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     default:
       TORCH_CHECK(false, "rows_gemm: weights must be bfloat16, float16, int8 or float32");
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? args.out : args.out.to(x.scalar_type());
 }

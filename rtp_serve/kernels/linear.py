@@ -111,11 +111,20 @@ class TunedLinear:
     def in_features(self) -> int:
         return self.w.shape[1]
 
+    def _compiled_paths(self, ops) -> None:
+        """rows_gemm over the weight where it lies, packed_gemm over a packed copy."""
+        rows, packed = ops.rows_gemm, ops.packed_gemm
+        self.panels = pack_panels(self.w, ops.panel_width())
+        self._paths["rows_gemm"] = lambda x, b=None, r=None: rows(x, self.w, self.scale, b, r)
+        self._paths["packed_gemm"] = lambda x, b=None, r=None: packed(
+            x, self.panels, self.w.shape[0], self.scale, b, r
+        )
+
     def act_dtype(self) -> torch.dtype:
         raise NotImplementedError
 
     def shape_key(self) -> str:
-        scaled = "+scale" if getattr(self, "scale", None) is not None else ""
+        scaled = "+scale" if self.scale is not None else ""
         n, k = self.w.shape
         return f"{type(self).__name__} {n}x{k} {self.w.dtype}{scaled} -> {self.act_dtype()}"
 
@@ -132,12 +141,7 @@ class Fp32Linear(TunedLinear):
         ops = kernels.ops
         self.packed_gemm = getattr(ops, "packed_gemm", None)
         if ops is not None:
-            rows, packed = ops.rows_gemm, ops.packed_gemm
-            self.panels = pack_panels(self.w, ops.panel_width())
-            self._paths["rows_gemm"] = lambda x, b=None, r=None: rows(x, self.w, None, b, r)
-            self._paths["packed_gemm"] = lambda x, b=None, r=None: packed(
-                x, self.panels, self.w.shape[0], None, b, r
-            )
+            self._compiled_paths(ops)
         self._paths["mkl"] = self._mkl
         small = "rows_gemm" if ops is not None else "mkl"
         self.table = KernelTable.split(small, SMALL_M, "mkl")
@@ -182,12 +186,7 @@ class RowsLinear(TunedLinear):
         ops = kernels.ops
         self.packed_gemm = getattr(ops, "packed_gemm", None)
         if ops is not None:
-            rows, packed = ops.rows_gemm, ops.packed_gemm
-            self.panels = pack_panels(self.w, ops.panel_width())
-            self._paths["rows_gemm"] = lambda x, b=None, r=None: rows(x, self.w, self.scale, b, r)
-            self._paths["packed_gemm"] = lambda x, b=None, r=None: packed(
-                x, self.panels, self.w.shape[0], self.scale, b, r
-            )
+            self._compiled_paths(ops)
         self._paths[large] = getattr(self, f"_{large}")
         if ops is not None:
             # rows_gemm up to SMALL_M rows, or below PACKED_FROM where oneDNN's is there.
@@ -276,10 +275,11 @@ def tune_linears(ops: Iterable[LinearOp], cache: bool = True) -> None:
     """Give every CPU projection of a model the kernel table measured for its shape.
     RTP_SERVE_GEMM_TUNE=0 keeps the fixed split (what ran before tables were measured:
     bench/gemm.py and bench/engine.py compare the two)."""
-    if os.environ.get("RTP_SERVE_GEMM_TUNE", "1") == "0":
-        return
     tunable = [op for op in ops if isinstance(op, TunedLinear) and len(op.paths()) > 1]
-    if tunable:
+    if os.environ.get("RTP_SERVE_GEMM_TUNE", "1") == "0":
+        for op in tunable:
+            op.use(op.table)  # the fixed split, which packs nothing: the panels go
+    elif tunable:
         gemm_table.tune(tunable, cache=cache)
 
 
