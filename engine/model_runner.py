@@ -164,7 +164,10 @@ class ModelRunner:
         self._lora_ops = lora_ops(self.kernels.ops, self.dtype)
         isa = self.kernels.isa
         self.cpu_isa = isa.describe() if isa else self.device.type
-        self.linear_kernels = weights.layers[0].qkv.kernel + (
+        # The first projection's kernel per row count, as measured (gemm_table.py).
+        qkv = weights.layers[0].qkv
+        table = getattr(qkv, "table", None)
+        self.linear_kernels = (table.describe() if table is not None else qkv.kernel) + (
             " + oneDNN prepacked bf16" if self.kernels.prepack_bf16 else ""
         )
         log.info(
