@@ -56,7 +56,7 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def gemm_peak(ops, threads: int, big_shape: tuple[int, int]) -> dict[str, float]:
+def gemm_peak(ops, big_shape: tuple[int, int]) -> dict[str, float]:
     """GFLOPS of each library on large GEMMs; the best over the shapes, per library."""
     g = torch.Generator().manual_seed(0)
     k, n = big_shape
@@ -110,7 +110,7 @@ def main() -> None:
     tune_s = time.perf_counter() - t0
 
     fma = statistics.median(ops.fma_peak_gflops(30_000_000) for _ in range(3))
-    peaks = gemm_peak(ops, args.threads, max(layer, key=lambda s: s[0] * s[1]))
+    peaks = gemm_peak(ops, max(layer, key=lambda s: s[0] * s[1]))
     peak = max(peaks.values())
     bandwidth = copy_bandwidth() / 1e9
     nbytes = sum(w.numel() * 4 for w in weights)

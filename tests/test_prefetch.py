@@ -181,7 +181,8 @@ def test_write_back_yields_while_requests_wait(model_dir, corpus_ids):
         seen = [tiers.writes_back()]  # idle
         async with engine_held(llm):
             run = asyncio.ensure_future(_drain(llm.generate(corpus_ids[:40], GREEDY, "w")))
-            await asyncio.sleep(0.05)  # sent, waiting in the engine's inbox
+            while not llm.stats().num_waiting:  # until it is sent, waiting in the inbox
+                await asyncio.sleep(0)
             seen.append(tiers.writes_back())
         await run
         seen.append(tiers.writes_back())  # done: idle again
