@@ -24,6 +24,7 @@ namespace {
 constexpr int64_t kNR = 16;  // panel width: output columns per tile
 constexpr int kMR = 6;       // rows of x per tile: 12 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kAhead = 16;  // k steps the panel is prefetched ahead
+constexpr int64_t kKC = 128;    // k steps summed in registers before adding to the tile's sum
 
 #ifdef RTP_AVX2
 using rtp::load8;
@@ -38,20 +39,33 @@ using rtp::load8;
   }
 #define RTP_STORE(r)                                                  \
   if constexpr (MR > r) {                                             \
-    _mm256_storeu_ps(c + kNR * r, lo##r);                             \
-    _mm256_storeu_ps(c + kNR * r + 8, hi##r);                         \
+    if (first) {                                                      \
+      _mm256_storeu_ps(c + kNR * r, lo##r);                           \
+      _mm256_storeu_ps(c + kNR * r + 8, hi##r);                       \
+    } else {                                                          \
+      _mm256_storeu_ps(c + kNR * r, _mm256_add_ps(_mm256_loadu_ps(c + kNR * r), lo##r)); \
+      _mm256_storeu_ps(c + kNR * r + 8,                               \
+                       _mm256_add_ps(_mm256_loadu_ps(c + kNR * r + 8), hi##r));          \
+    }                                                                 \
   }
+// Each K block of kKC steps sums into fresh registers and is then added to c: one running
+// sum over all of K lost precision like a naive dot product (2.35x HF's error on smollm2's
+// logits at K = 1536); blocked, the error grows with kKC + K / kKC, as MKL's does.
 template <int MR, typename w_t>
 RTP_INLINE void tile(const float* __restrict x, int64_t K, const w_t* __restrict b,
                      float* __restrict c) {
-  __m256 lo0 = _mm256_setzero_ps(), lo1 = lo0, lo2 = lo0, lo3 = lo0, lo4 = lo0, lo5 = lo0;
-  __m256 hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0, hi4 = lo0, hi5 = lo0;
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + kNR * (k + kAhead)), _MM_HINT_T0);
-    const __m256 b0 = load8(b + kNR * k), b1 = load8(b + kNR * k + 8);
-    RTP_ROW(0) RTP_ROW(1) RTP_ROW(2) RTP_ROW(3) RTP_ROW(4) RTP_ROW(5)
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t k1 = std::min(K, k0 + kKC);
+    const bool first = k0 == 0;
+    __m256 lo0 = _mm256_setzero_ps(), lo1 = lo0, lo2 = lo0, lo3 = lo0, lo4 = lo0, lo5 = lo0;
+    __m256 hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0, hi4 = lo0, hi5 = lo0;
+    for (int64_t k = k0; k < k1; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + kNR * (k + kAhead)), _MM_HINT_T0);
+      const __m256 b0 = load8(b + kNR * k), b1 = load8(b + kNR * k + 8);
+      RTP_ROW(0) RTP_ROW(1) RTP_ROW(2) RTP_ROW(3) RTP_ROW(4) RTP_ROW(5)
+    }
+    RTP_STORE(0) RTP_STORE(1) RTP_STORE(2) RTP_STORE(3) RTP_STORE(4) RTP_STORE(5)
   }
-  RTP_STORE(0) RTP_STORE(1) RTP_STORE(2) RTP_STORE(3) RTP_STORE(4) RTP_STORE(5)
 }
 #undef RTP_ROW
 #undef RTP_STORE
