@@ -5,8 +5,9 @@ every path the engine has against torch.mm (MKL), beside the machine's measured 
 
 Header: the CPU flags, the threads, and two ceilings measured in this run:
   FMA limit    kernels/csrc/fma_peak.cpp: independent FMA chains in registers, no memory:
-               what no GEMM can exceed; divided by (2 FMA pipes x 8 fp32 lanes x 2 FLOPs x
-               threads) it gives the clock the cores ran at (AVX2: two 256-bit FMA pipes
+               what no GEMM can exceed; divided by (2 FMA pipes x the build's fp32 lanes, 8 on
+               AVX2 and 16 on AVX-512, x 2 FLOPs x threads) it gives the clock the cores
+               ran at if they have two FMA pipes of that width (AVX2: two 256-bit FMA pipes
                on the Zen and Intel cores measured here)
   GEMM peak    the best of MKL (torch.mm), oneDNN (torch's mkldnn linear) and packed_gemm
                on large GEMMs (2048 x 2048 x 2048, and the model's largest shape at 256,
@@ -43,7 +44,6 @@ from rtp_serve.kernels.linear import Fp32Linear, cpu_kernels, tune_linears  # no
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 PATHS = ("rows_gemm", "packed_gemm", "mkl")
-FMA_LANES = 2 * 8 * 2  # AVX2: 2 FMA pipes x 8 fp32 lanes x 2 FLOPs
 
 
 def best_time(fn, repeats: int) -> float:
@@ -119,8 +119,9 @@ def main() -> None:
     print(f"cpu: {cpu_isa().describe()}; bench flags: {bench_flags()}; threads {args.threads}")
     print(f"model {args.model}: {len(layer)} shapes (k x n) {layer}, x{args.layers} copies, "
           f"{nbytes / 2**20:.0f} MiB fp32; tables measured in {tune_s:.1f} s")  # fmt: skip
-    print(f"FMA limit (measured in registers): {fma:.0f} GFLOPS = {fma / FMA_LANES / args.threads:.2f} GHz"
-          f" x {FMA_LANES} FLOP/cycle x {args.threads} cores")  # fmt: skip
+    per_cycle = 2 * ops.vector_lanes() * 2  # 2 FMA pipes x the build's fp32 lanes x 2 FLOPs
+    print(f"FMA limit (measured in registers): {fma:.0f} GFLOPS = {fma / per_cycle / args.threads:.2f} GHz"
+          f" x {per_cycle} FLOP/cycle x {args.threads} cores")  # fmt: skip
     print("GEMM peak (large GEMMs): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items())
           + f" GFLOPS -> peak {peak:.0f} ({100 * peak / fma:.0f}% of the FMA limit)")  # fmt: skip
     print(f"copy bandwidth: {bandwidth:.1f} GB/s")

@@ -69,7 +69,7 @@ def test_packed_gemm_refuses_mismatched_shapes(ops):
     with pytest.raises(RuntimeError, match="disagree on K"):
         ops.packed_gemm(torch.randn(2, 9), panels, 20)
     with pytest.raises(RuntimeError, match="need a scale"):
-        ops.packed_gemm(torch.randn(2, 8), pack_panels(torch.ones(20, 8, dtype=torch.int8), 16), 20)
+        ops.packed_gemm(torch.randn(2, 8), pack_panels(torch.ones(20, 8, dtype=torch.int8), ops.panel_width()), 20)
 
 
 def test_kernel_table_picks_by_row_count():

@@ -20,6 +20,7 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
                           c10::optional<torch::Tensor> residual);
 int64_t panel_width();
 double fma_peak_gflops(int64_t iters);
+int64_t vector_lanes();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
@@ -49,10 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
   m.def("lora_rows", &lora_rows, "y += LoRA updates of rows, each with its own adapter (float32)");
   m.def("packed_gemm", &packed_gemm,
-        "x @ w.T (* scale) (+ bias) (+ residual) over w packed in column panels [P, K, 16]",
+        "x @ w.T (* scale) (+ bias) (+ residual) over w packed in column panels [P, K, panel_width]",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
   m.def("panel_width", &panel_width, "output columns per packed_gemm panel");
+  m.def("vector_lanes", &vector_lanes, "float32 lanes of the build's widest register");
   m.def("fma_peak_gflops", &fma_peak_gflops, "the FMA pipes' rate, measured in registers");
   m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }

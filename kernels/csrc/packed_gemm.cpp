@@ -2,17 +2,18 @@
 // the row counts where a step is compute-bound enough that register blocking pays (a few
 // rows up to a prefill chunk; rtp_serve/kernels/gemm_table.py measures where, per shape).
 //
-//   w [N, K] (checkpoint)  ->  panels [P = ceil(N / 16)][K][16]   (zero rows pad N to 16 P)
+//   w [N, K] (checkpoint)  ->  panels [P = ceil(N / NR)][K][NR]   (zero rows pad N to NR P)
 //
-//   panel p:  k=0: w[16p .. 16p+15, 0]   k=1: w[16p .. 16p+15, 1]   ...
+//   panel p:  k=0: w[NR p .. NR p + NR-1, 0]   k=1: w[NR p .., 1]   ...
 //
-// Per k the micro-kernel loads a panel's 16 weights (two AVX2 registers, widened from bf16,
-// fp16 or int8 as loaded), broadcasts x[m, k] for 6 rows of x and does 12 FMAs into 12
-// accumulators: 6 x 16 outputs held in registers for the whole K loop. Threads split the
-// panels (parallel over N); within a panel the rows of x go 6 at a time, so the panel comes
-// from memory for the first 6 rows and from L1/L2 for the rest: every weight is read from
-// memory once per call, whatever M is. The AVX-512 build runs the same AVX2 micro-kernel
-// (no wider one is built: no machine here has been able to run it).
+// NR is two float32 registers of the build: 16 columns on AVX2, 32 on AVX-512
+// (panel_width(); the loader packs to it). Per k the micro-kernel loads a panel's NR weights
+// (two registers, widened from bf16, fp16 or int8 as loaded), broadcasts x[m, k] for MR rows
+// of x and does 2 MR FMAs into 2 MR accumulators: MR x NR outputs held in registers for a
+// block of K. MR is 6 on AVX2 (12 accumulators of its 16 registers) and 12 on AVX-512 (24 of
+// 32). Threads split the panels (parallel over N); within a panel the rows of x go MR at a
+// time, so the panel comes from memory for the first MR rows and from L1/L2 for the rest:
+// every weight is read from memory once per call, whatever M is.
 #include "gemm_args.h"
 #include "tensor.h"
 #include "vec.h"
@@ -21,32 +22,31 @@
 
 namespace {
 
-constexpr int64_t kNR = 16;  // panel width: output columns per tile
-constexpr int kMR = 6;       // rows of x per tile: 12 accumulators + 2 weights + 1 broadcast
+#ifdef RTP_AVX2
+using rtp::kLanes;
+using rtp::VecF;
+constexpr int64_t kNR = 2 * kLanes;  // panel width: output columns per tile
+#ifdef RTP_AVX512
+constexpr int kMR = 12;  // rows of x per tile: 24 accumulators + 2 weights + 1 broadcast
+#else
+constexpr int kMR = 6;   // rows of x per tile: 12 accumulators + 2 weights + 1 broadcast
+#endif
 constexpr int64_t kAhead = 16;  // k steps the panel is prefetched ahead
 constexpr int64_t kKC = 128;    // k steps summed in registers before adding to the tile's sum
 
-#ifdef RTP_AVX2
-using rtp::load8;
-
-// Rows [0, MR) of x (row stride K) times one panel, into c [MR][16]. The accumulators are
+// Rows [0, MR) of x (row stride K) times one panel, into c [MR][NR]. The accumulators are
 // named, not an array: GCC kept an array's copy on the stack, a store per FMA.
 #define RTP_ROW(r)                                                    \
   if constexpr (MR > r) {                                             \
-    const __m256 a = _mm256_broadcast_ss(x + r * K + k);              \
-    lo##r = _mm256_fmadd_ps(a, b0, lo##r);                            \
-    hi##r = _mm256_fmadd_ps(a, b1, hi##r);                            \
+    const VecF a = rtp::vset1(x + r * K + k);                         \
+    lo##r = rtp::vfma(a, b0, lo##r);                                  \
+    hi##r = rtp::vfma(a, b1, hi##r);                                  \
   }
 #define RTP_STORE(r)                                                  \
   if constexpr (MR > r) {                                             \
-    if (first) {                                                      \
-      _mm256_storeu_ps(c + kNR * r, lo##r);                           \
-      _mm256_storeu_ps(c + kNR * r + 8, hi##r);                       \
-    } else {                                                          \
-      _mm256_storeu_ps(c + kNR * r, _mm256_add_ps(_mm256_loadu_ps(c + kNR * r), lo##r)); \
-      _mm256_storeu_ps(c + kNR * r + 8,                               \
-                       _mm256_add_ps(_mm256_loadu_ps(c + kNR * r + 8), hi##r));          \
-    }                                                                 \
+    float* cr = c + kNR * r;                                          \
+    rtp::vstore(cr, first ? lo##r : rtp::vadd(rtp::vload(cr), lo##r));             \
+    rtp::vstore(cr + kLanes, first ? hi##r : rtp::vadd(rtp::vload(cr + kLanes), hi##r)); \
   }
 // Each K block of kKC steps sums into fresh registers and is then added to c: one running
 // sum over all of K lost precision like a naive dot product (2.35x HF's error on smollm2's
@@ -54,17 +54,24 @@ using rtp::load8;
 template <int MR, typename w_t>
 RTP_INLINE void tile(const float* __restrict x, int64_t K, const w_t* __restrict b,
                      float* __restrict c) {
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(w_t));  // weights per cache line
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t k1 = std::min(K, k0 + kKC);
     const bool first = k0 == 0;
-    __m256 lo0 = _mm256_setzero_ps(), lo1 = lo0, lo2 = lo0, lo3 = lo0, lo4 = lo0, lo5 = lo0;
-    __m256 hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0, hi4 = lo0, hi5 = lo0;
+    [[maybe_unused]] VecF lo0 = rtp::vzero(), lo1 = lo0, lo2 = lo0, lo3 = lo0, lo4 = lo0,
+                          lo5 = lo0, lo6 = lo0, lo7 = lo0, lo8 = lo0, lo9 = lo0, lo10 = lo0,
+                          lo11 = lo0;
+    [[maybe_unused]] VecF hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0, hi4 = lo0, hi5 = lo0,
+                          hi6 = lo0, hi7 = lo0, hi8 = lo0, hi9 = lo0, hi10 = lo0, hi11 = lo0;
     for (int64_t k = k0; k < k1; ++k) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + kNR * (k + kAhead)), _MM_HINT_T0);
-      const __m256 b0 = load8(b + kNR * k), b1 = load8(b + kNR * k + 8);
+      for (int64_t j = 0; j < kNR; j += line)  // unrolled: a panel row is 1 or 2 lines
+        _mm_prefetch(reinterpret_cast<const char*>(b + kNR * (k + kAhead) + j), _MM_HINT_T0);
+      const VecF b0 = rtp::vloadw(b + kNR * k), b1 = rtp::vloadw(b + kNR * k + kLanes);
       RTP_ROW(0) RTP_ROW(1) RTP_ROW(2) RTP_ROW(3) RTP_ROW(4) RTP_ROW(5)
+      RTP_ROW(6) RTP_ROW(7) RTP_ROW(8) RTP_ROW(9) RTP_ROW(10) RTP_ROW(11)
     }
     RTP_STORE(0) RTP_STORE(1) RTP_STORE(2) RTP_STORE(3) RTP_STORE(4) RTP_STORE(5)
+    RTP_STORE(6) RTP_STORE(7) RTP_STORE(8) RTP_STORE(9) RTP_STORE(10) RTP_STORE(11)
   }
 }
 #undef RTP_ROW
@@ -76,6 +83,14 @@ template <typename w_t>
 __attribute__((noinline)) void tile_rows(const float* x, int64_t K, const w_t* b, int64_t mr,
                                          float* c) {
   switch (mr) {
+#ifdef RTP_AVX512
+    case 12: tile<12>(x, K, b, c); break;
+    case 11: tile<11>(x, K, b, c); break;
+    case 10: tile<10>(x, K, b, c); break;
+    case 9: tile<9>(x, K, b, c); break;
+    case 8: tile<8>(x, K, b, c); break;
+    case 7: tile<7>(x, K, b, c); break;
+#endif
     case 6: tile<6>(x, K, b, c); break;
     case 5: tile<5>(x, K, b, c); break;
     case 4: tile<4>(x, K, b, c); break;
@@ -90,7 +105,7 @@ void panels_kernel(const float* x, const w_t* panels, const float* scale, const 
                    const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
   const int64_t P = (N + kNR - 1) / kNR;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    alignas(32) float c[kMR * kNR];
+    alignas(64) float c[kMR * kNR];
     for (int64_t p = p0; p < p1; ++p) {
       const w_t* b = panels + p * K * kNR;
       const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
@@ -116,18 +131,25 @@ void panels_kernel(const float* x, const w_t* panels, const float* scale, const 
 
 }  // namespace
 
-int64_t panel_width() { return kNR; }
+int64_t panel_width() {
+#ifdef RTP_AVX2
+  return kNR;
+#else
+  return 16;  // the AVX2 layout; nothing here computes on it without AVX2
+#endif
+}
 
-// x [M, K] (any float dtype), panels [P, K, 16] of float32 / bf16 / fp16 / int8 (the packing
+// x [M, K] (any float dtype), panels [P, K, panel_width()] of float32 / bf16 / fp16 / int8 (the packing
 // of w [N, K], rtp_serve/kernels/linear.py), scale [N] float32 (int8 only), bias [N] and
 // residual [M, N] optional; returns [M, N] in x's dtype.
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kNR,
-              "x [M, K] @ panels [P, K, 16]");
+  const int64_t NR = panel_width();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR,
+              "x [M, K] @ panels [P, K, ", NR, "]");
   TORCH_CHECK(panels.size(1) == x.size(1), "x and panels disagree on K");
-  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == panels.size(0), "N does not match the panels");
+  TORCH_CHECK(N > 0 && (N + NR - 1) / NR == panels.size(0), "N does not match the panels");
   TORCH_CHECK(panels.is_contiguous(), "panels must be contiguous");
   const bool int8 = panels.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == scale.has_value(), "int8 weights need a scale, other dtypes none");

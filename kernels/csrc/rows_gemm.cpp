@@ -54,12 +54,7 @@ inline void dot_rows_portable(const float* __restrict xm, const w_t* __restrict 
 // The compiler does not vectorise the widening of mixed-type streams well (int8 above all),
 // so the memory-bound path is written out for AVX2, which every x86 machine here has.
 using rtp::load8;
-RTP_INLINE float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using rtp::hsum;
 
 // One weight row at a time, so the weights are read as one sequential stream; four
 // accumulators hide the FMA latency.
@@ -109,40 +104,22 @@ inline void dot_rows2(const float* __restrict xa, const float* __restrict xb,
   sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
 }
 
-#if defined(__AVX512F__)
-using VecF = __m512;
-constexpr int64_t kLanes = 16;
+#if defined(RTP_AVX512)
 constexpr int kGroup = 4;  // rows of x per pass: 16 accumulators of the 32 registers
-RTP_INLINE VecF vload(const float* p) { return _mm512_loadu_ps(p); }
-RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-RTP_INLINE VecF vzero() { return _mm512_setzero_ps(); }
-RTP_INLINE float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
-// Sixteen weights widened to float32 as they are loaded.
-RTP_INLINE VecF vloadw(const float* p) { return _mm512_loadu_ps(p); }
-RTP_INLINE VecF vloadw(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-RTP_INLINE VecF vloadw(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-RTP_INLINE VecF vloadw(const int8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
 #elif defined(RTP_AVX2)
-using VecF = __m256;
-constexpr int64_t kLanes = 8;
 constexpr int kGroup = 2;  // 8 accumulators of the 16 registers
-RTP_INLINE VecF vload(const float* p) { return _mm256_loadu_ps(p); }
-RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-RTP_INLINE VecF vzero() { return _mm256_setzero_ps(); }
-RTP_INLINE float vsum(VecF v) { return hsum(v); }
-template <typename w_t>
-RTP_INLINE VecF vloadw(const w_t* p) { return load8(p); }
+#endif
+#ifdef RTP_AVX2
+using rtp::kLanes;
+using rtp::vfma;
+using rtp::VecF;
+using rtp::vload;
+using rtp::vloadw;
+using rtp::vsum;
+using rtp::vzero;
 #endif
 
-#if defined(__AVX512F__) || defined(RTP_AVX2)
+#ifdef RTP_AVX2
 #define RTP_F32_ROWS 1
 // G rows of x (row stride K) against R consecutive weight rows (any storage, widened as
 // loaded), one accumulator each: s[g * R + r]. A single row of x takes eight float32 weight
@@ -185,7 +162,7 @@ RTP_NOINLINE void f32_rows_of_x(const float* x, const w_t* w, int64_t K, int64_t
   switch (G) {
     case 1: f32_block<kRows, 1>(x, w, K, s); break;
     case 2: f32_block<kRows, 2>(x, w, K, s); break;
-#if defined(__AVX512F__)
+#if defined(RTP_AVX512)
     case 3: f32_block<kRows, 3>(x, w, K, s); break;
     case 4: f32_block<kRows, 4>(x, w, K, s); break;
 #endif

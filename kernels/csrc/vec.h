@@ -1,5 +1,7 @@
-// The widening loads the GEMM kernels share: eight weights of any storage (float32, bf16,
-// fp16, int8) as eight float32 lanes of an AVX2 register, and their scalar equivalents.
+// The vector helpers the GEMM kernels share: weights of any storage (float32, bf16, fp16,
+// int8) widened to float32 lanes as they are loaded, their scalar equivalents, and VecF, the
+// widest float32 register of the build (AVX-512: 16 lanes; AVX2: 8) with its operations, so
+// that one kernel source serves both builds (kernels/cpu_build.py).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,6 +17,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RTP_AVX2 1
+#endif
+#if defined(RTP_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RTP_AVX512 1
 #endif
 
 namespace rtp {
@@ -42,6 +47,49 @@ RTP_INLINE __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 RTP_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+RTP_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(RTP_AVX512)
+using VecF = __m512;
+constexpr int64_t kLanes = 16;
+RTP_INLINE VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+RTP_INLINE void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+RTP_INLINE VecF vset1(const float* p) { return _mm512_set1_ps(*p); }
+RTP_INLINE VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+RTP_INLINE VecF vzero() { return _mm512_setzero_ps(); }
+RTP_INLINE float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+RTP_INLINE VecF vloadw(const float* p) { return _mm512_loadu_ps(p); }
+RTP_INLINE VecF vloadw(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+RTP_INLINE VecF vloadw(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+RTP_INLINE VecF vloadw(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+#elif defined(RTP_AVX2)
+using VecF = __m256;
+constexpr int64_t kLanes = 8;
+RTP_INLINE VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+RTP_INLINE void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+RTP_INLINE VecF vset1(const float* p) { return _mm256_broadcast_ss(p); }
+RTP_INLINE VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+RTP_INLINE VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+RTP_INLINE VecF vzero() { return _mm256_setzero_ps(); }
+RTP_INLINE float vsum(VecF v) { return hsum(v); }
+template <typename w_t>
+RTP_INLINE VecF vloadw(const w_t* p) { return load8(p); }
 #endif
 
 }  // namespace rtp
