@@ -9,8 +9,9 @@
 # 3. runs the kernel tests at the CPU's own level, then capped at avx512 and avx2
 #    (RTP_SERVE_ISA), so that every build and every forced fallback runs on this CPU;
 # 4. runs bench/gemm.py (the GEMM efficiency curve, fp32) at 2 threads (as the 2-core
-#    development machines run it) and at every core, at the CPU's own level and at avx2.
-# Each stage has its own time limit, so the whole stays under 8 minutes; a failed or
+#    development machines run it) and at every core, at the CPU's own level and at avx2;
+# 5. runs bench/engine.py's offline workload in fp32 and bf16 at every core.
+# Each stage has its own time limit, so the whole stays under 10 minutes; a failed or
 # timed-out stage makes the exit status non-zero.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,5 +70,9 @@ for threads in $(printf '%s\n' 2 "$(nproc)" | sort -nu); do
     [ "$hardware" = avx2 ] && break
   done
 done
+# The engine offline in fp32 and bf16 at every core (bf16 takes oneDNN's prepacked GEMMs on
+# AVX512-BF16 / AMX), HF transformers in the same run.
+stage "bench/engine.py fp32,bf16, $(nproc) threads" 150 \
+  "$PYTHON" bench/engine.py --configs fp32,bf16 --threads "$(nproc)"
 echo "== isa_check: exit $status after $((SECONDS - started)) s"
 exit "$status"
