@@ -5,7 +5,7 @@
 #   bash bench/isa_check.sh
 #
 # 1. prints the CPU, its flags and the ISA level the engine picks (rtp_serve/kernels/isa.py);
-# 2. compiles every kernel build in place (kernels/cpu_build.py: avx2 and avx512);
+# 2. installs the project without dependencies and compiles every kernel build in place (kernels/cpu_build.py: avx2 and avx512);
 # 3. runs the kernel tests at the CPU's own level, then capped at avx512 and avx2
 #    (RTP_SERVE_ISA), so that every build and every forced fallback runs on this CPU;
 # 4. runs bench/gemm.py (the GEMM efficiency curve, fp32) at 2 threads (as the 2-core
@@ -39,6 +39,10 @@ hardware=$("$PYTHON" -c "from rtp_serve.kernels.isa import cpu_isa; print(cpu_is
 "$PYTHON" -c "import torch; from rtp_serve.kernels.isa import cpu_isa
 print('torch', torch.__version__, '| isa', cpu_isa().describe())"
 
+# The package maps engine/ and services/ into rtp_serve (setup.py): install it in place,
+# without dependencies (the machine's torch) and without the install's own kernel build.
+RTP_SERVE_BUILD_KERNELS=0 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+  || echo "isa_check: pip could not install the project; running from the checkout"
 stage "compile every kernel build" 240 env RTP_SERVE_KERNEL_BUILDS=all MAX_JOBS="$(nproc)" \
   "$PYTHON" setup.py -q build_ext --inplace
 stage "load every kernel build" 60 "$PYTHON" -c "
