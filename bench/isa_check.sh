@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-shot check of the CPU kernels on a machine whose CPU has more than AVX2 (AVX-512,
-# AVX512-BF16, AMX), with torch preinstalled and nothing to download:
+# AVX512-BF16, AMX), with torch preinstalled and nothing to download (wheels the machine
+# lacks, such as llguidance, can be brought in .whl/, as for bench/gpu_check.sh):
 #
 #   bash bench/isa_check.sh
 #
@@ -9,7 +10,7 @@
 # 3. runs the kernel tests at the CPU's own level, then capped at avx512 and avx2
 #    (RTP_SERVE_ISA), so that every build and every forced fallback runs on this CPU;
 # 4. runs bench/gemm.py (the GEMM efficiency curve, fp32) at 2 threads (as the 2-core
-#    development machines run it) and at every core, at the CPU's own level and at avx2;
+#    development machines run it) at the CPU's own level and at avx2, then at every core;
 # 5. runs bench/engine.py's offline workload in fp32 and bf16 at every core.
 # Each stage has its own time limit, so the whole stays under 10 minutes; a failed or
 # timed-out stage makes the exit status non-zero.
@@ -39,6 +40,9 @@ hardware=$("$PYTHON" -c "from rtp_serve.kernels.isa import cpu_isa; print(cpu_is
 "$PYTHON" -c "import torch; from rtp_serve.kernels.isa import cpu_isa
 print('torch', torch.__version__, '| isa', cpu_isa().describe())"
 
+if compgen -G ".whl/*.whl" >/dev/null; then  # wheels someone brought (llguidance: no index here)
+  "$PYTHON" -m pip install -q --no-index --no-deps .whl/*.whl || echo "isa_check: .whl/ install failed"
+fi
 # The package maps engine/ and services/ into rtp_serve (setup.py): install it in place,
 # without dependencies (the machine's torch) and without the install's own kernel build.
 RTP_SERVE_BUILD_KERNELS=0 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
@@ -67,16 +71,18 @@ for level in $levels; do
 done
 
 rows=1,2,4,8,16,24,32,48,64,256,1024
-for threads in $(printf '%s\n' 2 "$(nproc)" | sort -nu); do
-  for level in "$hardware" avx2; do
-    stage "bench/gemm.py at $level, $threads threads" 120 env RTP_SERVE_ISA="$level" \
-      "$PYTHON" bench/gemm.py --threads "$threads" --rows "$rows" --repeats 3
-    [ "$hardware" = avx2 ] && break
-  done
+for level in "$hardware" avx2; do
+  stage "bench/gemm.py at $level, 2 threads" 100 env RTP_SERVE_ISA="$level" \
+    "$PYTHON" bench/gemm.py --threads 2 --rows "$rows" --repeats 3
+  [ "$hardware" = avx2 ] && break
 done
+if [ "$(nproc)" -gt 2 ]; then
+  stage "bench/gemm.py at $hardware, $(nproc) threads" 100 \
+    "$PYTHON" bench/gemm.py --threads "$(nproc)" --rows "$rows" --repeats 3
+fi
 # The engine offline in fp32 and bf16 at every core (bf16 takes oneDNN's prepacked GEMMs on
 # AVX512-BF16 / AMX), HF transformers in the same run.
-stage "bench/engine.py fp32,bf16, $(nproc) threads" 150 \
+stage "bench/engine.py fp32,bf16, $(nproc) threads" 120 \
   "$PYTHON" bench/engine.py --configs fp32,bf16 --threads "$(nproc)"
 echo "== isa_check: exit $status after $((SECONDS - started)) s"
 exit "$status"
