@@ -94,11 +94,34 @@ class _Call:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
-        self.engine = LLMEngine(config, record_kv_events=record_kv_events)
         self.config = config
         self.model = config.model
         self.block_size = config.block_size
         self.max_num_waiting = config.max_num_waiting
+        self._inbox: queue.SimpleQueue[_Add | _Release | _DeliverKV | _Abort | _Call | None] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        # Requests (and their prompt tokens) given to the engine thread that it has not
+        # taken yet: it takes commands between steps, so what arrives during a step waits
+        # for it to end. Each counter has one writer (sent: the callers' loop, taken: the
+        # engine thread); stats() counts the difference as waiting.
+        self._sent = (0, 0)  # (requests, tokens); replaced whole, so read whole
+        self._taken = (0, 0)
+        # The engine is built on the thread that runs it, so that the model's torch work at
+        # load (weights, kernel tables) and in every step comes from one thread. Each thread
+        # that runs a parallel region keeps an OpenMP team of its own; with the loader's
+        # team idle beside the engine's, libgomp counts more threads than cores and stops
+        # spinning between regions, and a step on the engine thread took 10-25% longer
+        # than the same step on the thread that loaded the model (bench/omp_teams.py).
+        self._built: Future[LLMEngine] = Future()
+        self._thread = threading.Thread(
+            target=self._build_and_run, args=(config, record_kv_events), name="engine-loop",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+        self.engine = self._built.result()  # what the build raised, raised here
         self.kv_layout: KVLayout = self.engine.kv_layout
         self.cache_salt: bytes = self.engine.cache_salt
         # What the worker runs on, for Stats: the CPU's ISA level and the kernels it chose
@@ -107,20 +130,7 @@ class AsyncLLM:
         self.linear_kernels: str = self.engine.runner.linear_kernels
         self.attention_backend: str = self.engine.runner.attention_backend
         self.tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _Release | _DeliverKV | _Abort | _Call | None] = (
-            queue.SimpleQueue()
-        )
-        self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count()
-        self._stats = self.engine.stats()
-        # Requests (and their prompt tokens) given to the engine thread that it has not
-        # taken yet: it takes commands between steps, so what arrives during a step waits
-        # for it to end. Each counter has one writer (sent: the callers' loop, taken: the
-        # engine thread); stats() counts the difference as waiting.
-        self._sent = (0, 0)  # (requests, tokens); replaced whole, so read whole
-        self._taken = (0, 0)
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._stats = self.engine.stats()  # the engine thread waits for its first command
 
     # -- caller side (any thread, any event loop) ------------------------------------------
     async def generate(
@@ -296,8 +306,16 @@ class AsyncLLM:
             self._thread.join()
 
     # -- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
+    def _build_and_run(self, config: EngineConfig, record_kv_events: bool) -> None:
+        try:
+            engine = LLMEngine(config, record_kv_events=record_kv_events)
+        except BaseException as exc:
+            self._built.set_exception(exc)
+            return
+        self._built.set_result(engine)
+        self._run(engine)
+
+    def _run(self, engine: LLMEngine) -> None:
         while True:
             # Block for commands only when there is nothing to compute.
             try:

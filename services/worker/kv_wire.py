@@ -25,49 +25,40 @@ if TYPE_CHECKING:
     import torch
 
 
-def tensor_bytes(t: torch.Tensor | np.ndarray) -> bytes:
-    if isinstance(t, np.ndarray):
-        return np.ascontiguousarray(t).tobytes()
-    import torch
+# The conversions below run on the worker's serving loop, so they copy with numpy, on that
+# thread alone: a torch copy this size runs a parallel region, and a second OpenMP team in
+# the process (the loop's, beside the engine thread's) slows every step the engine runs
+# (engine/async_llm.py).
 
-    t = t.contiguous()
-    # bfloat16 has no numpy dtype: move the raw bits as int16.
-    return (
-        t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
-    )
+
+def tensor_bytes(t: torch.Tensor | np.ndarray) -> bytes:
+    """The array's elements in C order (bfloat16 as its raw bits)."""
+    if not isinstance(t, np.ndarray):
+        import torch
+
+        # bfloat16 has no numpy dtype: move the raw bits as int16 (a view, any strides).
+        t = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return t.tobytes()  # C order, whatever the strides
 
 
 def array_from_bytes(data: bytes, dtype: str, shape: list[int]) -> np.ndarray:
-    """A numpy array (the simulated engine's KV) from the wire; ValueError on a mismatch."""
-    if dtype not in STORAGE_DTYPES or dtype == "bfloat16":
-        raise ValueError(f"unsupported dtype {dtype!r} for numpy KV")
+    """A read-only numpy array over the wire's bytes (bfloat16 as int16 raw bits); ValueError
+    on a mismatch."""
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}")
+    raw = np.frombuffer(data, dtype=np.int16 if dtype == "bfloat16" else dtype)
     expected = int(np.prod(shape, dtype=np.int64))
-    raw = np.frombuffer(data, dtype=dtype)
     if raw.size != expected:
         raise ValueError(f"KV payload has {raw.size} elements, shape {shape} needs {expected}")
     return raw.reshape(shape)
 
 
-def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+def as_tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
+    """A torch tensor sharing `a`'s memory (its raw bits reinterpreted for bfloat16)."""
     import torch
 
-    from rtp_serve.engine.dtypes import torch_dtype
-
-    t_dtype = torch_dtype(dtype)  # ValueError for an unknown name
-    raw_dtype = torch.int16 if t_dtype == torch.bfloat16 else t_dtype
-    expected = 1
-    for n in shape:
-        expected *= n
-    itemsize = raw_dtype.itemsize
-    if len(data) != expected * itemsize:
-        raise ValueError(
-            f"KV payload has {len(data) // itemsize} elements, shape {shape} needs {expected}"
-        )
-    if not expected:
-        return torch.empty(shape, dtype=t_dtype)
-    raw = torch.frombuffer(bytearray(data), dtype=raw_dtype)
-    out = raw.view(torch.bfloat16) if t_dtype == torch.bfloat16 else raw
-    return out.view(*shape)
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
 
 def split_blocks(
@@ -115,7 +106,8 @@ def join_blocks(
     expected_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     scale_shape = [layout.num_layers, 1, layout.num_kv_heads]
     quantized = layout.dtype == "int8"
-    decode = array_from_bytes if layout.numpy else tensor_from_bytes
+    if layout.numpy and layout.dtype == "bfloat16":
+        raise ValueError("the numpy KV of the simulated engine has no bfloat16")
     blocks = sorted(blocks, key=lambda b: b.index)
     ks, vs, k_scales, v_scales = [], [], [], []
     pos = start
@@ -134,26 +126,27 @@ def join_blocks(
             and block.block_hash != block_hashes[block.index]
         ):
             raise ValueError(f"KV block {block.index} hash does not match the prompt")
-        ks.append(decode(block.k, block.dtype, list(block.shape)))
-        vs.append(decode(block.v, block.dtype, list(block.shape)))
+        ks.append(array_from_bytes(block.k, block.dtype, list(block.shape)))
+        vs.append(array_from_bytes(block.v, block.dtype, list(block.shape)))
         if quantized:  # a block without its scales fails the size check here
-            k_scales.append(decode(block.k_scale, "float32", scale_shape))
-            v_scales.append(decode(block.v_scale, "float32", scale_shape))
+            k_scales.append(array_from_bytes(block.k_scale, "float32", scale_shape))
+            v_scales.append(array_from_bytes(block.v_scale, "float32", scale_shape))
         pos += tokens
     if pos != end:
         raise ValueError(f"KV covers positions [{start}, {pos}), expected [{start}, {end})")
     if not ks:
         raise ValueError("no KV blocks received")
+    # One copy, in numpy (above); torch shares its memory.
     if layout.numpy:
-        cat = np.concatenate
+        arrays = [np.concatenate(parts, 1) for parts in (ks, vs, k_scales, v_scales) if parts]
     else:
-        import torch
-
-        cat = torch.cat
-    k, v = cat(ks, 1), cat(vs, 1)
-    if not quantized:
-        return PromptKV(start, k, v)
-    return PromptKV(start, k, v, cat(k_scales, 1), cat(v_scales, 1))
+        dtypes = (layout.dtype, layout.dtype, "float32", "float32")
+        arrays = [
+            as_tensor(np.concatenate(parts, 1), dtype)
+            for parts, dtype in zip((ks, vs, k_scales, v_scales), dtypes, strict=True)
+            if parts
+        ]
+    return PromptKV(start, *arrays)
 
 
 def _dtype_name(t: torch.Tensor | np.ndarray) -> str:
