@@ -139,9 +139,9 @@ int64_t panel_width() {
 #endif
 }
 
-// x [M, K] (any float dtype), panels [P, K, panel_width()] of float32 / bf16 / fp16 / int8 (the packing
-// of w [N, K], rtp_serve/kernels/linear.py), scale [N] float32 (int8 only), bias [N] and
-// residual [M, N] optional; returns [M, N] in x's dtype.
+// x [M, K] (any float dtype), panels [P, K, panel_width()] of float32 / bf16 / fp16 / int8
+// (the packing of w [N, K], rtp_serve/kernels/linear.py), scale [N] float32 (int8 only),
+// bias [N] and residual [M, N] optional; returns [M, N] in x's dtype.
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual) {

@@ -136,7 +136,7 @@ def join_blocks(
         raise ValueError(f"KV covers positions [{start}, {pos}), expected [{start}, {end})")
     if not ks:
         raise ValueError("no KV blocks received")
-    # One copy, in numpy (above); torch shares its memory.
+    # Joined in numpy (one copy, on this thread alone); a tensor shares the result's memory.
     if layout.numpy:
         arrays = [np.concatenate(parts, 1) for parts in (ks, vs, k_scales, v_scales) if parts]
     else:
