@@ -113,8 +113,9 @@ class AsyncLLM:
         # load (weights, kernel tables) and in every step comes from one thread. Each thread
         # that runs a parallel region keeps an OpenMP team of its own; with the loader's
         # team idle beside the engine's, libgomp counts more threads than cores and stops
-        # spinning between regions, and a step on the engine thread took 10-25% longer
-        # than the same step on the thread that loaded the model (bench/omp_teams.py).
+        # spinning between regions, and a step on the engine thread took longer than the
+        # same step on the thread that loaded the model (1.05-1.11x, medians of
+        # bench/omp_teams.py on 2 cores; built here, 0.92-1.01x).
         self._built: Future[LLMEngine] = Future()
         self._thread = threading.Thread(
             target=self._build_and_run, args=(config, record_kv_events), name="engine-loop",

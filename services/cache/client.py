@@ -35,6 +35,7 @@ from rtp_serve.services.cache import MAX_KEYS
 from rtp_serve.services.cache.integrity import KVIntegrity
 from rtp_serve.services.cache.ring import HashRing
 from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common.kv_block_size import wire_nbytes_bound
 from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2
 
 T = TypeVar("T")
@@ -201,7 +202,7 @@ def _batches(blocks: list[common_pb2.KVBlock]) -> list[list[common_pb2.KVBlock]]
     batches: list[list[common_pb2.KVBlock]] = [[]]
     size = 0
     for block in blocks:
-        n = block.ByteSize()
+        n = wire_nbytes_bound(block)
         if batches[-1] and (size + n > _MAX_PUT_BYTES or len(batches[-1]) >= _MAX_PUT_BLOCKS):
             batches.append([])
             size = 0

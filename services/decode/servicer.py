@@ -30,6 +30,7 @@ from rtp_serve.services.common.convert import (
     params_from_pb,
     tenant_from_pb,
 )
+from rtp_serve.services.common.kv_block_size import payload_nbytes
 from rtp_serve.services.common.metrics import RECEIVED
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
@@ -204,7 +205,7 @@ class DecodeServicer(WorkerServicer):
                         prefill_s=first.prefill_s,
                     )
                 else:
-                    self.metrics.kv_transfer(RECEIVED, msg.block.ByteSize())
+                    self.metrics.kv_transfer(RECEIVED, payload_nbytes(msg.block))
                     blocks.append(msg.block)
             transfer.close()
             if first is None or not first.token_ids:

@@ -18,6 +18,7 @@ from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_k
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import tracing
 from rtp_serve.services.common.convert import logprob_to_pb, params_from_pb, tenant_from_pb
+from rtp_serve.services.common.kv_block_size import payload_nbytes
 from rtp_serve.services.common.metrics import SENT
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2
@@ -93,7 +94,7 @@ class PrefillServicer(WorkerServicer):
         blocks = split_blocks(final.prompt_kv, self.block_size, hashes)
         with self.metrics.transferring(SENT):
             for block in blocks:
-                self.metrics.kv_transfer(SENT, block.ByteSize())
+                self.metrics.kv_transfer(SENT, payload_nbytes(block))
                 yield worker_pb2.PrefillResponse(block=block)
         log.debug(
             "prefill %s: %d device + %d remote blocks",

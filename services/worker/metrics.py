@@ -81,7 +81,7 @@ class WorkerFamilies(Families):
         ),
         MetricSpec(
             "kv_transfer_bytes", "counter", "kv_transfer_bytes",
-            "KV block bytes moved between prefill and decode workers (serialized KVBlock).",
+            "KV bytes moved between prefill and decode workers (the blocks' K, V and scales).",
             (*_W, "direction"),
         ),
         MetricSpec(

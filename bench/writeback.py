@@ -1,0 +1,113 @@
+"""What writing one prompt's KV back to the remote tier costs the worker's serving loop, stage
+by stage, on the blocks of a real model's shape.
+
+    python bench/writeback.py [--model llama-100m] [--tokens 270] [--dtype float32] [--reps 5]
+
+A fused or prefill worker with a cache tier writes the KV of each prompt it computed back to
+the cache service (services/worker/tiers.py, services/cache/client.py). Everything here but
+the seal runs on the serving loop's thread, on the cores the engine computes on:
+
+  split        the prompt's KV cut into KVBlock messages (services/worker/kv_wire.py)
+  seal         each block's integrity tag, SHA-256 over its payload (in a worker thread,
+               hashlib releasing the GIL)
+  batch        the blocks grouped into Put requests under the size limit: measured with
+               protobuf's ByteSize() (before) and with the payload's length (now,
+               services/common/kv_block_size.py), side by side
+  request      the PutRequest built from the blocks (protobuf copies each one)
+  serialize    the request's bytes, as gRPC sends them
+
+Medians of `--reps`, milliseconds, with the KV's size; the CPU's flags above. Wall-clock on
+a shared machine: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from rtp_serve.core.model_config import ModelConfig  # noqa: E402
+from rtp_serve.engine.outputs import PromptKV  # noqa: E402
+from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
+from rtp_serve.services.cache import client  # noqa: E402
+from rtp_serve.services.cache.integrity import KVIntegrity  # noqa: E402
+from rtp_serve.services.common.pb import cache_pb2  # noqa: E402
+from rtp_serve.services.worker.kv_wire import split_blocks  # noqa: E402
+
+BLOCK = 16
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def batch_by_bytesize(blocks: list) -> list[list]:
+    """The batching as it was: each block measured by protobuf's ByteSize()."""
+    batches: list[list] = [[]]
+    size = 0
+    for block in blocks:
+        n = block.ByteSize()
+        if batches[-1] and size + n > client._MAX_PUT_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(block)
+        size += n
+    return batches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="llama-100m")
+    ap.add_argument("--tokens", type=int, default=270)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dir(resolve_model(args.model))
+    dtype = getattr(torch, args.dtype)
+    full = args.tokens // BLOCK * BLOCK  # the blocks a write-back keeps: full ones
+    shape = (cfg.num_layers, full, cfg.num_kv_heads, cfg.head_dim)
+    kv = PromptKV(0, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    hashes = [i.to_bytes(16, "little") for i in range(full // BLOCK)]
+    integrity = KVIntegrity()
+
+    blocks = split_blocks(kv, BLOCK, hashes)
+    for b in blocks:
+        integrity.seal(b)
+    batches = client._batches(blocks)
+    request = cache_pb2.PutRequest(blocks=batches[0])
+    stages = {
+        "split": lambda: split_blocks(kv, BLOCK, hashes),
+        "seal": lambda: [integrity.seal(b) for b in blocks],
+        "batch, ByteSize (before)": lambda: batch_by_bytesize(blocks),
+        "batch, payload length (now)": lambda: client._batches(blocks),
+        "request": lambda: [cache_pb2.PutRequest(blocks=b) for b in batches],
+        "serialize": request.SerializeToString,
+    }
+    nbytes = 2 * kv.k.numel() * kv.k.element_size()
+    print(f"cpu: {cpu_isa().describe()}; bench flags: {bench_flags()}")
+    print(f"model {args.model}: {len(blocks)} blocks of {BLOCK} tokens, {args.dtype}, "
+          f"{nbytes / 2**20:.1f} MiB of K and V; medians of {args.reps}, ms")  # fmt: skip
+    times = {name: median_ms(fn, args.reps) for name, fn in stages.items()}
+    for name, ms in times.items():
+        print(f"  {name:<28} {ms:8.2f}")
+    before = sum(ms for name, ms in times.items() if "now" not in name and name != "seal")
+    now = sum(ms for name, ms in times.items() if "before" not in name and name != "seal")
+    print(f"  {'loop thread, before':<28} {before:8.2f}")
+    print(f"  {'loop thread, now':<28} {now:8.2f}  ({now / before:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
