@@ -58,3 +58,16 @@ def test_an_int8_block_without_scales_or_of_another_dtype_is_refused():
         join_blocks(
             split_blocks(kv, BS, hashes), 0, 8, BS, hashes, KVLayout(LAYERS, HEADS, DIM, "bfloat16")
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_blocks_size_bound_holds_without_serializing_it(dtype):
+    """The cache client batches and the PD metrics count by payload length (ByteSize()
+    serializes the block): the bound is above the real size, sealed, with a 32-byte key."""
+    from rtp_serve.services.cache.integrity import KVIntegrity
+    from rtp_serve.services.common.kv_block_size import payload_nbytes, wire_nbytes_bound
+
+    blocks = split_blocks(_kv(dtype, start=0, n=10), BS, [bytes([i]) * 32 for i in range(2)])
+    for block in blocks:
+        KVIntegrity(b"secret").seal(block)
+        assert payload_nbytes(block) < block.ByteSize() <= wire_nbytes_bound(block)
