@@ -23,16 +23,14 @@ a shared machine: compare within one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.kv_blocks import median_us  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.engine.outputs import PromptKV  # noqa: E402
 from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
@@ -43,15 +41,6 @@ from rtp_serve.services.common.pb import cache_pb2  # noqa: E402
 from rtp_serve.services.worker.kv_wire import split_blocks  # noqa: E402
 
 BLOCK = 16
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def batch_by_bytesize(blocks: list) -> list[list]:
@@ -100,7 +89,7 @@ def main() -> None:
     print(f"cpu: {cpu_isa().describe()}; bench flags: {bench_flags()}")
     print(f"model {args.model}: {len(blocks)} blocks of {BLOCK} tokens, {args.dtype}, "
           f"{nbytes / 2**20:.1f} MiB of K and V; medians of {args.reps}, ms")  # fmt: skip
-    times = {name: median_ms(fn, args.reps) for name, fn in stages.items()}
+    times = {name: median_us(fn, args.reps) / 1e3 for name, fn in stages.items()}
     for name, ms in times.items():
         print(f"  {name:<28} {ms:8.2f}")
     before = sum(ms for name, ms in times.items() if "now" not in name and name != "seal")
