@@ -1,6 +1,6 @@
 """bench/scale.py, test-sized: real NATS, nameservice, two masters and a frontend in front
-of three simulated workers, a few trace requests cut short. Every row of its table is
-measured, the masters' agreement and one master's SIGKILL under load included; and a
+of three simulated workers (their caches warm), a few trace requests cut short. Every row
+of its table is measured, the masters' agreement and one master's SIGKILL under load included; and a
 policy sweep's comparison table."""
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ def _flags(model_dir, tmp_path) -> list[str]:
 
 
 def test_scale_bench_measures_every_row(model_dir, tmp_path):
-    flags = ["--probes", "6", "--failover-rate", "10", "--failover-s", "1.5"]
+    flags = ["--probes", "6", "--failover-rate", "10", "--failover-s", "1.5", "--warm-blocks",
+             "40"]  # fmt: skip
     (result,) = scale.main(_flags(model_dir, tmp_path) + flags)
+    # The warm caches reached both masters' indexes (each worker's 40 blocks) and were timed.
+    assert result["warm"]["blocks"] == 3 * 40 and result["warm"]["rate"] > 0
     assert result["workers"] == 3 and result["requests"] == 6 and result["failed"] == 0
     assert result["routes"] >= 6  # over both masters; the victim's probes come after
     assert result["index_blocks"] > 0 and result["event_blocks_per_s"] > 0

@@ -3,6 +3,7 @@ exact expected index contents, states and counters; and load-report expiry in th
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
@@ -326,3 +327,30 @@ def test_idle_audit_checks_integrity_and_a_failure_resyncs_everyone():
     now[0] = 20.0
     assert not view.audit()
     assert {view.sync.state(w) for w in ("a", "b")} == {WANTED}
+    (due,) = view.sync.due(lambda x: x == "a")  # a's snapshot is on its way: no audit
+    now[0] = 30.0
+    assert view.audit() and view.sync.state("b") == WANTED
+
+
+def test_a_slow_audit_runs_less_often(monkeypatch):
+    """An audit is linear in the index: one that takes longer than AUDIT_SHARE of its
+    interval pushes the next one out, so audits never hold the loop more than that."""
+    import time as time_mod
+
+    view = ClusterView()
+    calls: list[float] = []
+
+    def audit() -> bool:
+        calls.append(time_mod.perf_counter())
+        time_mod.sleep(0.02)  # a check of a big index
+        return True
+
+    monkeypatch.setattr(view, "audit", audit)
+
+    async def main() -> None:
+        task = asyncio.create_task(view.audit_forever(interval_s=0.001))
+        await asyncio.sleep(0.5)
+        task.cancel()
+
+    asyncio.run(main())
+    assert len(calls) == 1  # the next waits 0.02 s / AUDIT_SHARE = 2 s, not 1 ms

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -663,3 +664,43 @@ def test_the_master_refuses_an_id_in_flight_through_another_frontend():
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_index_sizes_are_read_on_the_loop_that_owns_the_index():
+    """The metrics server scrapes on a thread of its own; reading the index applies the
+    batches it holds back, so a read there raced the loop's writes (it corrupted the index
+    of a master ingesting a million blocks while scraped). The collector runs the read on
+    the index's loop, and answers with the last sizes when the loop does not answer."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from rtp_serve.services.master.metrics import IndexSizeCollector
+
+    readers: list[int] = []
+    sizes = {"w-1": 3}
+
+    def read() -> dict[str, int]:
+        readers.append(threading.get_ident())
+        return dict(sizes)
+
+    async def main() -> tuple[bytes, bytes, bytes, int]:
+        registry = CollectorRegistry()
+        registry.register(IndexSizeCollector(read, asyncio.get_running_loop(), timeout_s=0.2))
+        scraped = await asyncio.to_thread(generate_latest, registry)  # as the server does
+        sizes["w-1"] = 5
+        on_loop = generate_latest(registry)  # on the loop itself: read at once
+        stale: list[bytes] = []
+        scrape = threading.Thread(target=lambda: stale.append(generate_latest(registry)))
+        scrape.start()
+        sizes["w-1"] = 7
+        scrape.join(5.0)  # the loop is held: the scrape times out and keeps the last sizes
+        await asyncio.sleep(0)  # the held read runs now
+        return scraped, on_loop, stale[0], threading.get_ident()
+
+    scraped, on_loop, stale, loop_thread = asyncio.run(main())
+    assert len(readers) == 3
+    assert b'rtp:index_blocks{worker="w-1"} 3.0' in scraped
+    assert b'rtp:index_blocks{worker="w-1"} 5.0' in on_loop
+    assert b'rtp:index_blocks{worker="w-1"} 5.0' in stale
+    assert readers[:2] == [loop_thread, loop_thread]
+    assert set(readers) == {loop_thread}  # the held loop's read ran later, on the loop

@@ -152,3 +152,58 @@ def test_a_prompt_the_pool_cannot_hold_is_refused(model_dir):
     with pytest.raises(ValueError, match="context length"):
         asyncio.run(main())
     assert llm.stats().num_waiting == 0
+
+
+def test_a_warm_pool_holds_distinct_evictable_prompts_and_publishes_them(model_dir):
+    llm = SimLLM(SimConfig(str(model_dir("tiny-llama")), num_blocks=32, block_size=BS), FREE)
+    assert llm.warm(50, seed=1, prompt_blocks=8) == 32  # no more than the pool
+    events = llm.pool.take_events()
+    stored = [e.block_hash for e in events if e.kind == KVEventKind.STORED]
+    assert len(stored) == len(set(stored)) == 32 == llm.pool.num_cached_blocks
+    assert llm.pool.num_free_blocks == 32  # cached, but nothing holds them
+    other = SimLLM(SimConfig(str(model_dir("tiny-llama")), num_blocks=32, block_size=BS), FREE)
+    other.warm(32, seed=2, prompt_blocks=8)
+    assert not set(other.pool.cached_hashes()) & set(stored)
+    llm.pool.check_integrity()
+
+    async def main():  # a request evicts the warm blocks it needs room for, LRU first
+        async for _ in llm.generate(list(range(20, 36)), SamplingParams(max_tokens=1), "r"):
+            pass
+        return await llm.kv_snapshot()
+
+    events, (device, _) = asyncio.run(main())
+    removed = [e.block_hash for e in events if e.kind == KVEventKind.REMOVED]
+    assert len(removed) == 4 and len(device) == 32 and set(removed) <= set(stored)
+
+
+def test_a_burning_step_spends_its_time_on_a_core_and_the_loop_runs_meanwhile(model_dir):
+    """step="burn": each step's profile time is spent as CPU time (so co-located workers
+    share cores as real ones do), off the event loop, which keeps serving meanwhile."""
+    import time
+
+    cost = SimCost(fixed_s=0.1, prefill_token_s=0, prefill_attn_s=0, decode_row_s=0,
+                   decode_ctx_s=0, source="test: 100 ms steps")  # fmt: skip
+    config = SimConfig(str(model_dir("tiny-llama")), num_blocks=32, block_size=BS, step="burn")
+    llm = SimLLM(config, cost)
+    ticks = 0
+
+    async def ticker(done: asyncio.Event) -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    async def main() -> None:
+        done = asyncio.Event()
+        task = asyncio.create_task(ticker(done))
+        async for _ in llm.generate(list(range(20, 29)), SamplingParams(max_tokens=2), "b"):
+            pass
+        done.set()
+        await task
+
+    cpu = time.process_time()
+    asyncio.run(main())
+    assert time.process_time() - cpu >= 2 * 0.1  # two steps: the prompt's, one decode
+    assert ticks >= 10  # the loop ran while the steps burned
+    with pytest.raises(ValueError, match="step must be one of"):
+        SimConfig(str(model_dir("tiny-llama")), step="nap")

@@ -369,4 +369,4 @@ def test_the_launcher_refuses_what_a_simulated_worker_lacks(model_dir):
         [*CLI, "up", "--model", str(model_dir("tiny-llama")), "--port", "0", "--sim-cost", "x"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert run.returncode != 0 and "--sim-cost is a simulated worker's" in run.stderr
+    assert run.returncode != 0 and "--sim-cost and --sim-step are a simulated" in run.stderr

@@ -2,7 +2,8 @@
 
 The step loop is a task on the caller's event loop (started by the first request), so many
 simulated engines share one process and one loop: an idle one costs nothing, a busy one
-sleeps each step for the time the cost profile gives it. Commands (add, abort, KV delivery)
+sleeps each step for the time the cost profile gives it (or, with `SimConfig.step` "burn",
+spends that time on a core: engine/sim/cpu_burn.py). Commands (add, abort, KV delivery)
 run at once on the loop, between steps; a step's outputs go out when its time has passed.
 """
 
@@ -12,6 +13,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,12 +32,14 @@ from rtp_serve.engine.block_pool import BlockPool, KVEvent
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.errors import EngineStoppedError
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
+from rtp_serve.engine.sim.cpu_burn import burn
 from rtp_serve.engine.sim.scheduler import SimRequest, SimScheduler, Work
 from rtp_serve.engine.stats import EngineCheck, EngineStats
 
 log = logging.getLogger(__name__)
 # KV on the wire: one float32 per token for K and V (what a simulated transfer moves).
 SIM_KV_LAYOUT = KVLayout(1, 1, 1, "float32", numpy=True)
+STEP_MODES = ("sleep", "burn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +53,14 @@ class SimConfig:
     dtype: str = "float32"  # what the registered KV numerics say
     weight_dtype: str = "auto"
     kv_dtype: str = "auto"
+    # A step's time: "sleep" (it costs the machine nothing: a thousand workers in one
+    # process) or "burn" (spent on a core: workers sharing this machine's cores with real
+    # services slow down as real ones do, engine/sim/cpu_burn.py).
+    step: str = "sleep"
 
     def __post_init__(self) -> None:
+        if self.step not in STEP_MODES:
+            raise ValueError(f"step must be one of {STEP_MODES}, got {self.step!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -206,6 +217,28 @@ class SimLLM:
         raise UnknownAdapterError(f"LoRA adapter {name!r} is not served (simulated worker)")
 
     # -- the cache and the numbers -------------------------------------------------------
+    def warm(self, blocks: int, seed: int, prompt_blocks: int = 64) -> int:
+        """Fill the prefix cache with `blocks` blocks (at most the pool) of synthetic
+        prompts of `prompt_blocks` blocks, as if they had been computed and finished: keyed
+        as real prompts are (chained from random tokens of `seed`), evictable, and published
+        as KV events like any others. For benchmarks that need a master index of millions
+        of blocks (bench/scale.py --warm-blocks). Returns the blocks cached."""
+        rng = random.Random(seed)
+        blocks = min(blocks, self.pool.num_free_blocks)
+        cached = 0
+        while cached < blocks:
+            n = min(prompt_blocks, blocks - cached)
+            # A random first block makes the chain distinct; the rest may repeat tokens.
+            first = [rng.randrange(self.vocab_size) for _ in range(self.block_size)]
+            tokens = first + [i % self.vocab_size for i in range((n - 1) * self.block_size)]
+            held = self.pool.allocate(n)
+            keys = block_hash_keys(tokens, self.block_size, self.cache_salt)
+            for block, key in zip(held, keys, strict=True):
+                self.pool.cache_block(block, key)
+            self.pool.free(reversed(held))  # tail first, as a finished request's
+            cached += n
+        return cached
+
     async def num_cached_prefix(self, block_hashes: list[BlockHash]) -> int:
         n = 0
         for key in block_hashes:
@@ -300,7 +333,12 @@ class SimLLM:
             await self._wake.wait()
             return
         seconds, prompt_tokens, rows = self._step_s(work)
-        await asyncio.sleep(seconds)
+        if self.config.step == "burn":  # the step as long as the cores make it
+            began = time.perf_counter()
+            await asyncio.to_thread(burn, seconds)
+            seconds = time.perf_counter() - began
+        else:
+            await asyncio.sleep(seconds)
         self.scheduler.complete(work)
         self.costs.observe_step(seconds, prompt_tokens, rows)
         self._flush()

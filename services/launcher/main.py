@@ -77,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         metavar="FILE",
         help="with --engine sim: the step-time profile (bench/fit_sim.py; default: built-in)",
     )
+    p.add_argument(
+        "--sim-step",
+        choices=("sleep", "burn"),
+        default=None,
+        help="with --engine sim: how a step takes its time (default sleep); burn spends it on "
+        "a core, so simulated workers share this machine's cores as real ones would",
+    )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (PD mode)")
     p.add_argument(
@@ -384,8 +391,10 @@ def _limits(args: argparse.Namespace, *flags: str) -> list[str]:
 
 def _worker_flags(args: argparse.Namespace, model: str) -> list[str]:
     """A real worker's flags (after --nameservice, --nats-url and --drain-timeout)."""
-    if args.sim_cost:
-        raise SystemExit("--sim-cost is a simulated worker's: it needs --engine sim")
+    if args.sim_cost or args.sim_step:
+        raise SystemExit(
+            "--sim-cost and --sim-step are a simulated worker's: they need --engine sim"
+        )
     threads = args.threads or _default_threads(args)
     flags = ["--model", model, *_numerics(args), "--threads", str(threads),
              "--kv-cache-mib", str(args.kv_cache_mib),
@@ -423,6 +432,8 @@ def _sim_flags(args: argparse.Namespace, model: str) -> list[str]:
         flags += ["--kv-cache-mib", str(args.kv_cache_mib)]
     if args.sim_cost:
         flags += ["--cost", str(Path(args.sim_cost).resolve())]
+    if args.sim_step:
+        flags += ["--step", args.sim_step]
     return [*flags, *_limits(args, "max_num_seqs", "max_num_waiting")]
 
 

@@ -224,9 +224,9 @@ class BlockIds:
 
     # -- invariants ------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        ids = self.live_ids()
+        ids = self.live_ids()  # sorted
         assert len(ids) == self._live, f"{len(ids)} entries for {self._live} live ids"
-        assert len(np.unique(ids)) == len(ids), "an id in the table twice"
+        assert not (ids[1:] == ids[:-1]).any(), "an id in the table twice"
         assert not np.isin(self._free[: self._nfree], ids).any(), "a free id in the table"
         assert len(ids) + self._nfree == self._next, "ids neither live nor free"
         for part in np.split(ids, range(1 << 16, len(ids), 1 << 16)):

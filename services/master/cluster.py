@@ -66,13 +66,17 @@ LOAD_TTL_S = 1.0
 INDEXED_ROLES = WORKER_ROLES | {nameservice_pb2.ROLE_CACHE}
 SNAPSHOT_TIMEOUT_S = 5.0
 AUDIT_INTERVAL_S = 5.0  # the idle-time integrity check
+AUDIT_SHARE = 0.01  # of the loop's time, at most, spent in audits
 # A NATS subscription hands its queued messages to its handler back to back without
 # returning to the event loop, so a burst of KV events or load reports from a thousand
 # workers would hold every Route call behind it: ingest yields to the loop after this much
 # work (bench/route_micro.py --ingest measures the difference).
 INGEST_SLICE_S = 0.002
 _INGEST_GAP_S = 2e-4  # a break this long between two messages: the loop ran other work
-MAX_CONCURRENT_SNAPSHOTS = 4
+# Snapshots fetched at once. A restarted master fetches one per member: at 1,000 workers,
+# 4 at a time took 13 s (each a round trip to a busy worker), 64 at a time 4 s
+# (bench/scale.py, N = 1,000; docs/operations/scale.md).
+MAX_CONCURRENT_SNAPSHOTS = 64
 
 FetchSnapshot = Callable[[Member], Awaitable[worker_pb2.KVSnapshot]]
 
@@ -324,9 +328,11 @@ class ClusterView:
         self.sync.check_integrity()
 
     def audit(self) -> bool:
-        """`check_integrity`, when nothing was routed for a whole audit interval; a failure
-        is logged, counted, and every worker's index part resynced. False if it failed."""
-        if self._clock() - self._last_charged < AUDIT_INTERVAL_S:
+        """`check_integrity`, when nothing was routed for a whole audit interval and no
+        snapshot is being fetched (the index is rebuilding: a restarted master would check
+        a million blocks every interval of its resync); a failure is logged, counted, and
+        every worker's index part resynced. False if it failed."""
+        if self._clock() - self._last_charged < AUDIT_INTERVAL_S or self.sync.fetching():
             return True
         try:
             self.check_integrity()
@@ -338,9 +344,16 @@ class ClusterView:
         return True
 
     async def audit_forever(self, interval_s: float = AUDIT_INTERVAL_S) -> None:
+        """Audit every `interval_s`, or less often where one audit takes more than
+        AUDIT_SHARE of that: the check is linear in the index (about 0.8 s of CPU at a
+        million blocks on the 2-core box measured), and it holds the loop while it runs."""
         while True:
-            await asyncio.sleep(interval_s)
+            began = time.perf_counter()
             self.audit()
+            took = time.perf_counter() - began
+            if took > 0.1:
+                log.info("audit took %.2f s (%d blocks)", took, len(self.index))
+            await asyncio.sleep(max(interval_s, took / AUDIT_SHARE))
 
     # -- feeding ---------------------------------------------------------------------------
     async def run(

@@ -128,6 +128,10 @@ class IndexSync:
         feed = self._feeds.get(worker_id)
         return (feed.incarnation, feed.seq) if feed is not None else (0, 0)
 
+    def fetching(self) -> bool:
+        """Whether some snapshot is being fetched (that worker's part is about to change)."""
+        return any(f.state == SyncState.FETCHING for f in self._feeds.values())
+
     def next_due(self) -> float | None:
         """When the earliest WANTED fetch may start (None: none wanted)."""
         times = [f.not_before for f in self._feeds.values() if f.state == SyncState.WANTED]

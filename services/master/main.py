@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "master") -> None:
 async def serve(args: argparse.Namespace) -> None:
     """Run the master until cancelled."""
     view = ClusterView()
-    REGISTRY.register(IndexSizeCollector(view.index.sizes))
+    REGISTRY.register(IndexSizeCollector(view.index.sizes, asyncio.get_running_loop()))
     if args.max_local_prefill_tokens < 0:
         raise SystemExit("--max-local-prefill-tokens must be >= 0")
     policy = make_policy(args.policy, args.max_local_prefill_tokens)

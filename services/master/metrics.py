@@ -3,6 +3,9 @@ resyncs by reason, and the index's size per worker (read from the view at scrape
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -91,18 +94,48 @@ class MasterMetrics(Families):
 
 class IndexSizeCollector(Collector):
     """`rtp:index_blocks{worker}`: block hashes the index holds per worker, read at scrape
-    time from `sizes()` (so departed workers disappear with their entries)."""
+    time from `sizes()` (so departed workers disappear with their entries).
 
-    def __init__(self, sizes: Callable[[], dict[str, int]]) -> None:
-        self._sizes = sizes
+    The metrics server answers on a thread of its own, and the index belongs to `loop`
+    (reading it applies the batches it holds back): `sizes()` runs on that loop, and the
+    scrape waits for it up to `timeout_s`, then answers with the last sizes read. Called
+    on the loop itself, it reads at once."""
+
+    def __init__(
+        self,
+        sizes: Callable[[], dict[str, int]],
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._sizes, self._loop, self._timeout_s = sizes, loop, timeout_s
+        self._last: dict[str, int] = {}
+
+    def _read(self) -> dict[str, int]:
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is self._loop:
+                return self._sizes()
+        answer: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
+
+        def read() -> None:
+            try:
+                answer.set_result(self._sizes())
+            except BaseException as exc:  # handed to the scraping thread
+                answer.set_exception(exc)
+
+        try:
+            self._loop.call_soon_threadsafe(read)
+            return answer.result(self._timeout_s)
+        except (RuntimeError, TimeoutError):  # the loop is closed, or too busy to answer
+            return self._last
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        self._last = sizes = self._read()
         family = GaugeMetricFamily(
             PREFIX + "index_blocks",
             "Block hashes in the master's prefix index, by worker.",
             labels=["worker"],
         )
-        for worker_id, n in sorted(self._sizes().items()):
+        for worker_id, n in sorted(sizes.items()):
             family.add_metric([worker_id], n)
         yield family
 

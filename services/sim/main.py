@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 
 from rtp_serve.core.dtypes import resolve_dtype, resolve_kv_dtype
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.sim_cost import SimCost
 from rtp_serve.engine.memory import kv_bytes_per_block
-from rtp_serve.engine.sim.engine import SimConfig, SimLLM
+from rtp_serve.engine.sim.engine import STEP_MODES, SimConfig, SimLLM
 from rtp_serve.services.common import metrics
 from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import (
@@ -70,6 +71,21 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
         help="size the pool as a real worker's of this many MiB (the model's KV bytes per "
         "block), instead of --num-blocks",
     )
+    p.add_argument(
+        "--warm-blocks",
+        type=int,
+        default=int(env("warm_blocks", "0")),
+        help="start each worker with this many blocks of synthetic prompts in its prefix cache "
+        "(published as KV events; at most the pool): a master index of millions of blocks "
+        "without replaying them (bench/scale.py --warm-blocks)",
+    )
+    p.add_argument(
+        "--step",
+        choices=STEP_MODES,
+        default=env("sim_step", "sleep"),
+        help="sleep: a step costs no CPU (many workers in one process); burn: it spends its "
+        "time on a core, so workers sharing this machine slow down as real ones do",
+    )
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", "64")))
     p.add_argument("--max-num-waiting", type=int, default=int(env("max_num_waiting", "256")))
     p.add_argument(
@@ -97,12 +113,15 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         dtype=resolve_dtype(args.dtype, args.model),
         weight_dtype=args.weight_dtype,
         kv_dtype=args.kv_dtype,
+        step=args.step,
     )
 
 
 async def serve(args: argparse.Namespace) -> None:
     if args.count <= 0:
         raise SystemExit("--count must be positive")
+    if args.warm_blocks < 0:
+        raise SystemExit("--warm-blocks must be >= 0")
     if args.count > 1 and args.port:
         raise SystemExit("with --count > 1 each worker takes a free port: leave --port 0")
     role = ROLES[args.role]
@@ -111,7 +130,10 @@ async def serve(args: argparse.Namespace) -> None:
     metrics_address = advertised(args, metrics.start_metrics_server(args.metrics_port, args.host))
 
     def build(_: argparse.Namespace) -> SimLLM:
-        return SimLLM(config, cost)
+        llm = SimLLM(config, cost)
+        if args.warm_blocks > 0:
+            llm.warm(args.warm_blocks, seed=secrets.randbits(64))  # distinct per worker
+        return llm
 
     def make(llm, worker_args):
         if role == nameservice_pb2.ROLE_PREFILL:
