@@ -227,11 +227,14 @@ def bench(n: int, args: argparse.Namespace) -> None:
         print(f"plans that differ between the paths: {disagree} of {args.routes}")
 
 
-async def ingest_and_route(run: Run, rng: random.Random, prompts, ids, args) -> list[float]:
+async def ingest_and_route(
+    run: Run, rng: random.Random, prompts, ids, args
+) -> tuple[list[float], list[float]]:
     """Routes arriving every 1 / --route-rate s on the loop where KV events arrive in bursts
     of --burst messages every --burst-ms, handled the way the master's NATS subscription
     does (nats-py: queued messages back to back, each parsed, then ClusterView's handler);
-    each route's latency from its arrival to its plan."""
+    each route's latency from its arrival to its plan, and its `decide` alone (what the
+    master's rtp:route_duration_seconds times)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     seqs = dict.fromkeys(ids, 0)
@@ -255,11 +258,14 @@ async def ingest_and_route(run: Run, rng: random.Random, prompts, ids, args) -> 
 
     tasks = [asyncio.create_task(subscription()), asyncio.create_task(reader())]
     latency: list[float] = []
+    decide: list[float] = []
     done = asyncio.Event()
 
     async def handle(arrival: float, req: master_pb2.RouteRequest) -> None:
         # As grpc.aio runs a call: a task of its own, started when the call arrives.
+        began = time.perf_counter()
         run.policy.decide(run.view, req)
+        decide.append(time.perf_counter() - began)
         latency.append(loop.time() - arrival)
         if len(latency) == args.routes:
             done.set()
@@ -273,7 +279,7 @@ async def ingest_and_route(run: Run, rng: random.Random, prompts, ids, args) -> 
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return latency
+    return latency, decide
 
 
 def ingest(n: int, args: argparse.Namespace) -> None:
@@ -281,18 +287,20 @@ def ingest(n: int, args: argparse.Namespace) -> None:
     print(f"\nN = {n}: routes at {args.route_rate:g}/s beside KV-event bursts of {args.burst} "
           f"messages (64 blocks each) every {args.burst_ms:g} ms; load average "
           f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")  # fmt: skip
-    print("| ingest | route latency from arrival p50 / p99 / max (ms) | blocks ingested |")
-    print("|---|---|---|")
+    print("| ingest | route latency from arrival p50 / p99 / max (ms) | decide alone p50 / p99 "
+          "(ms) | blocks ingested |")  # fmt: skip
+    print("|---|---|---|---|")
     for name, slice_s in (("back to back", math.inf), ("yields every 2 ms", 0.002)):
         cluster.INGEST_SLICE_S = slice_s
         policy = make_policy(args.policy, args.max_local_prefill_tokens)
         runs, rng, _, ids, _, prompts = setup(n, args, {name: policy})
         run = runs[name]
         before = len(run.view.index)
-        latency = asyncio.run(ingest_and_route(run, rng, prompts, ids, args))
+        latency, decide = asyncio.run(ingest_and_route(run, rng, prompts, ids, args))
         print(
             f"| {name} | {pct(latency, 0.5) * 1e3:.2f} / {pct(latency, 0.99) * 1e3:.2f} / "
-            f"{max(latency) * 1e3:.2f} | {len(run.view.index) - before:,} |"
+            f"{max(latency) * 1e3:.2f} | {pct(decide, 0.5) * 1e3:.2f} / "
+            f"{pct(decide, 0.99) * 1e3:.2f} | {len(run.view.index) - before:,} |"
         )
     cluster.INGEST_SLICE_S = 0.002
 

@@ -383,16 +383,26 @@ def index_blocks(metrics_address: str) -> float:
 
 async def wait_warm(master_metrics: list[str], blocks: int, since: float) -> dict:
     """--warm-blocks: wait until every master's index holds the workers' warm blocks (all
-    but 0.1%: a few may share a key); their ingest from the workers' first start."""
-    deadline = time.monotonic() + 600
+    but 0.1%: a few may share a key) and has settled (its block count and resyncs the same
+    a second later: a burst this large can cost a master its NATS connection as a slow
+    consumer, and it then resyncs every worker); their ingest from the workers' first
+    start."""
+    deadline = time.monotonic() + 900
+    last = None
     while True:
-        held = [await asyncio.to_thread(index_blocks, a) for a in master_metrics]
-        if min(held) >= 0.999 * blocks:
+        seen = [await asyncio.to_thread(scrape, a) for a in master_metrics]
+        held = [total(m, "rtp:index_blocks") for m in seen]
+        now = [
+            (h, total(m, "rtp:index_resyncs", "_total")) for h, m in zip(held, seen, strict=True)
+        ]
+        if min(held) >= 0.999 * blocks and now == last:
             took = time.monotonic() - since
-            return {"blocks": min(held), "seconds": took, "rate": min(held) / took}
+            return {"blocks": min(held), "seconds": took, "rate": min(held) / took,
+                    "resyncs": sum(r for _, r in now)}  # fmt: skip
         if time.monotonic() > deadline:
-            raise TimeoutError(f"masters hold {held} of {blocks} warm blocks after 600 s")
-        await asyncio.sleep(0.5)
+            raise TimeoutError(f"masters hold {held} of {blocks} warm blocks after 900 s")
+        last = now
+        await asyncio.sleep(1.0)
 
 
 async def wait_ready(frontend: str, timeout: float = 120.0) -> None:
@@ -564,9 +574,12 @@ async def failover(c: ScaleCluster, model: str, vocab: int, rate: float, window_
 
 # -- a restarted master -----------------------------------------------------------------
 async def master_restart_s(c: ScaleCluster, log: Path, timeout: float = 300.0) -> float | None:
-    """SIGKILL the master and start it again on its port: seconds until its index holds
-    every pair the old one held (the idle workers hold what they held), from snapshots."""
+    """SIGKILL the master and start it again on its port: seconds until it has rebuilt
+    every member's part of its index (a startup resync each, from its snapshot) and holds
+    the pairs the old one held (the idle workers hold what they held; 0.1% slack, for an old
+    index a batch behind)."""
     held = await asyncio.to_thread(index_blocks, c.master_metrics[0])
+    members_now = len(await members(c.nameservice))
     old = c.procs["master"]
     old.kill()
     old.wait()
@@ -574,8 +587,10 @@ async def master_restart_s(c: ScaleCluster, log: Path, timeout: float = 300.0) -
     out = log.open("ab")
     c.procs["master"] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     while time.monotonic() - started < timeout:
-        with contextlib.suppress(httpx.TransportError):
-            if await asyncio.to_thread(index_blocks, c.master_metrics[0]) == held:
+        with contextlib.suppress(httpx.TransportError, httpx.HTTPStatusError):
+            metrics = await asyncio.to_thread(scrape, c.master_metrics[0])
+            resynced = total(metrics, "rtp:index_resyncs", "_total")
+            if resynced >= members_now and total(metrics, "rtp:index_blocks") >= 0.999 * held:
                 return time.monotonic() - started
         await asyncio.sleep(0.1)
     return None

@@ -354,3 +354,21 @@ def test_a_slow_audit_runs_less_often(monkeypatch):
 
     asyncio.run(main())
     assert len(calls) == 1  # the next waits 0.02 s / AUDIT_SHARE = 2 s, not 1 ms
+
+
+def test_the_audit_leaves_out_an_index_too_big_to_check_on_the_loop(monkeypatch):
+    from rtp_serve.services.master import cluster
+
+    now = [0.0]
+    view = ClusterView(clock=lambda: now[0])
+    view.apply_membership(Ev(kind=Ev.KIND_SNAPSHOT, member=member("a", ns.ROLE_FUSED)))
+    view.end_snapshot()
+    (due,) = view.sync.due()
+    assert view.sync.snapshot(due, snap(3, H[:3], worker="a"))
+    assert len(view.index) == 3
+    view.index._h.count[view.index._h.slot["a"]] += 1  # an index fault only its check sees
+    now[0] = 10.0
+    monkeypatch.setattr(cluster, "AUDIT_MAX_BLOCKS", 2)
+    assert view.audit()  # 3 blocks: over the bound, the index is not checked
+    monkeypatch.setattr(cluster, "AUDIT_MAX_BLOCKS", 3)
+    assert not view.audit()

@@ -67,6 +67,7 @@ INDEXED_ROLES = WORKER_ROLES | {nameservice_pb2.ROLE_CACHE}
 SNAPSHOT_TIMEOUT_S = 5.0
 AUDIT_INTERVAL_S = 5.0  # the idle-time integrity check
 AUDIT_SHARE = 0.01  # of the loop's time, at most, spent in audits
+AUDIT_MAX_BLOCKS = 250_000  # a bigger index is left out of the audit (about 0.2 s here)
 # A NATS subscription hands its queued messages to its handler back to back without
 # returning to the event loop, so a burst of KV events or load reports from a thousand
 # workers would hold every Route call behind it: ingest yields to the loop after this much
@@ -309,8 +310,11 @@ class ClusterView:
         return True
 
     # -- invariants ------------------------------------------------------------------------
-    def check_integrity(self) -> None:
-        self.index.check_integrity()
+    def check_integrity(self, index: bool = True) -> None:
+        """Every invariant of the view; `index` False leaves out the prefix index's own
+        (linear in its blocks: seconds at ten million)."""
+        if index:
+            self.index.check_integrity()
         assert all(k == m.id for k, m in self._members.items()), "member keyed by wrong id"
         assert not self._departed.keys() & self._members.keys(), "departed member still present"
         assert not self._departed.keys() & self._loads.keys(), "load kept for departed member"
@@ -331,11 +335,14 @@ class ClusterView:
         """`check_integrity`, when nothing was routed for a whole audit interval and no
         snapshot is being fetched (the index is rebuilding: a restarted master would check
         a million blocks every interval of its resync); a failure is logged, counted, and
-        every worker's index part resynced. False if it failed."""
+        every worker's index part resynced. False if it failed. The index's own check
+        holds the loop for as long as it takes (0.8 s at a million blocks on the 2-core box
+        measured: the next Route waits for it), so above AUDIT_MAX_BLOCKS only the rest of
+        the view is checked; the index is held to its invariants by its property tests."""
         if self._clock() - self._last_charged < AUDIT_INTERVAL_S or self.sync.fetching():
             return True
         try:
-            self.check_integrity()
+            self.check_integrity(index=len(self.index) <= AUDIT_MAX_BLOCKS)
         except AssertionError as exc:
             log.error("cluster view failed its integrity check (%s): resyncing every worker", exc)
             metrics.master().integrity_failed()
