@@ -572,6 +572,46 @@ async def failover(c: ScaleCluster, model: str, vocab: int, rate: float, window_
     }
 
 
+# -- the master's capacity ---------------------------------------------------------------
+async def route_capacity(
+    c: ScaleCluster, requests: list[master_pb2.RouteRequest], window_s: float, concurrency: int
+) -> dict:
+    """Route calls back to back at the first master (`concurrency` in flight; the replay's
+    prompts, fresh ids, no lease) for `window_s`, after as long a window with none: routes
+    answered per second, per master CPU-second, and per CPU-second less the idle window's
+    (what the N workers' load reports and heartbeats cost it anyway)."""
+    pid = c.procs["master"].pid
+    cpu0, t0 = cpu_s(pid), time.monotonic()
+    await asyncio.sleep(window_s)
+    idle_cpu_per_s = (cpu_s(pid) - cpu0) / (time.monotonic() - t0)
+    answered = 0
+    async with grpc_util.channel(c.master) as ch:
+        stub = master_pb2_grpc.MasterStub(ch)
+        cpu0, t0 = cpu_s(pid), time.monotonic()
+        end = t0 + window_s
+
+        async def caller(k: int) -> None:
+            nonlocal answered
+            i = k
+            while time.monotonic() < end:
+                request = master_pb2.RouteRequest()
+                request.CopyFrom(requests[i % len(requests)])
+                request.request_id = f"capacity-{i}"
+                await stub.Route(request, timeout=10)
+                answered += 1
+                i += concurrency
+
+        await asyncio.gather(*(caller(k) for k in range(concurrency)))
+        wall, cpu = time.monotonic() - t0, cpu_s(pid) - cpu0
+    routing_cpu = cpu - idle_cpu_per_s * wall
+    return {
+        "capacity_routes_per_s": answered / wall,
+        "capacity_routes_per_cpu_s": answered / cpu if cpu else None,
+        "capacity_routes_per_routing_cpu_s": answered / routing_cpu if routing_cpu > 0 else None,
+        "capacity_idle_cpu": idle_cpu_per_s,
+    }
+
+
 # -- a restarted master -----------------------------------------------------------------
 async def master_restart_s(c: ScaleCluster, log: Path, timeout: float = 300.0) -> float | None:
     """SIGKILL the master and start it again on its port: seconds until it has rebuilt
@@ -650,7 +690,7 @@ async def dead_worker_out_s(c: ScaleCluster, args, model: Path, tmp: Path) -> fl
 
 
 # -- one N ------------------------------------------------------------------------------
-STEPS = ("idle", "failover", "restart", "dead-worker")  # what --skip may leave out
+STEPS = ("idle", "capacity", "failover", "restart", "dead-worker")  # what --skip may leave out
 
 
 def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> dict:
@@ -704,8 +744,13 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
             "abs": sum_ / count if count else None,
             "signed": histogram_quantile(fe_after, "rtp:ttft_prediction_error_seconds", 0.5),
         }
-        moved = {}
+        moved, capacity = {}, {}
         resync_s = out_s = None
+        if "capacity" not in args.skip:
+            asks = [r for _, r in probe_requests(trace, 50, kv)]
+            for r in asks:
+                r.frontend_id = ""  # no lease: each call a request of its own
+            capacity = asyncio.run(route_capacity(c, asks, args.capacity_s, concurrency=8))
         if len(c.masters) > 1 and "failover" not in args.skip:
             vocab = ModelConfig.from_dir(model).vocab_size
             moved = asyncio.run(failover(c, model.name, vocab, args.failover_rate, args.failover_s))
@@ -748,11 +793,19 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
         "nameservice_cpu_pct": ns_cpu * 100 if ns_cpu is not None else None,
         "dead_worker_out_s": out_s,
         "master_resync_s": resync_s,
+        **capacity,
         "frontend_req_per_cpu_s": len(ok) / fe_cpu if fe_cpu else None,
         "warm": c.warm,
         **agreed,
         **moved,
     }
+
+
+def _capacity(r: dict) -> str | None:
+    if "capacity_routes_per_s" not in r:
+        return None
+    return " / ".join(_fmt(r[k]) for k in ("capacity_routes_per_s", "capacity_routes_per_cpu_s",
+                                           "capacity_routes_per_routing_cpu_s"))  # fmt: skip
 
 
 def _warm(r: dict) -> str | None:
@@ -780,7 +833,7 @@ def _fmt(v) -> str:
 ROWS = (
     ("master route latency p50 (ms)", lambda r: r["route_p50_s"] and r["route_p50_s"] * 1e3),
     ("master route latency p99 (ms)", lambda r: r["route_p99_s"] and r["route_p99_s"] * 1e3),
-    ("routes / master CPU-second", lambda r: r["routes_per_master_cpu_s"]),
+    ("routes / master CPU-second, over the replay", lambda r: r["routes_per_master_cpu_s"]),
     ("master RSS (MiB)", lambda r: r["master_rss_mib"]),
     ("indexed blocks", lambda r: r["index_blocks"]),
     ("master RSS growth per indexed block (bytes)", lambda r: r["bytes_per_block"]),
@@ -790,6 +843,7 @@ ROWS = (
     ("nameservice CPU, idle cluster (% of a core)", lambda r: r["nameservice_cpu_pct"]),
     ("SIGKILL to last routed (s)", lambda r: r["dead_worker_out_s"]),
     ("master SIGKILLed, restarted: full index again (s)", lambda r: r["master_resync_s"]),
+    ("master capacity: routes/s; per CPU-s; per CPU-s less idle", lambda r: _capacity(r)),
     ("frontend requests / CPU-second", lambda r: r["frontend_req_per_cpu_s"]),
     ("replay: requests / failed", lambda r: f"{r['requests']} / {r['failed']}"),
     ("replay: wall (s); load average at start / end", lambda r: _wall(r)),
@@ -925,6 +979,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )  # fmt: skip
     ap.add_argument("--ttl", type=float, default=3.0, help="the nameservice's heartbeat TTL")
     ap.add_argument("--idle-s", type=float, default=5.0, help="idle window for heartbeat CPU")
+    ap.add_argument(
+        "--capacity-s", type=float, default=5.0,
+        help="window of back-to-back Route calls (and of idle before it) for the capacity row",
+    )  # fmt: skip
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--log-dir", default=None, help="keep the services' logs here")

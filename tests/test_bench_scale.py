@@ -11,8 +11,8 @@ from bench import scale
 def _flags(model_dir, tmp_path) -> list[str]:
     model = str(model_dir("tiny-llama"))
     return ["--workers", "3", "--requests", "6", "--max-input", "256", "--max-output", "2",
-            "--time-scale", "0.001", "--idle-s", "0.5", "--ttl", "1", "--procs", "1", "--model",
-            model, "--log-dir", str(tmp_path)]  # fmt: skip
+            "--time-scale", "0.001", "--idle-s", "0.5", "--capacity-s", "0.5", "--ttl", "1",
+            "--procs", "1", "--model", model, "--log-dir", str(tmp_path)]  # fmt: skip
 
 
 def test_scale_bench_measures_every_row(model_dir, tmp_path):
@@ -28,6 +28,8 @@ def test_scale_bench_measures_every_row(model_dir, tmp_path):
                 "master_resync_s"):  # fmt: skip
         assert result[key] is not None and result[key] >= 0, key
     assert result["route_p50_s"] <= result["route_p99_s"]
+    # Route calls back to back: answered, and the master's CPU counted for them.
+    assert result["capacity_routes_per_s"] > 0 and result["capacity_routes_per_cpu_s"] > 0
     assert result["ttft_p50_s"] > 0 and result["frontend_req_per_cpu_s"] > 0
     assert result["masters"] == 2 and result["probes"] == 6 and result["probe_failed"] == 0
     assert 0 <= result["agreement"] <= 1
