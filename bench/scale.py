@@ -296,7 +296,8 @@ def cluster(args, n: int, model: Path, tmp: Path, policy: str) -> Iterator[Scale
             master_metrics.append(f"127.0.0.1:{m_metrics}")
             procs[master_proc(i)] = spawn(
                 "master", "--port", str(m_port), "--nameservice", ns, "--metrics-port",
-                str(m_metrics), "--policy", policy, *common, log=log,
+                str(m_metrics), "--policy", policy, "--load-cutoff-ms", str(args.load_cutoff_ms),
+                *common, log=log,
             )  # fmt: skip
         rss0 = asyncio.run(wait_metrics(master_metrics[0], procs["master"].pid))
         spawned = time.monotonic()
@@ -936,6 +937,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "and a last table compares them",
     )  # fmt: skip
     ap.add_argument("--masters", type=int, default=2, help="active-active master replicas")
+    ap.add_argument(
+        "--load-cutoff-ms", type=float, default=0.0,
+        help="the masters' --load-cutoff-ms (replicas count the same load reports)",
+    )  # fmt: skip
     ap.add_argument(
         "--probes", type=int, default=100,
         help="agreement probes over the replay (with 2 masters or more)",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import time
@@ -108,10 +109,21 @@ class _Charge:
 
 class ClusterView:
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, load_ttl_s: float = LOAD_TTL_S
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        load_ttl_s: float = LOAD_TTL_S,
+        load_cutoff_s: float = 0.0,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
         self._load_ttl_s = load_ttl_s
+        # Load reports count from when the worker stamped them plus this (0: on arrival), so
+        # that master replicas, which receive each report a few ms apart, count the same
+        # ones at the same moment (`count_loads`).
+        self._load_cutoff_s = load_cutoff_s
+        self._wall = wall
+        self._held_loads: list[tuple[int, int, events_pb2.LoadReport]] = []  # heap: stamp
+        self._held_seq = 0
         self._members: dict[str, Member] = {}
         self._loads: dict[str, tuple[events_pb2.LoadReport, float]] = {}  # report, arrival
         self._pending: dict[str, deque[_Charge]] = {}  # oldest first
@@ -302,12 +314,38 @@ class ClusterView:
     def apply_load(self, report: events_pb2.LoadReport) -> bool:
         if not report.worker_id or report.worker_id in self._departed:
             return False
+        self.sync.load(report)
+        if self._load_cutoff_s > 0:
+            self._held_seq += 1
+            heapq.heappush(self._held_loads, (report.unix_ms, self._held_seq, report))
+            self.count_loads()
+        else:
+            self._count_load(report)
+        return True
+
+    def count_loads(self) -> None:
+        """With a load cutoff: count the reports stamped at least that long ago, oldest
+        first (the policies call this before each decision). Two masters that both received
+        a report within the cutoff count it at the same moment, so they route on the same
+        loads; a report older than one already counted for its worker is dropped."""
+        held = self._held_loads
+        if not held:
+            return
+        cutoff_ms = (self._wall() - self._load_cutoff_s) * 1000
+        while held and held[0][0] <= cutoff_ms:
+            report = heapq.heappop(held)[2]
+            counted = self._loads.get(report.worker_id)
+            if report.worker_id in self._departed or (
+                counted is not None and counted[0].unix_ms > report.unix_ms
+            ):
+                continue
+            self._count_load(report)
+
+    def _count_load(self, report: events_pb2.LoadReport) -> None:
         self._loads[report.worker_id] = entry = (report, self._clock())
         self.table.set_load(report.worker_id, *entry)
         # The report counts what had reached the worker; what was routed since may not.
         self._expire(report.worker_id, IN_TRANSIT_S)
-        self.sync.load(report)
-        return True
 
     # -- invariants ------------------------------------------------------------------------
     def check_integrity(self, index: bool = True) -> None:

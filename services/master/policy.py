@@ -174,6 +174,7 @@ class Policy(ABC):
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
+        view.count_loads()  # the reports due under a load cutoff
         view.expire_charges()  # the table's pending sums as `view.pending` would say
         ask = Ask(view, request)
         first, decode = candidates(view, request.exclude)

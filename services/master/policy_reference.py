@@ -100,6 +100,7 @@ class Policy(ABC):
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
+        view.count_loads()
         first, decode = candidates(view, request.exclude)
         first, decode = (
             serving(view, first, request.lora_name),
