@@ -31,7 +31,11 @@ def _decode_meta(tables, positions, bs):
     )
 
 
-def test_decode_step_through_graphs_matches_eager(model_dir):
+def test_decode_step_through_graphs_matches_eager(model_dir, monkeypatch):
+    # The graph runs 4 rows where eager runs 3; measured kernel tables may pick a different
+    # GEMM for each row count (their float32 sums then differ by ~1e-5, beyond this
+    # comparison): the fixed split runs one kernel for both, so the graph is what differs.
+    monkeypatch.setenv("RTP_SERVE_GEMM_TUNE", "0")
     engine = LLMEngine(EngineConfig(model=str(model_dir("tiny-llama")), num_kv_blocks=16))
     runner = engine.runner
     bs, scratch = runner.block_size, 15  # no sequence here uses block 15
