@@ -715,7 +715,8 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
         async def both() -> tuple[list[Result], dict]:
             start = time.monotonic() + 0.5  # the probes' hashes are ready: they start together
             runs = [replay(c.frontend, model.name, trace, start)]
-            runs += [agreement(c.masters, probes, start)] if probes else []
+            lead = args.probe_lead_s  # before their request's own route (or with it: 0)
+            runs += [agreement(c.masters, probes, start - lead)] if probes else []
             results, *agreed = await asyncio.gather(*runs)
             return results, (agreed[0] if agreed else {})
 
@@ -937,6 +938,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "and a last table compares them",
     )  # fmt: skip
     ap.add_argument("--masters", type=int, default=2, help="active-active master replicas")
+    ap.add_argument(
+        "--probe-lead-s", type=float, default=0.0,
+        help="send each agreement probe this long before its request arrives (0: with it, "
+        "racing that request's own route and its charge)",
+    )  # fmt: skip
     ap.add_argument(
         "--load-cutoff-ms", type=float, default=0.0,
         help="the masters' --load-cutoff-ms (replicas count the same load reports)",
