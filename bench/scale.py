@@ -210,19 +210,8 @@ def minus(after: dict[str, list], before: dict[str, list]) -> dict[str, list]:
     """One process's counters and histograms over a window: `after` less `before`."""
     from prometheus_client.samples import Sample
 
-    earlier = {(x.name, tuple(sorted(x.labels.items()))): x.value
-               for samples in before.values() for x in samples}  # fmt: skip
-    return {
-        family: [
-            Sample(
-                x.name,
-                x.labels,
-                x.value - earlier.get((x.name, tuple(sorted(x.labels.items()))), 0.0),
-            )
-            for x in samples
-        ]
-        for family, samples in after.items()
-    }
+    negated = {f: [Sample(x.name, x.labels, -x.value) for x in xs] for f, xs in before.items()}
+    return merged([after, negated])
 
 
 def routes_by(frontend: dict[str, list], source: str) -> float:
@@ -263,7 +252,6 @@ class ScaleCluster:
     frontend: str
     procs: dict[str, subprocess.Popen]
     workers: list[subprocess.Popen]
-    master_rss0: int = 0  # the first master's RSS before any worker joined
     warm: dict | None = None  # --warm-blocks: the warm index's ingest (`wait_warm`)
 
     @property
@@ -331,8 +319,7 @@ def cluster(args, n: int, model: Path, tmp: Path, policy: str) -> Iterator[Scale
         )  # fmt: skip
         asyncio.run(wait_ready(f"127.0.0.1:{fe_port}"))
         yield ScaleCluster(
-            nats.url, ns, masters, master_metrics, f"127.0.0.1:{fe_port}", procs, workers,
-            rss0, warm,
+            nats.url, ns, masters, master_metrics, f"127.0.0.1:{fe_port}", procs, workers, warm
         )  # fmt: skip
     finally:
         for proc in [*workers, *reversed(procs.values())]:

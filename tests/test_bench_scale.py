@@ -1,7 +1,7 @@
 """bench/scale.py, test-sized: real NATS, nameservice, two masters and a frontend in front
 of three simulated workers (their caches warm), a few trace requests cut short. Every row
-of its table is measured, the masters' agreement and one master's SIGKILL under load included; and a
-policy sweep's comparison table."""
+of its table is measured, the masters' agreement and one master's SIGKILL under load
+included; and a policy sweep's comparison table."""
 
 from __future__ import annotations
 

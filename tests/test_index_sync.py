@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 import pytest
 
@@ -335,14 +336,12 @@ def test_idle_audit_checks_integrity_and_a_failure_resyncs_everyone():
 def test_a_slow_audit_runs_less_often(monkeypatch):
     """An audit is linear in the index: one that takes longer than AUDIT_SHARE of its
     interval pushes the next one out, so audits never hold the loop more than that."""
-    import time as time_mod
-
     view = ClusterView()
     calls: list[float] = []
 
     def audit() -> bool:
-        calls.append(time_mod.perf_counter())
-        time_mod.sleep(0.02)  # a check of a big index
+        calls.append(time.perf_counter())
+        time.sleep(0.02)  # a check of a big index
         return True
 
     monkeypatch.setattr(view, "audit", audit)

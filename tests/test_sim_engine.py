@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -179,8 +180,6 @@ def test_a_warm_pool_holds_distinct_evictable_prompts_and_publishes_them(model_d
 def test_a_burning_step_spends_its_time_on_a_core_and_the_loop_runs_meanwhile(model_dir):
     """step="burn": each step's profile time is spent as CPU time (so co-located workers
     share cores as real ones do), off the event loop, which keeps serving meanwhile."""
-    import time
-
     cost = SimCost(fixed_s=0.1, prefill_token_s=0, prefill_attn_s=0, decode_row_s=0,
                    decode_ctx_s=0, source="test: 100 ms steps")  # fmt: skip
     config = SimConfig(str(model_dir("tiny-llama")), num_blocks=32, block_size=BS, step="burn")
