@@ -9,6 +9,10 @@ Everything else about the package is in pyproject.toml. The install never fails 
 kernels: without torch in the build environment, off x86-64, with RTP_SERVE_BUILD_KERNELS=0
 or when the compiler is missing or fails, it installs without them (a warning here), and
 the workers compile them on first use or use the torch reference ops.
+
+The master's compiled table loops (services/master/csrc/block_table.cpp) are a plain
+CPython extension: no torch, built wherever there is a C++ compiler; without one the
+master runs the same table in numpy (services/master/block_ids.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import platform
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rtp_serve.kernels import cpu_build, isa  # noqa: E402
@@ -46,6 +51,32 @@ def packages() -> list[str]:
 
 def _warn(why: str) -> None:
     sys.stderr.write(f"rtp-serve: CPU kernels not compiled at install ({why})\n")
+
+
+class BuildNative(build_ext):
+    """A failed compile leaves the numpy path; the install goes on."""
+
+    def build_extension(self, ext) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            sys.stderr.write(f"rtp-serve: {ext.name} not compiled ({exc})\n")
+
+
+MASTER_TABLE = Extension(
+    "rtp_serve.services.master._block_table",
+    ["services/master/csrc/block_table.cpp"],
+    extra_compile_args=["-O3", "-std=c++17"],
+    optional=True,
+)
+
+
+def native_modules() -> dict:
+    master = [MASTER_TABLE] if os.environ.get("RTP_SERVE_BUILD_KERNELS", "1") != "0" else []
+    kernels = kernel_modules()
+    if not kernels:
+        return {"ext_modules": master, "cmdclass": {"build_ext": BuildNative}}
+    return {"ext_modules": master + kernels["ext_modules"], "cmdclass": kernels["cmdclass"]}
 
 
 def kernel_modules() -> dict:
@@ -87,5 +118,5 @@ setup(
     packages=packages(),
     package_dir=PACKAGE_DIRS,
     package_data={"rtp_serve.kernels.csrc": ["*.cpp", "*.h"]},
-    **kernel_modules(),
+    **native_modules(),
 )

@@ -738,3 +738,38 @@ def test_with_a_load_cutoff_replicas_count_the_same_reports_at_the_same_moment()
         view.count_loads()
         assert view.load("w0").queued_tokens == 5000
         view.check_integrity()
+
+
+def test_the_index_rpc_lists_counts_without_hashes_and_only_the_workers_asked_for():
+    from rtp_serve.services.master.servicer import MasterServicer
+    from tests.frontend_fakes import serve_grpc
+
+    async def main() -> None:
+        view = cluster(member("w1", F), member("w2", F), cached={"w1": H[:3]})
+        assert view.apply_kv_events(kv("w2", stored=H[:5], host_stored=H[8:10]))
+        server, address = await serve_grpc(
+            master_pb2_grpc.add_MasterServicer_to_server, MasterServicer(view, CacheAware())
+        )
+        try:
+            async with grpc_util.channel(address) as ch:
+                stub = master_pb2_grpc.MasterStub(ch)
+                full = await stub.Index(master_pb2.IndexRequest())
+                assert [w.worker_id for w in full.workers] == ["w1", "w2"]
+                w2 = full.workers[1]
+                assert (w2.num_blocks, w2.num_host_blocks) == (5, 2)
+                assert set(w2.block_hashes) == set(H[:5])
+                assert set(w2.host_block_hashes) == set(H[8:10])
+                counts = await stub.Index(master_pb2.IndexRequest(counts_only=True))
+                assert [
+                    (w.worker_id, w.num_blocks, len(w.block_hashes)) for w in counts.workers
+                ] == [
+                    ("w1", 3, 0),
+                    ("w2", 5, 0),
+                ]
+                some = await stub.Index(master_pb2.IndexRequest(worker_ids=["w2", "nobody"]))
+                assert [w.worker_id for w in some.workers] == ["w2"]
+                assert some.workers[0] == w2
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())

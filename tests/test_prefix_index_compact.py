@@ -6,17 +6,28 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rtp_serve.services.common.pb import events_pb2
-from rtp_serve.services.master import prefix_index
+from rtp_serve.services.master import block_ids, prefix_index
 from rtp_serve.services.master.block_ids import BlockIds, words
 from rtp_serve.services.master.holders import INLINE
 from rtp_serve.services.master.prefix_index import PrefixIndex
 from tests.reference_prefix_index import SimplePrefixIndex
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def table_loops(request, monkeypatch):
+    """Every test runs on the compiled table loops and on the numpy ones."""
+    if request.param == "compiled" and block_ids.native is None:
+        pytest.skip("services/master/csrc/block_table.cpp not compiled")
+    monkeypatch.setenv("RTP_SERVE_MASTER_NATIVE", "1" if request.param == "compiled" else "0")
+    return request.param
+
 
 WORKERS = [f"w{i}" for i in range(9)]  # more than INLINE hold the popular hashes
 GHOST = "never-seen"
@@ -170,8 +181,15 @@ def test_popular_hashes_spill_past_the_inline_holders():
     assert_same(got, want, random.Random(0))
 
 
-def test_block_ids_grow_and_reuse():
+def test_the_install_compiled_the_master_table():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the master runs the numpy table")
+    assert block_ids.native is not None, "pip install -e . did not build _block_table"
+
+
+def test_block_ids_grow_and_reuse(table_loops):
     ids = BlockIds(buckets=2)
+    assert ids.compiled == (table_loops == "compiled")
     first = ids.intern(words(b"".join(PROMPTS[-1])))
     assert sorted(first.tolist()) == list(range(len(PROMPTS[-1])))
     assert (ids.find(words(b"".join(PROMPTS[-1]))) == first).all()
@@ -206,3 +224,32 @@ def test_more_workers_than_int16_slots():
     assert len(index.match_holders(PROMPTS[0])) == len(many)
     index.drop_worker(many[-1])
     assert index.match(many[-2], PROMPTS[0]) == 1 and len(index) == len(many) - 1
+
+
+def test_compiled_and_numpy_tables_find_the_same_ids():
+    """Interleaved interns and discards, with hashes made to share tags and buckets (the
+    confirm path), from a 2-bucket table: both keep the same hashes, each its own ids."""
+    if block_ids.native is None:
+        pytest.skip("services/master/csrc/block_table.cpp not compiled")
+    rng = random.Random(3)
+    a, b = BlockIds(buckets=2, compiled_loops=True), BlockIds(buckets=2, compiled_loops=False)
+    pool = [rng.randbytes(16) for _ in range(300)]
+    pool += [h[:4] + pool[0][4:8] + rng.randbytes(8) for h in pool[:40]]  # pool[0]'s tag
+    pool += [pool[1][:12] + rng.randbytes(4) for _ in range(20)]  # pool[1]'s buckets and tag
+    held: set[bytes] = set()
+    for _ in range(60):
+        batch = rng.choices(pool, k=rng.randrange(1, 80))  # repeats within a batch too
+        got_a, got_b = a.intern(words(b"".join(batch))), b.intern(words(b"".join(batch)))
+        held |= set(batch)
+        assert a.keys(got_a) == b.keys(got_b) == batch
+        gone = rng.sample(sorted(held), rng.randrange(len(held) // 2 + 1))
+        held -= set(gone)
+        if gone:
+            w = words(b"".join(gone))
+            a.discard(a.find(w))
+            b.discard(b.find(w))
+        query = words(b"".join(pool))
+        assert ((a.find(query) >= 0) == (b.find(query) >= 0)).all()
+        assert len(a) == len(b) == len(held)
+        a.check_integrity()
+        b.check_integrity()

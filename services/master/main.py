@@ -21,6 +21,7 @@ from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import add_common_flags, advertised
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import master_pb2_grpc, nameservice_pb2
+from rtp_serve.services.master import block_ids
 from rtp_serve.services.master.charge_exchange import ChargeExchange
 from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
 from rtp_serve.services.master.metrics import IndexSizeCollector
@@ -102,12 +103,15 @@ async def serve(args: argparse.Namespace) -> None:
             await names.register(member)
         await grpc_util.set_serving(health, SERVICE_NAME, True)
         log.info(
-            "master ready id=%s address=%s policy=%s pid=%d",
+            "master ready id=%s address=%s policy=%s index_loops=%s pid=%d",
             member.id,
             address,
             policy.name,
+            "compiled" if block_ids.compiled() else "numpy",
             os.getpid(),
         )
+        if not block_ids.compiled():
+            log.warning("prefix index in numpy: _block_table not compiled at install, or disabled")
         if feeder is not None:
             await feeder  # runs until cancelled; an error here is fatal for the master
         else:

@@ -107,16 +107,21 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.IndexRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.IndexReply:
         view = self.view
+        known = set(view.index.workers()) | set(view.sync.workers())
+        wanted = known & set(request.worker_ids) if request.worker_ids else known
         reply = master_pb2.IndexReply()
-        for worker_id in sorted(set(view.index.workers()) | set(view.sync.workers())):
+        for worker_id in sorted(wanted):
             incarnation, seq = view.sync.position(worker_id)
             state = view.sync.state(worker_id)
-            reply.workers.add(
+            entry = reply.workers.add(
                 worker_id=worker_id,
                 incarnation=incarnation,
                 seq=seq,
                 state=state.value if state is not None else "",
-                block_hashes=sorted(view.index.hashes(worker_id)),
-                host_block_hashes=sorted(view.index.host.hashes(worker_id)),
+                num_blocks=view.index.num_blocks(worker_id),
+                num_host_blocks=view.index.host.num_blocks(worker_id),
             )
+            if not request.counts_only:
+                entry.block_hashes.extend(sorted(view.index.hashes(worker_id)))
+                entry.host_block_hashes.extend(sorted(view.index.host.hashes(worker_id)))
         return reply

@@ -64,24 +64,32 @@ class RoutePlan(_message.Message):
     def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_fetch_s: _Optional[float] = ...) -> None: ...
 
 class IndexRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("worker_ids", "counts_only")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    counts_only: bool
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., counts_only: _Optional[bool] = ...) -> None: ...
 
 class WorkerIndex(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "seq", "state", "block_hashes", "host_block_hashes")
+    __slots__ = ("worker_id", "incarnation", "seq", "state", "block_hashes", "host_block_hashes", "num_blocks", "num_host_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: int
     seq: int
     state: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_blocks: int
+    num_host_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class IndexReply(_message.Message):
     __slots__ = ("workers",)
