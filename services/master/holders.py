@@ -183,7 +183,8 @@ class Holders:
         for i in np.flatnonzero(~fits).tolist():  # the row is full: past it
             j = int(ids[i])
             self._more[j] = np.append(self._more.get(j, np.zeros(0, self._inline.dtype)), slots[i])
-        np.add.at(self._nheld, ids, 1)
+        starts = np.flatnonzero(first)  # ids sorted: each distinct id once, with its pairs
+        self._nheld[ids[starts]] += np.diff(starts, append=n).astype(np.int32)
         self.pairs += n
         order = np.argsort(slots, kind="stable")
         bounds = np.flatnonzero(np.diff(slots[order])) + 1
