@@ -30,6 +30,13 @@ class MasterMetrics(Families):
             (), ROUTE_BUCKETS,
         ),
         MetricSpec(
+            "route_cpu", "histogram", "route_cpu_seconds",
+            "CPU seconds the master's thread spent on a Route call over the same span as "
+            "route_duration_seconds: the difference is time spent waiting for a core or "
+            "for the GIL.",
+            (), ROUTE_BUCKETS,
+        ),
+        MetricSpec(
             "index_event_blocks", "counter", "index_event_blocks",
             "Block hashes received in workers' KV event batches (stored and removed, both "
             "tiers), whether applied or buffered for a resync.",
@@ -73,8 +80,9 @@ class MasterMetrics(Families):
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()
 
-    def routed_in(self, seconds: float) -> None:
+    def routed_in(self, seconds: float, cpu_seconds: float) -> None:
         self.route_duration.observe(seconds)
+        self.route_cpu.observe(cpu_seconds)
 
     def kv_events(self, blocks: int, published_unix_ns: int) -> None:
         """A KV event batch arrived: its size, and its lag if the worker stamped it."""
