@@ -11,8 +11,9 @@ or when the compiler is missing or fails, it installs without them (a warning he
 the workers compile them on first use or use the torch reference ops.
 
 The master's compiled table loops (services/master/csrc/block_table.cpp) are a plain
-CPython extension: no torch, built wherever there is a C++ compiler; without one the
-master runs the same table in numpy (services/master/block_ids.py).
+CPython extension: no torch, built wherever there is a C++ compiler (not with
+RTP_SERVE_BUILD_KERNELS=0); without it the master runs the same table in numpy
+(services/master/block_ids.py).
 """
 
 from __future__ import annotations
