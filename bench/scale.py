@@ -284,7 +284,7 @@ def cluster(args, n: int, model: Path, tmp: Path, policy: str) -> Iterator[Scale
             master_metrics.append(f"127.0.0.1:{m_metrics}")
             procs[master_proc(i)] = spawn(
                 "master", "--port", str(m_port), "--nameservice", ns, "--metrics-port",
-                str(m_metrics), "--policy", policy, "--load-cutoff-ms", str(args.load_cutoff_ms),
+                str(m_metrics), "--policy", policy, "--event-cutoff-ms", str(args.event_cutoff_ms),
                 *common, log=log,
             )  # fmt: skip
         rss0 = asyncio.run(wait_metrics(master_metrics[0], procs["master"].pid))
@@ -471,6 +471,7 @@ async def agreement(
 
     async def one(at_s: float, request: master_pb2.RouteRequest) -> None:
         await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
+        request.unix_ms = time.time_ns() // 1_000_000  # as the frontend stamps it
         calls = [stub.Route(request, timeout=10) for stub in stubs]
         plans = await asyncio.gather(*calls, return_exceptions=True)
         release = master_pb2.ReleaseRequest(
@@ -936,8 +937,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "racing that request's own route and its charge)",
     )  # fmt: skip
     ap.add_argument(
-        "--load-cutoff-ms", type=float, default=0.0,
-        help="the masters' --load-cutoff-ms (replicas count the same load reports)",
+        "--event-cutoff-ms", type=float, default=0.0,
+        help="the masters' --event-cutoff-ms (replicas route on the same events)",
     )  # fmt: skip
     ap.add_argument(
         "--probes", type=int, default=100,

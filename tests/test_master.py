@@ -706,40 +706,6 @@ def test_index_sizes_are_read_on_the_loop_that_owns_the_index():
     assert set(readers) == {loop_thread}  # the held loop's read ran later, on the loop
 
 
-def test_with_a_load_cutoff_replicas_count_the_same_reports_at_the_same_moment():
-    """Two masters receive each report a few ms apart. With --load-cutoff-ms a report
-    counts from its stamp plus the cutoff, on both: at any moment they route on the same
-    loads. A report stamped before one already counted for its worker is dropped."""
-    wall = [1.000]
-    views = [ClusterView(load_cutoff_s=0.05, wall=lambda: wall[0]) for _ in range(2)]
-    for view in views:
-        for w in ("w0", "w1"):
-            view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member(w, F)))
-    busy, idle = load("w0", queued=5000, unix_ms=1000), load("w1", unix_ms=1000)
-    views[0].apply_load(busy)  # arrives at one master at once
-    wall[0] = 1.030
-    for view in views:
-        view.apply_load(idle)
-    views[1].apply_load(busy)  # at the other 30 ms later
-    wall[0] = 1.049
-    for view in views:
-        view.count_loads()
-        assert view.load("w0") is None  # not yet counted on either
-    plans = [route(CacheAware(), view, hashes=[]) for view in views]
-    assert plans[0].decode.id == plans[1].decode.id
-    wall[0] = 1.051
-    plans = [route(CacheAware(), view, hashes=[]) for view in views]  # decide counts them
-    assert [v.load("w0").queued_tokens for v in views] == [5000, 5000]
-    assert plans[0].decode.id == plans[1].decode.id == "w1"  # w0's queue counted on both
-    late = load("w0", queued=0, unix_ms=990)  # older than the counted one
-    wall[0] = 1.2
-    for view in views:
-        view.apply_load(late)
-        view.count_loads()
-        assert view.load("w0").queued_tokens == 5000
-        view.check_integrity()
-
-
 def test_the_index_rpc_lists_counts_without_hashes_and_only_the_workers_asked_for():
     from rtp_serve.services.master.servicer import MasterServicer
     from tests.frontend_fakes import serve_grpc

@@ -187,8 +187,10 @@ class Router:
         """A route for `request`; raises FrontendError (UNAVAILABLE: no worker can take it;
         CONFLICT: its id is in flight through another frontend). `timeout`: what is left of
         the request's deadline (the master gets no longer). A route from the master leases
-        the request id to this frontend until `release`."""
+        the request id to this frontend until `release`. The request is stamped now
+        (`unix_ms`) unless it is already: every master asked routes it as of that moment."""
         request.frontend_id = self.frontend_id
+        request.unix_ms = request.unix_ms or time.time_ns() // 1_000_000
         deadline = time.monotonic() + timeout if timeout is not None else None
         for address in self.masters_for(request.request_id):
             left = deadline - time.monotonic() if deadline is not None else None

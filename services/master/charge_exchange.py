@@ -37,13 +37,13 @@ class ChargeExchange:
         if not routed:
             return
         message = events_pb2.RouteCharges(master_id=self.master_id)
-        for worker_id, tokens, blocks in routed:
-            message.charges.add(worker_id=worker_id, tokens=tokens, blocks=blocks)
+        for worker_id, tokens, blocks, unix_ms in routed:
+            message.charges.add(worker_id=worker_id, tokens=tokens, blocks=blocks, unix_ms=unix_ms)
         await self.bus.publish(self.subject, message)
 
     async def _on_charges(self, msg: events_pb2.RouteCharges, headers: dict[str, str]) -> None:
         if msg.master_id == self.master_id:
             return  # charged when routed
         for c in msg.charges:
-            self.view.charge(c.worker_id, c.tokens, c.blocks, here=False)
+            self.view.charge(c.worker_id, c.tokens, c.blocks, here=False, unix_ms=c.unix_ms)
         metrics.master().shared_charges(len(msg.charges))

@@ -15,13 +15,18 @@ The prefix index is kept exact by `index_sync.IndexSync` (sequence numbers, snap
 for LOAD_TTL_S after it arrives; after that the worker's load is unknown (`load` is None),
 which the policies treat as "maybe down", never as idle. Whenever nothing was routed for
 an audit interval, `audit` runs `check_integrity`; a failure resyncs every worker's part.
+
+With an event cutoff (master replicas, --event-cutoff-ms) the view counts every event from
+its stamp, not its arrival (services/master/held_events.py): its time (`now`) is then the
+cut, in unix seconds, that the counted events reach; the load TTL, the charges' expiry and
+what a report clears are reckoned from stamps, so replicas holding the same events hold
+the same view.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 import math
 import time
@@ -43,6 +48,7 @@ from rtp_serve.services.common.pb import (
     worker_pb2_grpc,
 )
 from rtp_serve.services.master import metrics
+from rtp_serve.services.master.held_events import HeldEvents, Kind
 from rtp_serve.services.master.index_sync import Due, IndexSync, ResyncReason
 from rtp_serve.services.master.load_table import LoadTable
 from rtp_serve.services.master.prefix_index import PrefixIndex
@@ -112,18 +118,17 @@ class ClusterView:
         self,
         clock: Callable[[], float] = time.monotonic,
         load_ttl_s: float = LOAD_TTL_S,
-        load_cutoff_s: float = 0.0,
+        event_cutoff_s: float = 0.0,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
         self._load_ttl_s = load_ttl_s
-        # Load reports count from when the worker stamped them plus this (0: on arrival), so
-        # that master replicas, which receive each report a few ms apart, count the same
-        # ones at the same moment (`count_loads`).
-        self._load_cutoff_s = load_cutoff_s
+        # Events count from their stamps plus this (0: on arrival), so that master replicas,
+        # which receive each a few ms apart, route on the same view (`catch_up`).
+        self._cutoff_s = event_cutoff_s
         self._wall = wall
-        self._held_loads: list[tuple[int, int, events_pb2.LoadReport]] = []  # heap: stamp
-        self._held_seq = 0
+        self._held = HeldEvents()
+        self._cut = wall() - 2 * event_cutoff_s  # unix s: events stamped up to here count
         self._members: dict[str, Member] = {}
         self._loads: dict[str, tuple[events_pb2.LoadReport, float]] = {}  # report, arrival
         self._pending: dict[str, deque[_Charge]] = {}  # oldest first
@@ -142,7 +147,8 @@ class ClusterView:
 
     # -- queries ---------------------------------------------------------------------------
     def now(self) -> float:
-        return self._clock()
+        """The view's time: its clock's, or with an event cutoff the cut (unix seconds)."""
+        return self._cut if self._cutoff_s else self._clock()
 
     @property
     def load_ttl_s(self) -> float:
@@ -168,7 +174,7 @@ class ClusterView:
     def load(self, worker_id: str) -> events_pb2.LoadReport | None:
         """The worker's latest load report; None if none came within the load TTL."""
         entry = self._loads.get(worker_id)
-        if entry is None or self._clock() - entry[1] > self._load_ttl_s:
+        if entry is None or self.now() - entry[1] > self._load_ttl_s:
             return None
         return entry[0]
 
@@ -181,39 +187,57 @@ class ClusterView:
     def expire_charges(self) -> None:
         """Drop every charge older than PENDING_TTL_S (what `pending` does for one worker),
         so that `table` holds what `pending` would say for each; amortized O(1) a charge."""
-        now, log = self._clock(), self._charges
+        now, log = self.now(), self._charges
         while log and now - log[0][0] > PENDING_TTL_S:
             self._expire(log.popleft()[1])
 
-    def _expire(self, worker_id: str, age_s: float = PENDING_TTL_S) -> deque[_Charge]:
-        """The worker's charges less those older than `age_s` (by default PENDING_TTL_S:
-        also where nothing asks for them, a policy that ignores load, a cluster without
-        NATS)."""
+    def _expire(
+        self, worker_id: str, age_s: float = PENDING_TTL_S, now: float | None = None
+    ) -> deque[_Charge]:
+        """The worker's charges less those older than `age_s` at `now` (by default the
+        view's; and PENDING_TTL_S: also where nothing asks for them, a policy that ignores
+        load, a cluster without NATS)."""
         charges = self._pending.get(worker_id)
         if charges is None:
             return deque()
-        now = self._clock()
+        now = self.now() if now is None else now
         while charges and now - charges[0].at > age_s:
             c = charges.popleft()
             self.table.add_pending(worker_id, -1, -c.tokens, -c.blocks)
         return charges
 
     def charge(
-        self, worker_id: str, tokens: int = 0, blocks: int = 0, *, here: bool = True
+        self,
+        worker_id: str,
+        tokens: int = 0,
+        blocks: int = 0,
+        *,
+        here: bool = True,
+        unix_ms: int = 0,
     ) -> None:
         """Count a request just routed to `worker_id` until a LoadReport made after it
         reached the worker (see IN_TRANSIT_S) or PENDING_TTL_S. `here`: routed by this
-        master (kept for `take_routed` while charges are shared), not by another replica."""
+        master (kept for `take_routed` while charges are shared), not by another replica.
+        `unix_ms`: the request's stamp, from which it counts under an event cutoff (0: the
+        wall clock's now)."""
         self._last_charged = self._clock()
         if worker_id not in self._members:
             return
         if here and self._routed is not None:
-            self._routed.append((worker_id, tokens, blocks))
+            self._routed.append((worker_id, tokens, blocks, unix_ms))
+        if self._cutoff_s:
+            stamp = unix_ms / 1000 if unix_ms else self._wall()
+            self._held.push(stamp, Kind.CHARGE, (worker_id, tokens, blocks))
+            return
+        self._count_charge(worker_id, tokens, blocks, self._clock())
+
+    def _count_charge(self, worker_id: str, tokens: int, blocks: int, at: float) -> None:
+        if worker_id not in self._members:
+            return  # left while the charge was held
         self._pending.setdefault(worker_id, deque())
-        now = self._clock()
-        self._expire(worker_id).append(_Charge(now, tokens, blocks))
+        self._expire(worker_id).append(_Charge(at, tokens, blocks))
         self.table.add_pending(worker_id, 1, tokens, blocks)
-        self._charges.append((now, worker_id))
+        self._charges.append((at, worker_id))
         self.expire_charges()  # bounds the log where no route asks (tests charge directly)
 
     def share_charges(self) -> None:
@@ -221,8 +245,8 @@ class ClusterView:
         if self._routed is None:
             self._routed = []
 
-    def take_routed(self) -> list[tuple[str, int, int]]:
-        """(worker, tokens, blocks) of every charge made here since the last call."""
+    def take_routed(self) -> list[tuple[str, int, int, int]]:
+        """(worker, tokens, blocks, unix_ms) of every charge made here since the last call."""
         if self._routed is None:
             return []
         routed, self._routed = self._routed, []
@@ -305,6 +329,16 @@ class ClusterView:
         gone worker, or stale seq)."""
         if events.worker_id in self._departed:
             return False
+        if self._cutoff_s:
+            stamp = events.published_unix_ns / 1e9 if events.published_unix_ns else self._wall()
+            self._held.push(stamp, Kind.KV, events)
+            self._count_up_to(self._wall() - 2 * self._cutoff_s)
+            return True
+        return self._count_kv_events(events)
+
+    def _count_kv_events(self, events: events_pb2.KVEvents) -> bool:
+        if events.worker_id in self._departed:
+            return False
         if not self._started and events.seq and self.sync.state(events.worker_id) is None:
             # Before the first membership snapshot ends the master knows nobody: a worker
             # whose batch beats its snapshot entry is one the master (re)started without.
@@ -314,38 +348,51 @@ class ClusterView:
     def apply_load(self, report: events_pb2.LoadReport) -> bool:
         if not report.worker_id or report.worker_id in self._departed:
             return False
-        self.sync.load(report)
-        if self._load_cutoff_s > 0:
-            self._held_seq += 1
-            heapq.heappush(self._held_loads, (report.unix_ms, self._held_seq, report))
-            self.count_loads()
+        if self._cutoff_s:
+            stamp = report.unix_ms / 1000 if report.unix_ms else self._wall()
+            self._held.push(stamp, Kind.LOAD, report)
+            self._count_up_to(self._wall() - 2 * self._cutoff_s)
         else:
-            self._count_load(report)
+            self._count_load(report, self._clock())
         return True
 
-    def count_loads(self) -> None:
-        """With a load cutoff: count the reports stamped at least that long ago, oldest
-        first (the policies call this before each decision). Two masters that both received
-        a report within the cutoff count it at the same moment, so they route on the same
-        loads; a report older than one already counted for its worker is dropped."""
-        held = self._held_loads
-        if not held:
-            return
-        cutoff_ms = (self._wall() - self._load_cutoff_s) * 1000
-        while held and held[0][0] <= cutoff_ms:
-            report = heapq.heappop(held)[2]
-            counted = self._loads.get(report.worker_id)
-            if report.worker_id in self._departed or (
-                counted is not None and counted[0].unix_ms > report.unix_ms
-            ):
-                continue
-            self._count_load(report)
+    def catch_up(self, unix_ms: int = 0) -> None:
+        """With an event cutoff, before a route: count the events stamped up to the
+        request's stamp (`unix_ms`; 0: the wall clock's now) less the cutoff, oldest first.
+        Replicas asked the same request then route on the same events, provided each
+        received them within the cutoff. Events arriving move the cut only to the wall
+        clock less twice the cutoff, so that a request in transit for less than the cutoff
+        still finds the cut where its stamp puts it."""
+        if self._cutoff_s:
+            asked = unix_ms / 1000 if unix_ms else self._wall()
+            self._count_up_to(asked - self._cutoff_s)
 
-    def _count_load(self, report: events_pb2.LoadReport) -> None:
-        self._loads[report.worker_id] = entry = (report, self._clock())
+    def _count_up_to(self, cut: float) -> None:
+        if cut <= self._cut:
+            return
+        self._cut = cut
+        for stamp, kind, event in self._held.due(cut):
+            if kind is Kind.LOAD:
+                counted = self._loads.get(event.worker_id)
+                if event.worker_id in self._departed or (
+                    counted is not None and counted[1] > stamp
+                ):
+                    continue  # gone, or older than the report counted
+                self._count_load(event, stamp)
+            elif kind is Kind.KV:
+                try:
+                    self._count_kv_events(event)
+                except ValueError as e:
+                    log.warning("bad kv events: %s", e)
+            else:
+                self._count_charge(*event, stamp)
+
+    def _count_load(self, report: events_pb2.LoadReport, at: float) -> None:
+        self.sync.load(report)
+        self._loads[report.worker_id] = entry = (report, at)
         self.table.set_load(report.worker_id, *entry)
         # The report counts what had reached the worker; what was routed since may not.
-        self._expire(report.worker_id, IN_TRANSIT_S)
+        self._expire(report.worker_id, IN_TRANSIT_S, now=at)
 
     # -- invariants ------------------------------------------------------------------------
     def check_integrity(self, index: bool = True) -> None:

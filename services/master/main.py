@@ -53,20 +53,21 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "master") -> None:
         "(conditional disaggregation); 0 sends every prompt to a prefill worker",
     )
     p.add_argument(
-        "--load-cutoff-ms",
+        "--event-cutoff-ms",
         type=float,
-        default=float(env("load_cutoff_ms", "0")),
-        help="count a worker's load report this long after it was stamped, not on arrival: "
-        "master replicas then route on the same reports (their clocks synchronized); 0: on "
-        "arrival",
+        default=float(env("event_cutoff_ms", "0")),
+        help="count each event (load report, KV batch, another replica's route charge) "
+        "this long after its stamp, and route each request on the events stamped that long "
+        "before it: master replicas asked the same then choose alike (their clocks "
+        "synchronized); 0: on arrival",
     )
 
 
 async def serve(args: argparse.Namespace) -> None:
     """Run the master until cancelled."""
-    if args.load_cutoff_ms < 0:
-        raise SystemExit("--load-cutoff-ms must be >= 0")
-    view = ClusterView(load_cutoff_s=args.load_cutoff_ms / 1000)
+    if args.event_cutoff_ms < 0:
+        raise SystemExit("--event-cutoff-ms must be >= 0")
+    view = ClusterView(event_cutoff_s=args.event_cutoff_ms / 1000)
     REGISTRY.register(IndexSizeCollector(view.index.sizes, asyncio.get_running_loop()))
     if args.max_local_prefill_tokens < 0:
         raise SystemExit("--max-local-prefill-tokens must be >= 0")

@@ -174,7 +174,7 @@ class Policy(ABC):
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
-        view.count_loads()  # the reports due under a load cutoff
+        view.catch_up(request.unix_ms)  # the events due under an event cutoff
         view.expire_charges()  # the table's pending sums as `view.pending` would say
         ask = Ask(view, request)
         first, decode = candidates(view, request.exclude)
@@ -197,12 +197,11 @@ class Policy(ABC):
         todo = head.prediction.computed_tokens if head.prediction is not None else None
         if todo is None:
             todo = uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
-        view.charge(head.member.id, todo)
+        view.charge(head.member.id, todo, unix_ms=request.unix_ms)
         if len(decode):
             tail = self._choose_decode(ask, Pool(view, decode.slots))  # loads after the charge
-            view.charge(
-                tail.member.id, blocks=math.ceil(tokens / _block_size(view, tail.member.id))
-            )
+            blocks = math.ceil(tokens / _block_size(view, tail.member.id))
+            view.charge(tail.member.id, blocks=blocks, unix_ms=request.unix_ms)
             plan.prefill.CopyFrom(head.member)
             plan.decode.CopyFrom(tail.member)
             plan.reason += f"; decode {tail.member.id}{tail.reason}"
@@ -222,7 +221,8 @@ class Policy(ABC):
         if local is None:
             return None
         prediction, why = local
-        view.charge(decode.id, todo, blocks=math.ceil(tokens / _block_size(view, decode.id)))
+        blocks = math.ceil(tokens / _block_size(view, decode.id))
+        view.charge(decode.id, todo, blocks=blocks, unix_ms=request.unix_ms)
         plan = master_pb2.RoutePlan(
             decode=decode,
             matched_blocks=matched,

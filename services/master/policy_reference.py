@@ -100,7 +100,7 @@ class Policy(ABC):
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
-        view.count_loads()
+        view.catch_up(request.unix_ms)
         first, decode = candidates(view, request.exclude)
         first, decode = (
             serving(view, first, request.lora_name),
@@ -124,12 +124,11 @@ class Policy(ABC):
         todo = head.prediction.computed_tokens if head.prediction is not None else None
         if todo is None:
             todo = uncached_tokens(view, head.member.id, tokens, head.matched_blocks)
-        view.charge(head.member.id, todo)
+        view.charge(head.member.id, todo, unix_ms=request.unix_ms)
         if decode:
             tail = self._choose_decode(view, request, decode)
-            view.charge(
-                tail.member.id, blocks=math.ceil(tokens / _block_size(view, tail.member.id))
-            )
+            blocks = math.ceil(tokens / _block_size(view, tail.member.id))
+            view.charge(tail.member.id, blocks=blocks, unix_ms=request.unix_ms)
             plan.prefill.CopyFrom(head.member)
             plan.decode.CopyFrom(tail.member)
             plan.reason += f"; decode {tail.member.id}{tail.reason}"
@@ -150,7 +149,8 @@ class Policy(ABC):
         if local is None:
             return None
         prediction, why = local
-        view.charge(decode.id, todo, blocks=math.ceil(tokens / _block_size(view, decode.id)))
+        blocks = math.ceil(tokens / _block_size(view, decode.id))
+        view.charge(decode.id, todo, blocks=blocks, unix_ms=request.unix_ms)
         plan = master_pb2.RoutePlan(
             decode=decode,
             matched_blocks=matched,

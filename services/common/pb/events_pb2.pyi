@@ -97,11 +97,13 @@ class RouteCharges(_message.Message):
     def __init__(self, master_id: _Optional[str] = ..., charges: _Optional[_Iterable[_Union[RouteCharge, _Mapping]]] = ...) -> None: ...
 
 class RouteCharge(_message.Message):
-    __slots__ = ("worker_id", "tokens", "blocks")
+    __slots__ = ("worker_id", "tokens", "blocks", "unix_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     tokens: int
     blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+    unix_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., unix_ms: _Optional[int] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "session_id", "priority", "exclude", "lora_name", "frontend_id")
+    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "session_id", "priority", "exclude", "lora_name", "frontend_id", "unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RouteRequest(_message.Message):
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
@@ -25,7 +26,8 @@ class RouteRequest(_message.Message):
     exclude: _containers.RepeatedScalarFieldContainer[str]
     lora_name: str
     frontend_id: str
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., frontend_id: _Optional[str] = ...) -> None: ...
+    unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., frontend_id: _Optional[str] = ..., unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id")
