@@ -164,3 +164,27 @@ def test_without_a_cutoff_the_same_histories_split_the_replicas():
         x != y for seed in range(8) for x, y in zip(*_replay(0.0, seed, FUSED6)[0], strict=True)
     )
     assert differ > 0
+
+
+def test_under_a_cutoff_a_burst_spreads_over_the_workers_within_one_prefill_of_the_best():
+    """Routes of the last cutoff count nowhere yet: rather than send a whole burst to the
+    cheapest worker, each request goes, by its id, to one whose predicted time to first
+    token is within this request's own prefill of the cheapest."""
+    a = Replica(CUTOFF_S)
+    view = a.view
+    for m in FUSED6:
+        view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=m))
+    a.wall[0] = T0 + 1.0
+    for m, queued in zip(FUSED6, (0, 50, 100, 150, 2000, 5000), strict=True):
+        view.apply_load(fitted(m.id, token_ms=1.0, queued=queued, unix_ms=_ms(T0 + 0.9)))
+    # 200 uncached tokens: 200 ms of prefill at the best, f0; f1..f3 wait 50-150 ms more.
+    burst = [CacheAware().route(view, _request(i, T0 + 1.0 + i / 1000)) for i in range(40)]
+    assert {p.decode.id for p in burst} == {"f0", "f1", "f2", "f3"}
+    assert "tie of 4 broken by request id" in burst[0].reason
+    unblind = ClusterView()
+    for m in FUSED6:
+        unblind.apply_membership(Ev(kind=Ev.KIND_JOINED, member=m))
+    for m, queued in zip(FUSED6, (0, 50, 100, 150, 2000, 5000), strict=True):
+        unblind.apply_load(fitted(m.id, token_ms=1.0, queued=queued))
+    alone = CacheAware().route(unblind, _request(0, T0 + 1.0))
+    assert alone.decode.id == "f0"  # counted at once, charges spread a burst by themselves

@@ -154,6 +154,12 @@ class ClusterView:
     def load_ttl_s(self) -> float:
         return self._load_ttl_s
 
+    @property
+    def event_cutoff_s(self) -> float:
+        """Events count this long after their stamps (0: on arrival): the routes of that
+        long ago are the last this view counts."""
+        return self._cutoff_s
+
     def members(self, role: int | None = None) -> list[Member]:
         """Current members (of `role`, if given), sorted by id so choices are deterministic."""
         cached = self._by_role.get(role)

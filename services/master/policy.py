@@ -20,7 +20,12 @@ load TTL (none yet, or its reports went stale: maybe down, or cut off from NATS)
 while another has a fresh one: unknown load is not an idle worker.
 Ties: session affinity (a stable hash of session_id over the tied workers), else fewest
 running, else a stable hash of the request id: every master replica, given the same view,
-makes the same choice (no per-process rotation or affinity state). The decode side (PD)
+makes the same choice (no per-process rotation or affinity state). Under an event cutoff
+(master replicas, services/master/held_events.py) the routes of the last cutoff are not
+counted yet, by this master or any: a burst would all go to the cheapest candidate. There,
+every candidate within one such request of the cheapest (the prefill this request would
+compute there) counts as tied, and the request id picks among them (no fewest running, and
+on the decode side no most free blocks: both would pile the burst up again). The decode side (PD)
 goes, among the workers with room for the prompt blocks they lack, to the one with the
 lowest cost until the second token: the KV transfer of the blocks it lacks (the prefill
 worker sends only what follows its cached prefix) at its fitted receive rate, plus one
@@ -335,10 +340,16 @@ class CacheAware(Policy):
         priced = self.predictions(ask, first)
         seconds = priced.seconds
         tied = np.flatnonzero(seconds == seconds.min())
+        blind = ask.view.event_cutoff_s > 0
+        if blind:  # within one request's prefill of the best (see the module docstring)
+            slack = priced.prediction(ask, int(tied[0])).prefill
+            tied = np.flatnonzero(seconds <= seconds.min() + slack)
         if len(tied) == 1:
             i, tie = int(tied[0]), ""
         elif request.session_id:
             i, tie = int(tied[first.pick(request.session_id, tied)]), "session"
+        elif blind:
+            i, tie = int(tied[first.pick(request.request_id, tied)]), "request id"
         else:
             # Every master replica breaks the tie the same way: no rotation state.
             loads = priced.loads
@@ -419,7 +430,8 @@ class CacheAware(Policy):
             else np.zeros(len(decode), dtype=bool)
         )
         tied = np.arange(len(decode))
-        for key in (~loads.fresh, free < blocks, cold, seconds, -free):
+        keys = [~loads.fresh, free < blocks, cold, seconds, -free]
+        for key in keys[:4] if ask.view.event_cutoff_s > 0 else keys:
             k = key[tied]
             tied = tied[k == k.min()]
         i = int(tied[decode.pick(request.request_id, tied)])  # the same on every replica

@@ -287,10 +287,16 @@ class CacheAware(Policy):
         matched, preds = self.predictions(view, request, first)
         best = min(p.seconds for p in preds.values())
         tied = [m for m in first if preds[m.id].seconds == best]
+        blind = view.event_cutoff_s > 0
+        if blind:
+            slack = preds[tied[0].id].prefill
+            tied = [m for m in first if preds[m.id].seconds <= best + slack]
         if len(tied) == 1:
             chosen, tie = tied[0], ""
         elif request.session_id:
             chosen, tie = _rendezvous(request.session_id, tied), "session"
+        elif blind:
+            chosen, tie = _rendezvous(request.request_id, tied), "request id"
         else:
             # Every master replica breaks the tie the same way: no rotation state.
             fewest = min(_running(view, m.id) for m in tied)
@@ -370,12 +376,15 @@ class CacheAware(Policy):
         # room for the prompt's blocks (as far as they lack them) before those without; one
         # with the request's LoRA adapter resident before one that would load it; then the
         # lowest cost (transfer + a decode step of its batch), the most free blocks.
-        def key(m: Member) -> tuple[bool, bool, bool, float, int]:
+        def free(m: Member) -> int:
             load, pending = reports[m.id], view.pending(m.id).blocks
-            free = load.free_blocks - pending if load is not None else -pending
-            short = free < costs[m.id].transferred_blocks
+            return load.free_blocks - pending if load is not None else -pending
+
+        def key(m: Member) -> tuple[bool, bool, bool, float, int]:
+            short = free(m) < costs[m.id].transferred_blocks
             cold = not resident(view, m, request.lora_name)
-            return (load is None, short, cold, costs[m.id].seconds, -free)
+            most_free = 0 if view.event_cutoff_s > 0 else -free(m)
+            return (reports[m.id] is None, short, cold, costs[m.id].seconds, most_free)
 
         best = min(key(m) for m in decode)
         tied = [m for m in decode if key(m) == best]
@@ -383,7 +392,7 @@ class CacheAware(Policy):
         if best[0]:
             return Choice(chosen, reason=" (no load report)")
         c = costs[chosen.id]
-        return Choice(chosen, reason=f" (free {-best[4]} blocks, cost {c.describe()})")
+        return Choice(chosen, reason=f" (free {free(chosen)} blocks, cost {c.describe()})")
 
 
 class LeastLoad(CacheAware):
