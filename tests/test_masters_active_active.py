@@ -103,7 +103,8 @@ def test_sigkill_one_master_under_load_fails_no_request(model_dir, nats_server) 
     space = ("--nats-url", nats_server, "--namespace", NAMESPACE)
     # TTL 3 s: on a busy machine a 1 s TTL forgets live members (masters among them).
     with grpc_service("nameservice", "--ttl", "3", *space) as (ns, _):
-        m_flags = ("--nameservice", ns, *space)
+        # As deployed (deploy/k8s/master.yaml): the replicas route on the same events.
+        m_flags = ("--nameservice", ns, "--event-cutoff-ms", "50", *space)
         with (
             grpc_service("master", *m_flags) as (a, proc_a),
             grpc_service("master", *m_flags) as (b, _),
