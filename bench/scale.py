@@ -71,6 +71,7 @@ from rtp_serve.services.common.pb import (  # noqa: E402
     worker_pb2,
     worker_pb2_grpc,
 )
+from rtp_serve.services.frontend.route_batcher import RouteBatcher  # noqa: E402
 from rtp_serve.services.launcher.servers import free_port, start_nats  # noqa: E402
 
 TRACE = _ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -563,12 +564,19 @@ async def failover(c: ScaleCluster, model: str, vocab: int, rate: float, window_
 
 # -- the master's capacity ---------------------------------------------------------------
 async def route_capacity(
-    c: ScaleCluster, requests: list[master_pb2.RouteRequest], window_s: float, concurrency: int
+    c: ScaleCluster,
+    requests: list[master_pb2.RouteRequest],
+    window_s: float,
+    concurrency: int,
+    batched: bool,
 ) -> dict:
-    """Route calls back to back at the first master (`concurrency` in flight; the replay's
+    """Routes back to back at the first master (`concurrency` in flight; the replay's
     prompts, fresh ids, no lease) for `window_s`, after as long a window with none: routes
     answered per second, per master CPU-second, and per CPU-second less the idle window's
-    (what the N workers' load reports and heartbeats cost it anyway)."""
+    (what the N workers' load reports and heartbeats cost it anyway). `batched`: through the
+    frontend's RouteBatcher (the routes that come while a call is in flight go as one
+    RouteBatch), else one Route call each. Keys are prefixed `capacity_` or
+    `capacity_batched_`, and the latter's mean batch size is given."""
     pid = c.procs["master"].pid
     cpu0, t0 = cpu_s(pid), time.monotonic()
     await asyncio.sleep(window_s)
@@ -576,6 +584,8 @@ async def route_capacity(
     answered = 0
     async with grpc_util.channel(c.master) as ch:
         stub = master_pb2_grpc.MasterStub(ch)
+        batcher = RouteBatcher(lambda: stub)
+        calls0 = batcher.calls
         cpu0, t0 = cpu_s(pid), time.monotonic()
         end = t0 + window_s
 
@@ -586,19 +596,26 @@ async def route_capacity(
                 request = master_pb2.RouteRequest()
                 request.CopyFrom(requests[i % len(requests)])
                 request.request_id = f"capacity-{i}"
-                await stub.Route(request, timeout=10)
+                if batched:
+                    await batcher.route(request, 10.0)
+                else:
+                    await stub.Route(request, timeout=10)
                 answered += 1
                 i += concurrency
 
         await asyncio.gather(*(caller(k) for k in range(concurrency)))
         wall, cpu = time.monotonic() - t0, cpu_s(pid) - cpu0
     routing_cpu = cpu - idle_cpu_per_s * wall
-    return {
-        "capacity_routes_per_s": answered / wall,
-        "capacity_routes_per_cpu_s": answered / cpu if cpu else None,
-        "capacity_routes_per_routing_cpu_s": answered / routing_cpu if routing_cpu > 0 else None,
-        "capacity_idle_cpu": idle_cpu_per_s,
+    key = "capacity_batched_" if batched else "capacity_"
+    out = {
+        key + "routes_per_s": answered / wall,
+        key + "routes_per_cpu_s": answered / cpu if cpu else None,
+        key + "routes_per_routing_cpu_s": answered / routing_cpu if routing_cpu > 0 else None,
+        key + "idle_cpu": idle_cpu_per_s,
     }
+    if batched:
+        out[key + "mean_batch"] = answered / max(1, batcher.calls - calls0)
+    return out
 
 
 # -- a restarted master -----------------------------------------------------------------
@@ -740,7 +757,10 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
             asks = [r for _, r in probe_requests(trace, 50, kv)]
             for r in asks:
                 r.frontend_id = ""  # no lease: each call a request of its own
-            capacity = asyncio.run(route_capacity(c, asks, args.capacity_s, concurrency=8))
+            for batched in (False, True):
+                capacity |= asyncio.run(route_capacity(
+                    c, asks, args.capacity_s, args.capacity_concurrency, batched
+                ))  # fmt: skip
         if len(c.masters) > 1 and "failover" not in args.skip:
             vocab = ModelConfig.from_dir(model).vocab_size
             moved = asyncio.run(failover(c, model.name, vocab, args.failover_rate, args.failover_s))
@@ -792,11 +812,15 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
     }
 
 
-def _capacity(r: dict) -> str | None:
-    if "capacity_routes_per_s" not in r:
+def _capacity(r: dict, key: str = "capacity_") -> str | None:
+    if key + "routes_per_s" not in r:
         return None
-    return " / ".join(_fmt(r[k]) for k in ("capacity_routes_per_s", "capacity_routes_per_cpu_s",
-                                           "capacity_routes_per_routing_cpu_s"))  # fmt: skip
+    cells = [
+        _fmt(r[key + k]) for k in ("routes_per_s", "routes_per_cpu_s", "routes_per_routing_cpu_s")
+    ]
+    if key + "mean_batch" in r:
+        cells.append(f"{r[key + 'mean_batch']:.1f} routes a call")
+    return " / ".join(cells)
 
 
 def _warm(r: dict) -> str | None:
@@ -839,6 +863,10 @@ ROWS = (
     ("SIGKILL to last routed (s)", lambda r: r["dead_worker_out_s"]),
     ("master SIGKILLed, restarted: full index again (s)", lambda r: r["master_resync_s"]),
     ("master capacity: routes/s; per CPU-s; per CPU-s less idle", lambda r: _capacity(r)),
+    (
+        "  the same through the frontend's route batcher",
+        lambda r: _capacity(r, "capacity_batched_"),
+    ),
     ("frontend requests / CPU-second", lambda r: r["frontend_req_per_cpu_s"]),
     ("replay: requests / failed", lambda r: f"{r['requests']} / {r['failed']}"),
     ("replay: wall (s); load average at start / end", lambda r: _wall(r)),
@@ -986,6 +1014,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--capacity-s", type=float, default=5.0,
         help="window of back-to-back Route calls (and of idle before it) for the capacity row",
+    )  # fmt: skip
+    ap.add_argument(
+        "--capacity-concurrency", type=int, default=8,
+        help="routes in flight in the capacity rows (as many callers, back to back)",
     )  # fmt: skip
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--json", default=None, help="write the results here too")

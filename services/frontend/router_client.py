@@ -29,6 +29,7 @@ from rtp_serve.services.common.naming import WORKER_ROLES, MemberSet
 from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
+from rtp_serve.services.frontend.route_batcher import RouteBatcher
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class Router:
         self._channels = grpc_util.ChannelCache()
         self._master_down_until: dict[str, float] = {}  # address -> monotonic time
         self._leased: dict[str, set[str]] = {}  # request id -> masters holding its lease
+        self._batchers: dict[str, RouteBatcher] = {}  # master address -> its routes
         self._turn = itertools.count()  # requests without an id rotate over the masters
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -151,6 +153,15 @@ class Router:
 
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
+
+    def _batcher(self, address: str) -> RouteBatcher:
+        """The routes to the master at `address`, coalesced while a call is in flight."""
+        batcher = self._batchers.get(address)
+        if batcher is None:
+            batcher = self._batchers[address] = RouteBatcher(
+                lambda: master_pb2_grpc.MasterStub(self.channel(address))
+            )
+        return batcher
 
     def master_addresses(self) -> list[str]:
         """Every master known: the fixed ones, else the nameservice's (a master that left
@@ -234,12 +245,11 @@ class Router:
         """The master's plan, or None and whether another master may still be asked (not
         once the request's own deadline ran out)."""
         channel = self.channel(address)
-        stub = master_pb2_grpc.MasterStub(channel)
         own = timeout is not None and timeout < self._route_timeout  # the request's deadline
         rid = request.request_id
         try:
-            plan = await grpc_util.unary(
-                stub.Route(request, timeout=max(0.0, timeout) if own else self._route_timeout)
+            plan = await self._batcher(address).route(
+                request, max(0.0, timeout) if own else self._route_timeout
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

@@ -18,6 +18,7 @@ from rtp_serve.services.common.metrics import PREFIX, Families, MetricSpec, defa
 ROUTE_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
+BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 1024)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -26,7 +27,7 @@ class MasterMetrics(Families):
         MetricSpec(
             "route_duration", "histogram", "route_duration_seconds",
             "Seconds the master took to answer a Route call (server side, from its arrival "
-            "at the servicer to the plan).",
+            "at the servicer to the plan; each route of a RouteBatch counts alone).",
             (), ROUTE_BUCKETS,
         ),
         MetricSpec(
@@ -35,6 +36,12 @@ class MasterMetrics(Families):
             "route_duration_seconds: the difference is time spent waiting for a core or "
             "for the GIL.",
             (), ROUTE_BUCKETS,
+        ),
+        MetricSpec(
+            "route_batch_size", "histogram", "route_batch_size",
+            "Routes per RouteBatch call (a frontend sends the routes that arrived while its "
+            "last call was in flight together; a lone route is a plain Route call).",
+            (), BATCH_BUCKETS,
         ),
         MetricSpec(
             "index_event_blocks", "counter", "index_event_blocks",
@@ -79,6 +86,9 @@ class MasterMetrics(Families):
 
     def route(self, policy: str, reason: str) -> None:
         self.route_decisions.labels(policy, reason).inc()
+
+    def route_batch(self, n: int) -> None:
+        self.route_batch_size.observe(n)
 
     def routed_in(self, seconds: float, cpu_seconds: float) -> None:
         self.route_duration.observe(seconds)

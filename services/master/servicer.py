@@ -1,6 +1,7 @@
 """rtp.v1.Master over gRPC: validate the request, lease its id to the frontend asking
-(services/master/leases.py), ask the policy, map errors to status codes; release a lease;
-and the prefix index as it stands (Index)."""
+(services/master/leases.py), ask the policy, map errors to status codes (Route, or many
+routes in one call: RouteBatch); release a lease; and the prefix index as it stands
+(Index)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from rtp_serve.services.master.prefix_index import BLOCK_HASH_BYTES
 log = logging.getLogger(__name__)
 
 MAX_BLOCK_HASHES = 1 << 20  # ~16M tokens at 16 per block: anything longer is a broken client
+MAX_BATCH = 1024  # routes in one RouteBatch call
 
 
 def validate(request: master_pb2.RouteRequest) -> None:
@@ -32,6 +34,15 @@ def validate(request: master_pb2.RouteRequest) -> None:
     if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:  # in C: thousands of keys
         i, n = next((i, len(h)) for i, h in enumerate(hashes) if len(h) != BLOCK_HASH_BYTES)
         raise ValueError(f"block_hashes[{i}] is {n} bytes, expected {BLOCK_HASH_BYTES}")
+
+
+class RouteRefused(Exception):
+    """A route that fails with a grpc status (Route aborts with it; RouteBatch answers it in
+    that request's outcome)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -50,6 +61,37 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def Route(
         self, request: master_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RoutePlan:
+        try:
+            plan = self._route(request)
+        except RouteRefused as e:
+            await context.abort(e.code, e.details)
+        if self.exchange is not None:
+            await self.exchange.publish_routed()
+        return plan
+
+    async def RouteBatch(
+        self, request: master_pb2.RouteBatchRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.RouteBatchReply:
+        """Each route as Route would answer it, in order; their charges published once."""
+        if len(request.requests) > MAX_BATCH:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"too many requests in one batch ({len(request.requests)} > {MAX_BATCH})",
+            )
+        reply = master_pb2.RouteBatchReply()
+        for item in request.requests:
+            outcome = reply.outcomes.add()
+            try:
+                outcome.plan.CopyFrom(self._route(item))
+            except RouteRefused as e:
+                outcome.code, outcome.details = e.code.value[0], e.details
+        metrics.master().route_batch(len(request.requests))
+        if self.exchange is not None:
+            await self.exchange.publish_routed()
+        return reply
+
+    def _route(self, request: master_pb2.RouteRequest) -> master_pb2.RoutePlan:
+        """Validate, lease and decide one route; raises RouteRefused."""
         started, started_cpu = time.perf_counter(), time.thread_time()
         span = trace.get_current_span()
         span.set_attribute(tracing.REQUEST_ID, request.request_id)
@@ -57,7 +99,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         try:
             validate(request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RouteRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         leased = bool(request.request_id and request.frontend_id)
         if leased:
             holder = self.leases.acquire(
@@ -65,7 +107,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             )
             if holder is not None:
                 log.warning("route %s: in flight through %s", request.request_id, holder)
-                await context.abort(
+                raise RouteRefused(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"a request with id {request.request_id!r} is in flight through another "
                     "frontend; wait for it to end (or send another id)",
@@ -77,12 +119,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 self.leases.release(request.request_id, request.frontend_id)
             metrics.master().route(self.policy.name, RouteReason.NO_WORKERS)
             log.warning("route %s: %s", request.request_id, e, extra=extra)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise RouteRefused(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         plan = decision.plan
         metrics.master().route(plan.policy, decision.reason)
         metrics.master().routed_in(time.perf_counter() - started, time.thread_time() - started_cpu)
-        if self.exchange is not None:
-            await self.exchange.publish_routed()
         log.debug("route %s: %s", request.request_id, plan.reason, extra=extra)
         if span.is_recording():
             span.set_attributes(

@@ -65,6 +65,28 @@ class RoutePlan(_message.Message):
     predicted_fetch_s: float
     def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_fetch_s: _Optional[float] = ...) -> None: ...
 
+class RouteBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RouteRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RouteRequest, _Mapping]]] = ...) -> None: ...
+
+class RouteOutcome(_message.Message):
+    __slots__ = ("plan", "code", "details")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    plan: RoutePlan
+    code: int
+    details: str
+    def __init__(self, plan: _Optional[_Union[RoutePlan, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class RouteBatchReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[RouteOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[RouteOutcome, _Mapping]]] = ...) -> None: ...
+
 class IndexRequest(_message.Message):
     __slots__ = ("worker_ids", "counts_only")
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]

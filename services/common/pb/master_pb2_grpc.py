@@ -39,6 +39,11 @@ class MasterStub:
                 request_serializer=master__pb2.RouteRequest.SerializeToString,
                 response_deserializer=master__pb2.RoutePlan.FromString,
                 _registered_method=True)
+        self.RouteBatch = channel.unary_unary(
+                '/rtp.v1.Master/RouteBatch',
+                request_serializer=master__pb2.RouteBatchRequest.SerializeToString,
+                response_deserializer=master__pb2.RouteBatchReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/rtp.v1.Master/Release',
                 request_serializer=master__pb2.ReleaseRequest.SerializeToString,
@@ -55,6 +60,12 @@ class MasterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Route(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RouteBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +92,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=master__pb2.RouteRequest.FromString,
                     response_serializer=master__pb2.RoutePlan.SerializeToString,
+            ),
+            'RouteBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RouteBatch,
+                    request_deserializer=master__pb2.RouteBatchRequest.FromString,
+                    response_serializer=master__pb2.RouteBatchReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -120,6 +136,33 @@ class Master:
             '/rtp.v1.Master/Route',
             master__pb2.RouteRequest.SerializeToString,
             master__pb2.RoutePlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtp.v1.Master/RouteBatch',
+            master__pb2.RouteBatchRequest.SerializeToString,
+            master__pb2.RouteBatchReply.FromString,
             options,
             channel_credentials,
             insecure,
