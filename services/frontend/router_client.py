@@ -4,10 +4,12 @@ The master's plan is cache- and load-aware. Masters are active-active replicas t
 the same event stream, so any of them can route any request: each request asks the live
 master its id hashes to first (rendezvous hashing: requests spread evenly, a request and
 its migrations stay on one master, and a failed master's share alone moves), and the next
-one when that master cannot answer. Without any the frontend still serves: it keeps the
-membership the nameservice's watch reports and round-robins over fused workers, or over
-prefill + decode pairs (docs/design.md, "Reliability rules": the master being down
-degrades the service, it does not fail requests that can still be served).
+one when that master cannot answer. The routes to one master that arrive while a call to
+it is in flight go together as one call (services/frontend/route_batcher.py). Without any
+master the frontend still serves: it keeps the membership the nameservice's watch reports
+and round-robins over fused workers, or over prefill + decode pairs (docs/design.md,
+"Reliability rules": the master being down degrades the service, it does not fail
+requests that can still be served).
 """
 
 from __future__ import annotations
