@@ -516,7 +516,7 @@ def probe_requests(
             master_pb2.RouteRequest(
                 request_id=f"probe-{i}",
                 frontend_id="scale-probe",
-                block_hashes=kv.keys(req.prompt),
+                packed_block_hashes=b"".join(kv.keys(req.prompt)),  # as the frontend sends
                 num_prompt_tokens=len(req.prompt),
             ),
         )  # fmt: skip

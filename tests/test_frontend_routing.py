@@ -12,6 +12,7 @@ from rtp_serve.services.common.pb import common_pb2, frontend_pb2, frontend_pb2_
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.frontend.grpc_api import FrontendServicer
 from rtp_serve.services.frontend.router_client import Membership
+from rtp_serve.services.master.packed_hashes import route_hashes
 from tests.frontend_fakes import FakeMaster, FakeWorker, frontend, run, serve_grpc, sse_events
 
 TEXT = "Routing tëst: ünïcode 🙂 and more words to stream along the way."
@@ -81,8 +82,9 @@ def test_master_gets_the_workers_block_hashes(tiny, tok, script) -> None:
     assert status == 200, body
     (req,) = master.requests
     salt = cache_salt(tiny, "float32")  # as LLMEngine computes it
-    assert list(req.block_hashes) == block_hash_keys(prompt, 16, salt)
-    assert len(req.block_hashes) == 2 and req.num_prompt_tokens == 40
+    assert list(route_hashes(req)) == block_hash_keys(prompt, 16, salt)
+    assert not req.block_hashes  # packed: one field, not one per block
+    assert len(route_hashes(req)) == 2 and req.num_prompt_tokens == 40
     assert list(req.exclude) == []
 
 

@@ -20,6 +20,7 @@ from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import master_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as pb
 from rtp_serve.services.launcher.servers import free_port
+from rtp_serve.services.master.packed_hashes import route_hashes
 from rtp_serve.services.nameservice.registry import NamespaceConflict, Registry
 from tests.frontend_fakes import FakeMaster, serve_grpc
 from tests.procs import grpc_service, spawn, stop, wait_grpc
@@ -143,7 +144,7 @@ async def _through_the_frontend(model: str, nameservice: str, worker: pb.Member)
         await server.stop(None)
     keys = block_hash_keys(prompt, BLOCK, cache_salt(model, BF16_KV))
     assert len(keys) == 5
-    assert [list(r.block_hashes) for r in master.requests] == [keys, keys]
+    assert [list(route_hashes(r)) for r in master.requests] == [keys, keys]
     return usages[1]["prompt_tokens_details"]["cached_tokens"]
 
 

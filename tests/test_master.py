@@ -137,6 +137,31 @@ def test_longest_prefix_wins():
     assert plan.reason.startswith("prefix 5 blocks on p2, cost 20 tokens")  # 100 - 5 * 16
 
 
+def test_packed_hashes_route_as_the_repeated_field_does():
+    """RouteRequest.packed_block_hashes (what the frontend sends) is the same prompt."""
+    from rtp_serve.services.master.packed_hashes import PackedHashes
+
+    packed = PackedHashes(b"".join(H))
+    assert list(packed) == H and packed[3] == H[3] and packed[-1] == H[-1]
+    assert list(packed[2:7]) == H[2:7] and isinstance(packed[2:7], PackedHashes)
+    assert len(packed[14:99]) == 2 and len(packed[9:3]) == 0
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        PackedHashes(H[0][:5])
+    loads = [load(m.id, queued=20 * i) for i, m in enumerate(PD3)]
+    for hashes in (H[:0], H[:1], H[:3], H[:6], H[2:8], H):
+        plans = []
+        for packed_too in (False, True):
+            view = cluster(*PD3, cached=CACHED, loads=loads)
+            req = master_pb2.RouteRequest(request_id="r", num_prompt_tokens=300)
+            if packed_too:
+                req.packed_block_hashes = b"".join(hashes)
+            else:
+                req.block_hashes.extend(hashes)
+            plans.append([CacheAware(max_local_prefill_tokens=64).route(view, req)
+                          for _ in range(3)])  # fmt: skip
+        assert plans[0] == plans[1]
+
+
 def test_clearly_more_loaded_worker_loses_its_prefix():
     idle = [load("p1"), load("p3")]
     busy = cluster(*PD3, cached=CACHED, loads=[*idle, load("p2", queued=500)])
@@ -560,6 +585,14 @@ def test_master_service_routes_by_nats_events(nats_server: str):
                     await stub.Route(master_pb2.RouteRequest(block_hashes=[b"x"]), timeout=5)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "block_hashes[0] is 1 bytes" in err.value.details()
+                for bad, why in (
+                    (dict(packed_block_hashes=H[0] + b"x"), "17 bytes, not a multiple of 16"),
+                    (dict(packed_block_hashes=H[0], block_hashes=[H[0]]), "both set"),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.Route(master_pb2.RouteRequest(**bad), timeout=5)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert why in err.value.details()
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Route(master_pb2.RouteRequest(exclude=["d1", "d2"]), timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE

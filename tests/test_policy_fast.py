@@ -114,6 +114,9 @@ def scripts(draw):
             lora_name=draw(st.sampled_from(("", "", "", *LORAS))),
         )
         req.exclude.extend(draw(st.lists(st.sampled_from(ids), max_size=3)) if ids else ())
+        if draw(st.booleans()):  # as the frontend sends them
+            req.packed_block_hashes = b"".join(req.block_hashes)
+            del req.block_hashes[:]
         requests.append((req, draw(st.sampled_from((0.0, 0.01, 0.3)))))
     policy = draw(st.sampled_from(("cache_aware", "cache_aware", "least_load", "round_robin")))
     local = draw(st.sampled_from((0, 0, 40, 4000)))

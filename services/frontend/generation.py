@@ -240,7 +240,7 @@ class Generator:
                 route = await self.router.route(
                     master_pb2.RouteRequest(
                         request_id=inp.request_id,
-                        block_hashes=hashes,
+                        packed_block_hashes=b"".join(hashes),
                         num_prompt_tokens=len(prompt),
                         session_id=inp.session_id,
                         priority=inp.priority,

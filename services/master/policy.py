@@ -54,7 +54,7 @@ import enum
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +63,7 @@ from rtp_serve.services.common.pb import master_pb2, nameservice_pb2
 from rtp_serve.services.master import cost
 from rtp_serve.services.master.cluster import ClusterView, Member
 from rtp_serve.services.master.load_table import DEFAULT_BLOCK_SIZE, Loads
+from rtp_serve.services.master.packed_hashes import route_hashes
 from rtp_serve.services.master.pool import Pool, lora_mask, reporting, serving, with_room
 from rtp_serve.services.master.prompt_prefix import Prefix
 
@@ -153,11 +154,19 @@ class Ask:
     view: ClusterView
     request: master_pb2.RouteRequest
     _prefix: Prefix | None = field(default=None)
+    _hashes: Sequence[bytes] | None = field(default=None)
+
+    @property
+    def hashes(self) -> Sequence[bytes]:
+        """The prompt's block hashes (packed_hashes.route_hashes)."""
+        if self._hashes is None:
+            self._hashes = route_hashes(self.request)
+        return self._hashes
 
     @property
     def prefix(self) -> Prefix:
         if self._prefix is None:
-            self._prefix = Prefix.of(self.view, self.request.block_hashes)
+            self._prefix = Prefix.of(self.view, self.hashes)
         return self._prefix
 
 
@@ -267,7 +276,7 @@ class RoundRobin(Policy):
 
     def _choose_first(self, ask: Ask, first: Pool) -> Choice:
         chosen = _rotate(first, self._first_turn)
-        matched = ask.view.index.match(chosen.id, ask.request.block_hashes)
+        matched = ask.view.index.match(chosen.id, ask.hashes)
         reason = f"next in turn {chosen.id}, prefix {matched} blocks"
         return Choice(chosen, matched, reason, RouteReason.ROUND_ROBIN)
 

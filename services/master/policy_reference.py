@@ -19,6 +19,7 @@ from rtp_serve.services.common import rendezvous
 from rtp_serve.services.common.pb import master_pb2, nameservice_pb2
 from rtp_serve.services.master import cost
 from rtp_serve.services.master.cluster import ClusterView, Member
+from rtp_serve.services.master.packed_hashes import route_hashes
 from rtp_serve.services.master.policy import (
     DEFAULT_BLOCK_SIZE,
     Choice,
@@ -140,7 +141,7 @@ class Policy(ABC):
         self, view: ClusterView, request: master_pb2.RouteRequest, decode: Member
     ) -> Decision | None:
         """A decode-only plan when the prompt's uncached part on `decode` is short."""
-        matched = view.index.match_all(request.block_hashes, [decode.id])[decode.id]
+        matched = view.index.match_all(route_hashes(request), [decode.id])[decode.id]
         tokens = request.num_prompt_tokens
         todo = uncached_tokens(view, decode.id, tokens, matched)
         if todo >= self.max_local_prefill_tokens:
@@ -201,7 +202,7 @@ class RoundRobin(Policy):
         self, view: ClusterView, request: master_pb2.RouteRequest, first: list[Member]
     ) -> Choice:
         chosen = _rotate(first, self._first_turn)
-        matched = view.index.match(chosen.id, request.block_hashes)
+        matched = view.index.match(chosen.id, route_hashes(request))
         reason = f"next in turn {chosen.id}, prefix {matched} blocks"
         return Choice(chosen, matched, reason, RouteReason.ROUND_ROBIN)
 
@@ -243,7 +244,7 @@ class CacheAware(Policy):
         """Each candidate's prefix match in its own pool, and its predicted time to first
         token."""
         ids = [m.id for m in first]
-        hashes = request.block_hashes
+        hashes = route_hashes(request)
         caches = [m.id for m in view.members(nameservice_pb2.ROLE_CACHE)]
         everyone = [w for w in view.index.workers() if w not in caches]
         device = view.index.match_all(hashes, sorted(set(everyone) | set(ids)))
@@ -359,7 +360,7 @@ class CacheAware(Policy):
         reports = {m.id: view.load(m.id) for m in decode}
         borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
         local = (
-            view.index.match_all(request.block_hashes, [m.id for m in decode])
+            view.index.match_all(route_hashes(request), [m.id for m in decode])
             if self.uses_cache
             else dict.fromkeys(reports, 0)
         )

@@ -35,10 +35,10 @@ import numpy as np
 from rtp_serve.services.common.pb import events_pb2
 from rtp_serve.services.master.block_ids import BlockIds, words
 from rtp_serve.services.master.holders import Holders
+from rtp_serve.services.master.packed_hashes import BLOCK_HASH_BYTES, PackedHashes
 
 log = logging.getLogger(__name__)
 
-BLOCK_HASH_BYTES = 16
 PENDING = 1024  # hashes of event batches kept back, at most, to be applied together
 FIRST_CHUNK = 128  # hashes looked up before the first check for the end of the prefix
 
@@ -140,7 +140,7 @@ class PrefixIndex:
         masks = [t._h.slot_mask(holder_ids) for t in tiers]
         n = 0
         for chunk in _chunks(hashes, 0):
-            w = words(b"".join(chunk))
+            w = words(_packed(chunk))
             present = np.zeros(len(chunk), bool)
             for tier, mask in zip(tiers, masks, strict=True):
                 if mask is not None:
@@ -153,7 +153,7 @@ class PrefixIndex:
     def _prefix(self, hashes: Sequence[bytes], start: int) -> Iterator[np.ndarray]:
         """Ids of `hashes[start:]`, a chunk at a time, up to the first one not here."""
         for chunk in _chunks(hashes, start):
-            ids = self._ids.find(words(b"".join(chunk)))
+            ids = self._ids.find(words(_packed(chunk)))
             if (ids < 0).any():
                 yield ids[: int(ids.argmin())]
                 return
@@ -270,9 +270,10 @@ class PrefixIndex:
 def _chunks(hashes: Sequence[bytes], start: int) -> Iterator[Sequence[bytes]]:
     """`hashes[start:]` in growing chunks, up to the first that is not 16 bytes long."""
     size = FIRST_CHUNK
+    packed = isinstance(hashes, PackedHashes)  # every one 16 bytes by construction
     while start < len(hashes):
         chunk = hashes[start : start + size]
-        if set(map(len, chunk)) != {BLOCK_HASH_BYTES}:
+        if not packed and set(map(len, chunk)) != {BLOCK_HASH_BYTES}:
             chunk = chunk[: next(i for i, h in enumerate(chunk) if len(h) != BLOCK_HASH_BYTES)]
             if chunk:
                 yield chunk
@@ -280,6 +281,11 @@ def _chunks(hashes: Sequence[bytes], start: int) -> Iterator[Sequence[bytes]]:
         yield chunk
         start += size
         size *= 4
+
+
+def _packed(hashes: Sequence[bytes]) -> bytes:
+    """The hashes back to back (as they are, where they came packed)."""
+    return hashes.packed if isinstance(hashes, PackedHashes) else b"".join(hashes)
 
 
 def _valid(hashes: Iterable[bytes], worker_id: str | None = None) -> list[bytes]:

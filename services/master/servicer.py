@@ -17,6 +17,7 @@ from rtp_serve.services.master import metrics
 from rtp_serve.services.master.charge_exchange import ChargeExchange
 from rtp_serve.services.master.cluster import ClusterView
 from rtp_serve.services.master.leases import RequestLeases
+from rtp_serve.services.master.packed_hashes import route_hashes
 from rtp_serve.services.master.policy import NoWorkersError, Policy, RouteReason
 from rtp_serve.services.master.prefix_index import BLOCK_HASH_BYTES
 
@@ -28,6 +29,18 @@ MAX_BATCH = 1024  # routes in one RouteBatch call
 
 def validate(request: master_pb2.RouteRequest) -> None:
     """Raises ValueError naming the first bad field."""
+    if request.packed_block_hashes:
+        if request.block_hashes:
+            raise ValueError("block_hashes and packed_block_hashes are both set")
+        n, odd = divmod(len(request.packed_block_hashes), BLOCK_HASH_BYTES)
+        if odd:
+            raise ValueError(
+                f"packed_block_hashes is {len(request.packed_block_hashes)} bytes, not a "
+                f"multiple of {BLOCK_HASH_BYTES}"
+            )
+        if n > MAX_BLOCK_HASHES:
+            raise ValueError(f"too many packed_block_hashes ({n})")
+        return
     hashes = request.block_hashes
     if len(hashes) > MAX_BLOCK_HASHES:
         raise ValueError(f"too many block_hashes ({len(hashes)})")
@@ -132,7 +145,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     "rtp.route.prefill": plan.prefill.id,
                     "rtp.route.decode": plan.decode.id,
                     "rtp.route.matched_blocks": plan.matched_blocks,
-                    "rtp.route.prompt_blocks": len(request.block_hashes),
+                    "rtp.route.prompt_blocks": len(route_hashes(request)),
                 }
             )
         return plan

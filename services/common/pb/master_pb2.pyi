@@ -8,9 +8,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "session_id", "priority", "exclude", "lora_name", "frontend_id", "unix_ms")
+    __slots__ = ("request_id", "block_hashes", "packed_block_hashes", "num_prompt_tokens", "session_id", "priority", "exclude", "lora_name", "frontend_id", "unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +21,7 @@ class RouteRequest(_message.Message):
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    packed_block_hashes: bytes
     num_prompt_tokens: int
     session_id: str
     priority: int
@@ -27,7 +29,7 @@ class RouteRequest(_message.Message):
     lora_name: str
     frontend_id: str
     unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., frontend_id: _Optional[str] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., exclude: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., frontend_id: _Optional[str] = ..., unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id")
