@@ -29,10 +29,10 @@ def _view():
 
 
 def _request(i: int, **fields) -> master_pb2.RouteRequest:
+    fields = {"frontend_id": "fe"} | fields
     return master_pb2.RouteRequest(
-        request_id=f"r{i}", frontend_id="fe", block_hashes=H[: i % 9],
-        num_prompt_tokens=160, **fields,
-    )  # fmt: skip
+        request_id=f"r{i}", block_hashes=H[: i % 9], num_prompt_tokens=160, **fields
+    )
 
 
 class Counting(MasterServicer):
@@ -41,7 +41,13 @@ class Counting(MasterServicer):
     def __init__(self, *args, delay_s: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.calls: list[int] = []  # 1: a Route call; n: a RouteBatch of n
+        self.releases: list[int] = []  # releases in each RouteBatch
+        self.released: list[str] = []  # by Release calls
         self.delay_s = delay_s
+
+    async def Release(self, request, context):
+        self.released.append(request.request_id)
+        return await super().Release(request, context)
 
     async def Route(self, request, context):
         self.calls.append(1)
@@ -50,6 +56,7 @@ class Counting(MasterServicer):
 
     async def RouteBatch(self, request, context):
         self.calls.append(len(request.requests))
+        self.releases.append(len(request.releases))
         await asyncio.sleep(self.delay_s)
         return await super().RouteBatch(request, context)
 
@@ -161,3 +168,44 @@ def test_a_route_that_runs_out_of_time_fails_alone_and_the_call_goes_on(alone):
     assert blocked[0][0] in {m.id for m in WORKERS}
     assert patient[0][0] in {m.id for m in WORKERS}
     assert calls[0] == 1
+
+
+def _ended(i: int, frontend="fe") -> master_pb2.ReleaseRequest:
+    return master_pb2.ReleaseRequest(request_id=f"r{i}", frontend_id=frontend)
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_releases_go_at_once_when_idle_and_with_the_next_call_when_busy(old):
+    async def main():
+        master = (OldMaster if old else Counting)(_view(), CacheAware(), delay_s=0.05)
+        server, channel, batcher = await _serve(master)
+        try:
+            await _outcomes(batcher, [_request(1)])
+            await _outcomes(batcher, [_request(2)])
+            taken = await _outcomes(batcher, [_request(1, frontend_id="other")])
+            batcher.release(_ended(1))  # idle: goes at once
+            await batcher.flush(5.0)
+            retried = await _outcomes(batcher, [_request(1, frontend_id="other")])
+            busy = asyncio.create_task(_outcomes(batcher, [_request(3)]))
+            await asyncio.sleep(0.01)
+            batcher.release(_ended(2))  # with the route that comes while one is in flight
+            following = await _outcomes(batcher, [_request(4)])
+            await busy
+            await batcher.flush(5.0)
+            calls, releases = list(master.calls), list(master.releases)
+            checks = await _outcomes(batcher, [_request(i, frontend_id="other") for i in (2, 4)])
+            return taken, retried, following, checks, calls, releases, master.released
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    taken, retried, following, checks, calls, releases, released = asyncio.run(main())
+    assert taken[0][0] == grpc.StatusCode.ALREADY_EXISTS  # r1's lease held for "fe"
+    assert retried[0][0] in {m.id for m in WORKERS}  # released: another frontend may
+    assert following[0][0] in {m.id for m in WORKERS}
+    assert checks[0][0] in {m.id for m in WORKERS}  # r2 was released
+    assert checks[1][0] == grpc.StatusCode.ALREADY_EXISTS  # r4 was not
+    if old:
+        assert released == ["r1", "r2"]
+    else:  # a RouteBatch of r1's release alone; r4's route with r2's release
+        assert released == [] and releases == [1, 1] and calls == [1, 1, 1, 0, 1, 1, 1]

@@ -1,4 +1,4 @@
-"""The routes this frontend asks of one master, coalesced.
+"""The routes this frontend asks of one master, and the releases it sends it, coalesced.
 
 A route goes at once when no call to the master is in flight: alone, as a plain Route call,
 so a lone request pays nothing and keeps its trace. The routes that arrive while a call is
@@ -10,6 +10,11 @@ Each route fails as a Route call would, with a grpc.aio.AioRpcError: its own sta
 the batch's outcome, the whole call's status, or DEADLINE_EXCEEDED at its own deadline (the
 call goes on without it, as a unary call does: grpc_util.unary). A master that does not know
 RouteBatch (an older one, during an upgrade) is sent plain Route calls from then on.
+
+Releases (requests that ended, whose leases the master holds) go the same way: at once, as
+a RouteBatch of releases, when no call is in flight, else with the next call. They are best
+effort, as the unary Release was: a lost one keeps a client's retry through another
+frontend waiting until the lease expires.
 """
 
 from __future__ import annotations
@@ -48,11 +53,16 @@ class _Ask:
 
 class RouteBatcher:
     def __init__(
-        self, stub: Callable[[], master_pb2_grpc.MasterStub], max_batch: int = MAX_BATCH
+        self,
+        stub: Callable[[], master_pb2_grpc.MasterStub],
+        max_batch: int = MAX_BATCH,
+        release_timeout_s: float = 2.0,
     ) -> None:
         self._stub = stub  # the master's stub, on its current channel
         self._max_batch = max_batch
+        self._release_timeout_s = release_timeout_s
         self._waiting: list[_Ask] = []
+        self._releases: list[master_pb2.ReleaseRequest] = []
         self._sender: asyncio.Task[None] | None = None
         self._batches = True  # False: the master answered RouteBatch with UNIMPLEMENTED
         self.calls = 0  # calls made (Route and RouteBatch)
@@ -69,25 +79,49 @@ class RouteBatcher:
             trace.get_current_span(),
         )
         self._waiting.append(ask)
-        if self._sender is None:
-            self._sender = asyncio.create_task(self._send_waiting(), name="route-batcher")
+        self._wake()
         try:
             return await asyncio.wait_for(asyncio.shield(done), max(0.0, timeout))
         except TimeoutError:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
+    def release(self, ended: master_pb2.ReleaseRequest) -> None:
+        """Release `ended`'s lease at the master, with the next call (or now, as one)."""
+        self._releases.append(ended)
+        self._wake()
+
+    async def flush(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for what is waiting or in flight (at close)."""
+        if self._sender is not None:
+            await asyncio.wait({self._sender}, timeout=timeout)
+
+    def _wake(self) -> None:
+        if self._sender is None:
+            self._sender = asyncio.create_task(self._send_waiting(), name="route-batcher")
+
     async def _send_waiting(self) -> None:
         try:
-            while self._waiting:
+            while self._waiting or self._releases:
                 batch = self._waiting[: self._max_batch]
                 del self._waiting[: len(batch)]
                 batch = [a for a in batch if not a.done.done()]  # gone: timed out waiting
-                if len(batch) == 1 or (batch and not self._batches):
-                    await asyncio.gather(*(self._alone(a) for a in batch))
-                elif batch:
-                    await self._together(batch)
+                ended, self._releases = self._releases, []
+                if not self._batches:
+                    await asyncio.gather(
+                        *(self._alone(a) for a in batch), *(self._release(r) for r in ended)
+                    )
+                elif len(batch) == 1 and not ended:
+                    await self._alone(batch[0])
+                elif batch or ended:
+                    await self._together(batch, ended)
         finally:
             self._sender = None
+
+    async def _release(self, ended: master_pb2.ReleaseRequest) -> None:
+        """One release as a plain Release call (a master without RouteBatch)."""
+        self.calls += 1
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub().Release(ended, timeout=self._release_timeout_s)
 
     async def _alone(self, ask: _Ask) -> None:
         """One route as a plain Route call, in its caller's context (its trace)."""
@@ -102,9 +136,9 @@ class RouteBatcher:
         except grpc.aio.AioRpcError as e:
             _fail(ask, e)
 
-    async def _together(self, batch: list[_Ask]) -> None:
-        message = master_pb2.RouteBatchRequest(requests=[a.request for a in batch])
-        timeout = _left(max(a.deadline for a in batch))
+    async def _together(self, batch: list[_Ask], ended: list[master_pb2.ReleaseRequest]) -> None:
+        message = master_pb2.RouteBatchRequest(requests=[a.request for a in batch], releases=ended)
+        timeout = _left(max(a.deadline for a in batch)) if batch else self._release_timeout_s
         self.calls += 1
         try:
             # No caller's trace is the call's parent; each caller's span notes the batch.
@@ -114,10 +148,14 @@ class RouteBatcher:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("the master does not know RouteBatch: sending Route calls")
                 self._batches = False
-                await asyncio.gather(*(self._alone(a) for a in batch))
+                await asyncio.gather(
+                    *(self._alone(a) for a in batch), *(self._release(r) for r in ended)
+                )
                 return
             for a in batch:
                 _fail(a, e)
+            if ended:
+                log.debug("%d releases lost: %s", len(ended), e.details() or e.code().name)
             return
         if len(reply.outcomes) != len(batch):
             error = rpc_error(

@@ -128,7 +128,6 @@ class Router:
         # for us to it (services/master/leases.py).
         self.frontend_id = frontend_id or f"frontend-{uuid.uuid4().hex[:8]}"
         self.membership = Membership()
-        self._releases: set[asyncio.Task[None]] = set()
         self._watch = watch
         self._route_timeout = route_timeout
         self._channels = grpc_util.ChannelCache()
@@ -145,8 +144,9 @@ class Router:
             log.warning("no master and no nameservice: no request can be routed")
 
     async def close(self) -> None:
-        if self._releases:  # the last requests' releases: briefly, they are best effort
-            await asyncio.wait(set(self._releases), timeout=self._route_timeout)
+        # The last requests' releases: briefly, they are best effort.
+        for batcher in self._batchers.values():
+            await batcher.flush(self._route_timeout)
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -161,7 +161,8 @@ class Router:
         batcher = self._batchers.get(address)
         if batcher is None:
             batcher = self._batchers[address] = RouteBatcher(
-                lambda: master_pb2_grpc.MasterStub(self.channel(address))
+                lambda: master_pb2_grpc.MasterStub(self.channel(address)),
+                release_timeout_s=self._route_timeout,
             )
         return batcher
 
@@ -227,19 +228,12 @@ class Router:
 
     def release(self, request_id: str) -> None:
         """The request ended: end its lease at every master that routed it (a migration may
-        have been routed by another), in the background (a lost release only keeps a
-        client's retry through another frontend waiting until it expires)."""
+        have been routed by another), in the background, with that master's next call (a lost
+        release only keeps a client's retry through another frontend waiting until it
+        expires)."""
         msg = master_pb2.ReleaseRequest(request_id=request_id, frontend_id=self.frontend_id)
         for address in self._leased.pop(request_id, ()):
-            stub = master_pb2_grpc.MasterStub(self.channel(address))
-
-            async def send(stub: master_pb2_grpc.MasterStub = stub) -> None:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await stub.Release(msg, timeout=self._route_timeout)
-
-            task = asyncio.create_task(send())
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._batcher(address).release(msg)
 
     async def _ask_master(
         self, address: str, request: master_pb2.RouteRequest, timeout: float | None

@@ -85,12 +85,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def RouteBatch(
         self, request: master_pb2.RouteBatchRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RouteBatchReply:
-        """Each route as Route would answer it, in order; their charges published once."""
+        """The releases, then each route as Route would answer it, in order; their charges
+        published once."""
         if len(request.requests) > MAX_BATCH:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"too many requests in one batch ({len(request.requests)} > {MAX_BATCH})",
             )
+        for ended in request.releases:
+            self.leases.release(ended.request_id, ended.frontend_id)
         reply = master_pb2.RouteBatchReply()
         for item in request.requests:
             outcome = reply.outcomes.add()
@@ -98,8 +101,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 outcome.plan.CopyFrom(self._route(item))
             except RouteRefused as e:
                 outcome.code, outcome.details = e.code.value[0], e.details
-        metrics.master().route_batch(len(request.requests))
-        if self.exchange is not None:
+        if request.requests:
+            metrics.master().route_batch(len(request.requests))
+        if self.exchange is not None and request.requests:
             await self.exchange.publish_routed()
         return reply
 

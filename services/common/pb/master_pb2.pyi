@@ -68,10 +68,12 @@ class RoutePlan(_message.Message):
     def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_fetch_s: _Optional[float] = ...) -> None: ...
 
 class RouteBatchRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "releases")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[RouteRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[RouteRequest, _Mapping]]] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RouteRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ...) -> None: ...
 
 class RouteOutcome(_message.Message):
     __slots__ = ("plan", "code", "details")
