@@ -67,8 +67,10 @@ def test_events_count_from_their_stamps_and_a_route_counts_those_before_its_own(
     view.catch_up(_ms(T0 + 1.3))
     assert view.load("w1").queued_tokens == 5000
     # Load TTL and charge expiry count from stamps: a second on, the reports are stale.
+    a.wall[0] = T0 + 2.2
     view.catch_up(_ms(T0 + 2.2))
     assert view.load("w0") is None and _pending(view, ("w0", "w1")) == {"w0": 2}
+    a.wall[0] = T0 + 3.2
     view.catch_up(_ms(T0 + 3.2))
     assert _pending(view, ("w0", "w1")) == {}
     view.check_integrity()
@@ -188,3 +190,14 @@ def test_under_a_cutoff_a_burst_spreads_over_the_workers_within_one_prefill_of_t
         unblind.apply_load(fitted(m.id, token_ms=1.0, queued=queued))
     alone = CacheAware().route(unblind, _request(0, T0 + 1.0))
     assert alone.decode.id == "f0"  # counted at once, charges spread a burst by themselves
+
+
+def test_a_request_stamped_far_ahead_of_the_masters_clock_does_not_stale_every_report():
+    a = Replica(CUTOFF_S)
+    view = a.view
+    view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("w0", F)))
+    a.wall[0] = T0 + 1.0
+    view.apply_load(fitted("w0", unix_ms=_ms(T0 + 0.9)))
+    plan = CacheAware().route(view, _request(0, T0 + 60.0))  # a frontend a minute ahead
+    assert view.now() == T0 + 1.0 + 0.5 - CUTOFF_S
+    assert view.load("w0") is not None and "no load report" not in plan.reason

@@ -69,6 +69,9 @@ IN_TRANSIT_S = 0.25
 # A load report stops counting after this long: 4 report intervals (workers report every
 # 0.25 s, services/worker/kv_events.py). Without reports a worker is unknown, not idle.
 LOAD_TTL_S = 1.0
+# Under an event cutoff, a request stamped further ahead of this master's clock counts as
+# stamped this far ahead (hosts' clocks are synchronized to milliseconds, not seconds).
+MAX_CLOCK_AHEAD_S = 0.5
 # Members whose KV the prefix index follows: the workers, and the cache instances' T2.
 INDEXED_ROLES = WORKER_ROLES | {nameservice_pb2.ROLE_CACHE}
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -370,7 +373,9 @@ class ClusterView:
         clock less twice the cutoff, so that a request in transit for less than the cutoff
         still finds the cut where its stamp puts it."""
         if self._cutoff_s:
-            asked = unix_ms / 1000 if unix_ms else self._wall()
+            wall = self._wall()
+            # A frontend whose clock runs ahead would stale every load report at once.
+            asked = min(unix_ms / 1000, wall + MAX_CLOCK_AHEAD_S) if unix_ms else wall
             self._count_up_to(asked - self._cutoff_s)
 
     def _count_up_to(self, cut: float) -> None:
