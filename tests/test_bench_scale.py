@@ -1,7 +1,7 @@
 """bench/scale.py, test-sized: real NATS, nameservice, two masters and a frontend in front
 of three simulated workers (their caches warm), a few trace requests cut short. Every row
-of its table is measured, the masters' agreement and one master's SIGKILL under load
-included; and a policy sweep's comparison table."""
+of its table is measured, the masters' agreement (under an event cutoff, as deployed) and
+one master's SIGKILL under load included; and a policy sweep's comparison table."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _flags(model_dir, tmp_path) -> list[str]:
 
 def test_scale_bench_measures_every_row(model_dir, tmp_path):
     flags = ["--probes", "6", "--failover-rate", "10", "--failover-s", "1.5", "--warm-blocks",
-             "40"]  # fmt: skip
+             "40", "--event-cutoff-ms", "50"]  # fmt: skip
     (result,) = scale.main(_flags(model_dir, tmp_path) + flags)
     # The warm caches reached both masters' indexes (each worker's 40 blocks) and were timed.
     assert result["warm"]["blocks"] == 3 * 40 and result["warm"]["rate"] > 0
@@ -30,6 +30,9 @@ def test_scale_bench_measures_every_row(model_dir, tmp_path):
     assert result["route_p50_s"] <= result["route_p99_s"]
     # Route calls back to back: answered, and the master's CPU counted for them.
     assert result["capacity_routes_per_s"] > 0 and result["capacity_routes_per_cpu_s"] > 0
+    # The same through the frontend's route batcher: several routes a call.
+    assert result["capacity_batched_routes_per_s"] > 0
+    assert result["capacity_batched_mean_batch"] > 1
     assert result["ttft_p50_s"] > 0 and result["frontend_req_per_cpu_s"] > 0
     assert result["masters"] == 2 and result["probes"] == 6 and result["probe_failed"] == 0
     assert 0 <= result["agreement"] <= 1
