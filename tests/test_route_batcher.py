@@ -209,3 +209,32 @@ def test_releases_go_at_once_when_idle_and_with_the_next_call_when_busy(old):
         assert released == ["r1", "r2"]
     else:  # a RouteBatch of r1's release alone; r4's route with r2's release
         assert released == [] and releases == [1, 1] and calls == [1, 1, 1, 0, 1, 1, 1]
+
+
+def test_a_send_that_breaks_fails_its_routes_as_unavailable():
+    """Not a gRPC error (a closed channel, a bug): the routes fail at once as UNAVAILABLE
+    (the frontend asks another master), and the next route is sent again."""
+    broken = [True]
+
+    def stub():
+        if broken[0]:
+            raise RuntimeError("the channel is closed")
+        return master_pb2_grpc.MasterStub(channel)
+
+    async def main():
+        nonlocal channel
+        server, channel, _ = await _serve(Counting(_view(), CacheAware()))
+        batcher = RouteBatcher(stub)
+        try:
+            failed = await _outcomes(batcher, [_request(1), _request(2)])
+            broken[0] = False
+            return failed, await _outcomes(batcher, [_request(3)])
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    channel = None
+    failed, answered = asyncio.run(main())
+    assert [f[0] for f in failed] == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert "the channel is closed" in failed[0][1]
+    assert answered[0][0] in {m.id for m in WORKERS}

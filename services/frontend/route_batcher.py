@@ -106,16 +106,24 @@ class RouteBatcher:
                 del self._waiting[: len(batch)]
                 batch = [a for a in batch if not a.done.done()]  # gone: timed out waiting
                 ended, self._releases = self._releases, []
-                if not self._batches:
-                    await asyncio.gather(
-                        *(self._alone(a) for a in batch), *(self._release(r) for r in ended)
-                    )
-                elif len(batch) == 1 and not ended:
-                    await self._alone(batch[0])
-                elif batch or ended:
-                    await self._together(batch, ended)
+                try:
+                    await self._send(batch, ended)
+                except Exception as e:  # a closed channel, a bug: no route waits forever
+                    log.exception("sending %d routes to the master failed", len(batch))
+                    for a in batch:
+                        _fail(a, rpc_error(grpc.StatusCode.UNAVAILABLE, repr(e)))
         finally:
             self._sender = None
+
+    async def _send(self, batch: list[_Ask], ended: list[master_pb2.ReleaseRequest]) -> None:
+        if not self._batches:
+            await asyncio.gather(
+                *(self._alone(a) for a in batch), *(self._release(r) for r in ended)
+            )
+        elif len(batch) == 1 and not ended:
+            await self._alone(batch[0])
+        elif batch or ended:
+            await self._together(batch, ended)
 
     async def _release(self, ended: master_pb2.ReleaseRequest) -> None:
         """One release as a plain Release call (a master without RouteBatch)."""
