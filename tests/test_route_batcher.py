@@ -183,7 +183,7 @@ def test_releases_go_at_once_when_idle_and_with_the_next_call_when_busy(old):
             await _outcomes(batcher, [_request(1)])
             await _outcomes(batcher, [_request(2)])
             taken = await _outcomes(batcher, [_request(1, frontend_id="other")])
-            batcher.release(_ended(1))  # idle: goes at once
+            batcher.release(_ended(1))  # idle: goes at once, as a Release call
             await batcher.flush(5.0)
             retried = await _outcomes(batcher, [_request(1, frontend_id="other")])
             busy = asyncio.create_task(_outcomes(batcher, [_request(3)]))
@@ -207,8 +207,8 @@ def test_releases_go_at_once_when_idle_and_with_the_next_call_when_busy(old):
     assert checks[1][0] == grpc.StatusCode.ALREADY_EXISTS  # r4 was not
     if old:
         assert released == ["r1", "r2"]
-    else:  # a RouteBatch of r1's release alone; r4's route with r2's release
-        assert released == [] and releases == [1, 1] and calls == [1, 1, 1, 0, 1, 1, 1]
+    else:  # r1's release alone, as a Release call; r2's in r4's RouteBatch
+        assert released == ["r1"] and releases == [1] and calls == [1, 1, 1, 1, 1, 1]
 
 
 def test_a_send_that_breaks_fails_its_routes_as_unavailable():

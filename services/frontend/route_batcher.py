@@ -12,9 +12,9 @@ call goes on without it, as a unary call does: grpc_util.unary). A master that d
 RouteBatch (an older one, during an upgrade) is sent plain Route calls from then on.
 
 Releases (requests that ended, whose leases the master holds) go the same way: at once, as
-a RouteBatch of releases, when no call is in flight, else with the next call. They are best
-effort, as the unary Release was: a lost one keeps a client's retry through another
-frontend waiting until the lease expires.
+a plain Release call, when no call is in flight, else with the next call. They are best
+effort: a lost one keeps a client's retry through another frontend waiting until the lease
+expires.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class _Ask:
     span: trace.Span
 
 
+@dataclass(slots=True)
+class _Release:
+    request: master_pb2.ReleaseRequest
+    context: contextvars.Context  # the caller's (its trace), for a call of its own
+
+
 class RouteBatcher:
     def __init__(
         self,
@@ -62,7 +68,7 @@ class RouteBatcher:
         self._max_batch = max_batch
         self._release_timeout_s = release_timeout_s
         self._waiting: list[_Ask] = []
-        self._releases: list[master_pb2.ReleaseRequest] = []
+        self._releases: list[_Release] = []
         self._sender: asyncio.Task[None] | None = None
         self._batches = True  # False: the master answered RouteBatch with UNIMPLEMENTED
         self.calls = 0  # calls made (Route and RouteBatch)
@@ -87,7 +93,7 @@ class RouteBatcher:
 
     def release(self, ended: master_pb2.ReleaseRequest) -> None:
         """Release `ended`'s lease at the master, with the next call (or now, as one)."""
-        self._releases.append(ended)
+        self._releases.append(_Release(ended, contextvars.copy_context()))
         self._wake()
 
     async def flush(self, timeout: float) -> None:
@@ -115,21 +121,28 @@ class RouteBatcher:
         finally:
             self._sender = None
 
-    async def _send(self, batch: list[_Ask], ended: list[master_pb2.ReleaseRequest]) -> None:
+    async def _send(self, batch: list[_Ask], ended: list[_Release]) -> None:
         if not self._batches:
             await asyncio.gather(
                 *(self._alone(a) for a in batch), *(self._release(r) for r in ended)
             )
         elif len(batch) == 1 and not ended:
             await self._alone(batch[0])
+        elif not batch and len(ended) == 1:
+            await self._release(ended[0])
         elif batch or ended:
             await self._together(batch, ended)
 
-    async def _release(self, ended: master_pb2.ReleaseRequest) -> None:
-        """One release as a plain Release call (a master without RouteBatch)."""
+    async def _release(self, ended: _Release) -> None:
+        """One release as a plain Release call, in its caller's context (its trace)."""
+        stub = self._stub()
+
+        async def call() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Release(ended.request, timeout=self._release_timeout_s)
+
         self.calls += 1
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self._stub().Release(ended, timeout=self._release_timeout_s)
+        await asyncio.create_task(call(), context=ended.context)
 
     async def _alone(self, ask: _Ask) -> None:
         """One route as a plain Route call, in its caller's context (its trace)."""
@@ -144,8 +157,10 @@ class RouteBatcher:
         except grpc.aio.AioRpcError as e:
             _fail(ask, e)
 
-    async def _together(self, batch: list[_Ask], ended: list[master_pb2.ReleaseRequest]) -> None:
-        message = master_pb2.RouteBatchRequest(requests=[a.request for a in batch], releases=ended)
+    async def _together(self, batch: list[_Ask], ended: list[_Release]) -> None:
+        message = master_pb2.RouteBatchRequest(
+            requests=[a.request for a in batch], releases=[r.request for r in ended]
+        )
         timeout = _left(max(a.deadline for a in batch)) if batch else self._release_timeout_s
         self.calls += 1
         try:

@@ -75,7 +75,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RoutePlan:
         try:
-            plan = self._route(request)
+            plan = self._route(request, trace.get_current_span())
         except RouteRefused as e:
             await context.abort(e.code, e.details)
         if self.exchange is not None:
@@ -94,11 +94,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             )
         for ended in request.releases:
             self.leases.release(ended.request_id, ended.frontend_id)
+        trace.get_current_span().set_attribute("rtp.route.batch_size", len(request.requests))
         reply = master_pb2.RouteBatchReply()
         for item in request.requests:
             outcome = reply.outcomes.add()
             try:
-                outcome.plan.CopyFrom(self._route(item))
+                outcome.plan.CopyFrom(self._route(item, trace.INVALID_SPAN))
             except RouteRefused as e:
                 outcome.code, outcome.details = e.code.value[0], e.details
         if request.requests:
@@ -107,10 +108,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await self.exchange.publish_routed()
         return reply
 
-    def _route(self, request: master_pb2.RouteRequest) -> master_pb2.RoutePlan:
-        """Validate, lease and decide one route; raises RouteRefused."""
+    def _route(self, request: master_pb2.RouteRequest, span: trace.Span) -> master_pb2.RoutePlan:
+        """Validate, lease and decide one route (its attributes on `span`: the call's, or
+        none for a route of a batch); raises RouteRefused."""
         started, started_cpu = time.perf_counter(), time.thread_time()
-        span = trace.get_current_span()
         span.set_attribute(tracing.REQUEST_ID, request.request_id)
         extra = {"request_id": request.request_id}
         try:
