@@ -25,13 +25,14 @@ makes the same choice (no per-process rotation or affinity state). Under an even
 counted yet, by this master or any: a burst would all go to the cheapest candidate. There,
 every candidate within one such request of the cheapest (the prefill this request would
 compute there) counts as tied, and the request id picks among them (no fewest running, and
-on the decode side no most free blocks: both would pile the burst up again). The decode side (PD)
-goes, among the workers with room for the prompt blocks they lack, to the one with the
-lowest cost until the second token: the KV transfer of the blocks it lacks (the prefill
-worker sends only what follows its cached prefix) at its fitted receive rate, plus one
-decode step of its batch with this request in it (cost.decode_cost); then the most free KV
-blocks (less those routed to it since its report), then the request-id hash, skipping full
-queues the same way. With `max_local_prefill_tokens`, a prompt whose uncached part is
+on the decode side no most free blocks: both would pile the burst up again).
+
+The decode side (PD) goes, among the workers with room for the prompt blocks they lack, to
+the one with the lowest cost until the second token: the KV transfer of the blocks it lacks
+(the prefill worker sends only what follows its cached prefix) at its fitted receive rate,
+plus one decode step of its batch with this request in it (cost.decode_cost); then the most
+free KV blocks (less those routed to it since its report), then the request-id hash,
+skipping full queues the same way. With `max_local_prefill_tokens`, a prompt whose uncached part is
 shorter stays on the chosen decode worker (no prefill worker, no KV transfer); under the
 predicting policies only while that worker's predicted time to first token is no worse than
 the best prefill worker's on another host plus the transfer. Every
