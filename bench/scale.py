@@ -619,11 +619,15 @@ async def route_capacity(
 
 
 # -- a restarted master -----------------------------------------------------------------
-async def master_restart_s(c: ScaleCluster, log: Path, timeout: float = 300.0) -> float | None:
+async def master_restart_s(
+    c: ScaleCluster, log: Path, settle_s: float, timeout: float = 300.0
+) -> float | None:
     """SIGKILL the master and start it again on its port: seconds until it has rebuilt
     every member's part of its index (a startup resync each, from its snapshot) and holds
     the pairs the old one held (the idle workers hold what they held; 0.1% slack, for an old
-    index a batch behind)."""
+    index a batch behind). `settle_s` first, so that the old master has counted the last
+    events (under an event cutoff, those of the last two cutoffs wait)."""
+    await asyncio.sleep(settle_s)
     held = await asyncio.to_thread(index_blocks, c.master_metrics[0])
     members_now = len(await members(c.nameservice))
     old = c.procs["master"]
@@ -766,7 +770,8 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
             moved = asyncio.run(failover(c, model.name, vocab, args.failover_rate, args.failover_s))
         if "restart" not in args.skip:
             log = Path(args.log_dir or tmp) / f"master-{n}.log"
-            resync_s = asyncio.run(master_restart_s(c, log))
+            settle_s = 0.25 + 3 * args.event_cutoff_ms / 1000
+            resync_s = asyncio.run(master_restart_s(c, log, settle_s))
         if "dead-worker" not in args.skip:
             out_s = asyncio.run(dead_worker_out_s(c, args, model, tmp))
     ok = [r for r in results if r.ok]

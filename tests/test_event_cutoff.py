@@ -201,3 +201,28 @@ def test_a_request_stamped_far_ahead_of_the_masters_clock_does_not_stale_every_r
     plan = CacheAware().route(view, _request(0, T0 + 60.0))  # a frontend a minute ahead
     assert view.now() == T0 + 1.0 + 0.5 - CUTOFF_S
     assert view.load("w0") is not None and "no load report" not in plan.reason
+
+
+def test_held_events_count_when_nothing_else_comes():
+    """The view's feed moves the cut every cutoff: the last events of a burst count with no
+    event or route after them."""
+    import asyncio
+
+    a = Replica(CUTOFF_S)
+    view = a.view
+    view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("w0", F)))
+    a.wall[0] = T0 + 1.0
+    view.apply_kv_events(kv("w0", stored=H[:3], published_unix_ns=int((T0 + 0.99) * 1e9)))
+    assert view.index.match("w0", H[:3]) == 0  # held: the cut is at the wall less 2 cutoffs
+    a.wall[0] = T0 + 2.0  # nothing else arrives
+
+    async def main() -> None:
+        task = asyncio.create_task(view.count_held_forever())
+        try:
+            while view.index.match("w0", H[:3]) != 3:
+                await asyncio.sleep(CUTOFF_S / 5)
+        finally:
+            task.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    view.check_integrity()

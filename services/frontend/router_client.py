@@ -144,14 +144,18 @@ class Router:
             log.warning("no master and no nameservice: no request can be routed")
 
     async def close(self) -> None:
-        # The last requests' releases: briefly, they are best effort.
-        for batcher in self._batchers.values():
-            await batcher.flush(self._route_timeout)
+        await self.flush(self._route_timeout)  # the last releases: briefly, best effort
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         await self._channels.close()
+
+    async def flush(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds (each master) for the routes and releases waiting or
+        in flight."""
+        for batcher in list(self._batchers.values()):
+            await batcher.flush(timeout)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
