@@ -20,7 +20,9 @@ import openai
 import pytest
 
 from rtp_serve.engine import LLM, SamplingParams
-from rtp_serve.services.common.pb import nameservice_pb2
+from rtp_serve.services.common import subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.pb import events_pb2, nameservice_pb2
 from rtp_serve.services.planner.main import make_actuator
 from tests.cluster import launch
 
@@ -84,6 +86,19 @@ def test_scaling_a_decode_worker_down_under_streams_loses_nothing(model, referen
             while worker_id not in {m.id for m in await asyncio.to_thread(c.workers)}:
                 assert time.monotonic() < deadline, "the planner's decode worker never registered"
                 await asyncio.sleep(0.1)
+            # The master ranks a worker without a load report after those with one: wait
+            # for two of its reports (the master, subscribed all along, has the first).
+            reports: asyncio.Queue[events_pb2.LoadReport] = asyncio.Queue()
+            bus = await Bus.connect(c.info["nats"], "test-planner")
+            try:
+                await bus.subscribe(
+                    subjects.load_report(worker_id), events_pb2.LoadReport,
+                    lambda msg, _: reports.put(msg),
+                )  # fmt: skip
+                for _ in range(2):
+                    await asyncio.wait_for(reports.get(), 60)
+            finally:
+                await bus.close()
             client = _client(c.url)
             model_id = (await client.models.list()).data[0].id
             started = [asyncio.Event() for _ in PROMPTS]
