@@ -67,6 +67,12 @@ class OldMaster(Counting):
     RouteBatch = master_pb2_grpc.MasterServicer.RouteBatch
 
 
+async def _reached(master: Counting, n: int) -> None:
+    """Until the master has taken its `n`th call (it is in flight for its delay)."""
+    while len(master.calls) < n:
+        await asyncio.sleep(0.001)
+
+
 async def _serve(servicer):
     server, address = await serve_grpc(master_pb2_grpc.add_MasterServicer_to_server, servicer)
     channel = grpc_util.channel(address)
@@ -98,7 +104,7 @@ def test_a_burst_goes_as_batches_answered_as_route_calls_would_be():
             calls = list(master.calls)
             # One now, then nine while it is in flight: a Route call, then one RouteBatch.
             first = asyncio.create_task(_outcomes(batcher, [_request(40)]))
-            await asyncio.sleep(0.01)
+            await _reached(master, len(calls) + 1)
             rest = await _outcomes(batcher, [_request(41 + i) for i in range(9)])
             trickled = master.calls[len(calls) :]
             assert len(await first) == 1 and len(rest) == 9
@@ -154,7 +160,7 @@ def test_a_route_that_runs_out_of_time_fails_alone_and_the_call_goes_on(alone):
         server, channel, batcher = await _serve(master)
         try:
             blocker = asyncio.create_task(_outcomes(batcher, [_request(0)]))
-            await asyncio.sleep(0.1)  # in flight: what comes now waits for it
+            await _reached(master, 1)  # in flight: what comes now waits for it
             hasty = [_request(1)] if alone else [_request(1), _request(2)]
             short = await _outcomes(batcher, hasty, timeout=0.2)
             patient = await _outcomes(batcher, [_request(3)], timeout=5.0)
@@ -187,7 +193,7 @@ def test_releases_go_at_once_when_idle_and_with_the_next_call_when_busy(old):
             await batcher.flush(5.0)
             retried = await _outcomes(batcher, [_request(1, frontend_id="other")])
             busy = asyncio.create_task(_outcomes(batcher, [_request(3)]))
-            await asyncio.sleep(0.01)
+            await _reached(master, len(master.calls) + 1)
             batcher.release(_ended(2))  # with the route that comes while one is in flight
             following = await _outcomes(batcher, [_request(4)])
             await busy
