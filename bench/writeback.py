@@ -2,6 +2,7 @@
 by stage, on the blocks of a real model's shape.
 
     python bench/writeback.py [--model llama-100m] [--tokens 270] [--dtype float32] [--reps 5]
+                              [--rounds 2]
 
 A fused or prefill worker with a cache tier writes the KV of each prompt it computed back to
 the cache service (services/worker/tiers.py, services/cache/client.py). Everything here but
@@ -16,13 +17,19 @@ the seal runs on the serving loop's thread, on the cores the engine computes on:
   request      the PutRequest built from the blocks (protobuf copies each one)
   serialize    the request's bytes, as gRPC sends them
 
-Medians of `--reps`, milliseconds, with the KV's size; the CPU's flags above. Wall-clock on
-a shared machine: compare within one run.
+Each stage is timed in fresh processes with glibc's malloc as it comes and with freed memory
+kept (services/common/heap.py, what workers and the cache service run with): buffers this
+large otherwise come from new mappings whose pages fault on first touch. Medians of `--reps`
+calls, then of `--rounds` processes per setting, alternated; milliseconds, with the KV's
+size and the CPU's flags. Wall-clock on a shared machine: compare within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +44,7 @@ from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 from rtp_serve.services.cache import client  # noqa: E402
 from rtp_serve.services.cache.integrity import KVIntegrity  # noqa: E402
+from rtp_serve.services.common.heap import keep_freed_memory  # noqa: E402
 from rtp_serve.services.common.pb import cache_pb2  # noqa: E402
 from rtp_serve.services.worker.kv_wire import split_blocks  # noqa: E402
 
@@ -57,13 +65,11 @@ def batch_by_bytesize(blocks: list) -> list[list]:
     return batches
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="llama-100m")
-    ap.add_argument("--tokens", type=int, default=270)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
+HEAPS = ("glibc", "kept")
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    """Median ms of each stage, in this process."""
     cfg = ModelConfig.from_dir(resolve_model(args.model))
     dtype = getattr(torch, args.dtype)
     full = args.tokens // BLOCK * BLOCK  # the blocks a write-back keeps: full ones
@@ -85,17 +91,46 @@ def main() -> None:
         "request": lambda: [cache_pb2.PutRequest(blocks=b) for b in batches],
         "serialize": request.SerializeToString,
     }
-    nbytes = 2 * kv.k.numel() * kv.k.element_size()
-    print(f"cpu: {cpu_isa().describe()}; bench flags: {bench_flags()}")
-    print(f"model {args.model}: {len(blocks)} blocks of {BLOCK} tokens, {args.dtype}, "
-          f"{nbytes / 2**20:.1f} MiB of K and V; medians of {args.reps}, ms")  # fmt: skip
     times = {name: median_us(fn, args.reps) / 1e3 for name, fn in stages.items()}
-    for name, ms in times.items():
-        print(f"  {name:<28} {ms:8.2f}")
-    before = sum(ms for name, ms in times.items() if "now" not in name and name != "seal")
-    now = sum(ms for name, ms in times.items() if "before" not in name and name != "seal")
-    print(f"  {'loop thread, before':<28} {before:8.2f}")
-    print(f"  {'loop thread, now':<28} {now:8.2f}  ({now / before:.2f}x)")
+    times["blocks"] = len(blocks)
+    times["MiB"] = 2 * kv.k.numel() * kv.k.element_size() / 2**20
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="llama-100m")
+    ap.add_argument("--tokens", type=int, default=270)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="fresh processes per heap, alternated")
+    ap.add_argument("--heap", choices=HEAPS, help=argparse.SUPPRESS)  # one measuring child
+    args = ap.parse_args()
+    if args.heap:
+        if args.heap == "kept" and not keep_freed_memory():
+            raise SystemExit("this libc took no heap thresholds")
+        print(json.dumps(measure(args)))
+        return
+    runs: dict[str, list[dict[str, float]]] = {heap: [] for heap in HEAPS}
+    for _ in range(args.rounds):
+        for heap in HEAPS:
+            argv = [sys.executable, __file__, "--heap", heap, "--model", args.model,
+                    "--tokens", str(args.tokens), "--dtype", args.dtype, "--reps", str(args.reps)]  # fmt: skip
+            out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+            runs[heap].append(json.loads(out.splitlines()[-1]))
+    first = runs["glibc"][0]
+    print(f"cpu: {cpu_isa().describe()}; bench flags: {bench_flags()}")
+    print(f"model {args.model}: {first['blocks']:.0f} blocks of {BLOCK} tokens, {args.dtype}, "
+          f"{first['MiB']:.1f} MiB of K and V; ms, medians of {args.reps} calls, then of "
+          f"{args.rounds} processes per heap (alternated)")  # fmt: skip
+    print(f"  {'stage':<28} {'glibc defaults':>15} {'memory kept':>12}")
+    med = {h: {k: statistics.median(r[k] for r in runs[h]) for k in first} for h in HEAPS}
+    for name in first:
+        if name not in ("blocks", "MiB"):
+            print(f"  {name:<28} {med['glibc'][name]:15.2f} {med['kept'][name]:12.2f}")
+    loop = [k for k in first if k not in ("blocks", "MiB", "seal") and "before" not in k]
+    g, k = (sum(med[h][name] for name in loop) for h in HEAPS)
+    print(f"  {'loop thread (all but seal)':<28} {g:15.2f} {k:12.2f}  ({k / g:.2f}x)")
 
 
 if __name__ == "__main__":

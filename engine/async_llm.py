@@ -33,6 +33,7 @@ from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
 from rtp_serve.engine.block_pool import KVEvent
 from rtp_serve.engine.config import EngineConfig, KVLayout
 from rtp_serve.engine.errors import EngineStoppedError, QueueFullError
+from rtp_serve.engine.kv_export import KVExport
 from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
@@ -142,7 +143,7 @@ class AsyncLLM:
         priority: int = 0,
         *,
         export_kv_from: int | None = None,
-        export_computed_only: bool = False,
+        export_kv: KVExport = KVExport.PROMPT,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
@@ -151,8 +152,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas until the request finishes. Closing the iterator aborts it.
 
-        `export_kv_from` (PD prefill side): the final output carries the prompt's KV (with
-        `export_computed_only`, only past the prefix the cache served).
+        `export_kv_from`: the final output carries the prompt's KV from there, the part
+        `export_kv` says (engine/kv_export.py; None if that is empty).
         `remote_prefill` (PD decode side): once blocks are reserved, an output with
         `waiting_for_kv` (and the prompt tokens cached here) comes first; the request then
         waits for `deliver_kv`. `block_hashes`: the prompt's keys, when the caller has them.
@@ -170,7 +171,7 @@ class AsyncLLM:
             params,
             priority,
             export_kv_from=export_kv_from,
-            export_computed_only=export_computed_only,
+            export_kv=export_kv,
             remote_prefill=remote_prefill,
             block_hashes=block_hashes,
             lora=lora,

@@ -29,6 +29,7 @@ from rtp_serve.core.validation import (
 )
 from rtp_serve.engine.config import EngineConfig, KVLayout
 from rtp_serve.engine.kv_cache_manager import KVCacheManager
+from rtp_serve.engine.kv_export import KVExport, export_range
 from rtp_serve.engine.kv_tiers import KVTiers
 from rtp_serve.engine.lora.admin import LoraAdmin
 from rtp_serve.engine.model_runner import ModelRunner, resolve_limits
@@ -127,7 +128,7 @@ class LLMEngine:
         priority: int = 0,
         *,
         export_kv_from: int | None = None,
-        export_computed_only: bool = False,
+        export_kv: KVExport = KVExport.PROMPT,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
@@ -136,9 +137,8 @@ class LLMEngine:
         """Validate and convert a prompt into an engine request (raises ValueError, or
         UnknownAdapterError for a `lora` adapter this engine does not serve).
 
-        `export_kv_from`: PD prefill side, the last output carries the prompt's KV from this
-        position on; with `export_computed_only`, from past the prefix the cache served
-        too (the blocks this engine computed). `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
+        `export_kv_from`: the last output carries the prompt's KV from this position on, the
+        part `export_kv` says (engine/kv_export.py). `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
         (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
         """
         salt = self.adapters.salt_for(lora)  # raises UnknownAdapterError first
@@ -168,7 +168,7 @@ class LLMEngine:
             tenant=tenant,
             block_hashes=block_hashes or [],
             export_kv_from=export_kv_from,
-            export_computed_only=export_computed_only,
+            export_kv=export_kv,
             remote_prefill=remote_prefill,
             guide=guide,
             sample_seed=self._seeds.getrandbits(63),  # ignored when params.seed is set
@@ -243,13 +243,16 @@ class LLMEngine:
         self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
 
-    def _export(self, request: Request, block_ids: list[int]) -> PromptKV:
+    def _export(self, request: Request, block_ids: list[int]) -> PromptKV | None:
         # The blocks were released by this very step, but nothing can reuse them before the
         # next schedule(), so their contents are still this request's KV.
-        start = request.export_kv_from or 0
-        if request.export_computed_only:
-            start = max(start, request.num_cached_tokens)
-        return self.runner.read_kv(block_ids, start, request.num_prompt_tokens)
+        start, end = export_range(
+            request.export_kv,
+            request.export_kv_from or 0,
+            max(0, request.num_cached_tokens),
+            request.num_prompt_tokens,
+        )
+        return self.runner.read_kv(block_ids, start, end) if start < end else None
 
     # -- PD decode side --------------------------------------------------------------------
     def write_remote_kv(

@@ -27,6 +27,7 @@ from rtp_serve.core.block_hash import BlockHash, block_hash_keys
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.core.structured import Guide
 from rtp_serve.core.tenant import DEFAULT_SHARE, TenantShare
+from rtp_serve.engine.kv_export import KVExport
 from rtp_serve.engine.outputs import StagedKV
 from rtp_serve.engine.spec_decode.adaptive import SpecState
 
@@ -85,12 +86,12 @@ class Request:
     # one the engine picks (any fixed value per request keeps a draw a function of position).
     sample_seed: int | None = None
     stop_reason: int | None = None
-    # PD prefill side: when the request finishes, hand back the KV of prompt positions from
-    # here on (None: don't). Blocks the decode side already caches are skipped.
+    # When the request finishes, hand back the KV of prompt positions from here on (None:
+    # don't), the part `export_kv` says (engine/kv_export.py): the PD prefill side all of
+    # it past what the decode side caches; a worker writing back to the remote tier what
+    # it computed, or what its prefix cache served.
     export_kv_from: int | None = None
-    # Fused side: export from the end of the prefix the cache served instead (what this
-    # worker computed), at least from export_kv_from.
-    export_computed_only: bool = False
+    export_kv: KVExport = KVExport.PROMPT
     # PD decode side: the prompt is computed by another worker (see RequestStatus).
     remote_prefill: bool = False
     # Prefix KV a lower tier (the cache service) gave this request while it was queued:

@@ -259,3 +259,17 @@ def test_mixed_batch_writes_kv_then_attends(kv_dtype):
             )
             torch.testing.assert_close(expected, exact)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=type(backend).__name__)
+
+
+@pytest.mark.parametrize("n_threads", [1, 3, 7])
+def test_attention_kernels_at_any_thread_count(n_threads):
+    """The kernels' tasks are taken by the threads in turn (kernels/csrc/parallel.h): the
+    same results at thread counts that divide nothing evenly, or exceed the tasks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        test_paged_decode_matches_dense(torch.float32, 1e-5, (8, 2), 16)
+        test_paged_prefill_matches_dense(20, 33, 4, 16, torch.float32)
+        test_paged_prefill_matches_dense(45, 19, 16, 64, torch.int8)
+    finally:
+        torch.set_num_threads(before)

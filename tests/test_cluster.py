@@ -265,8 +265,9 @@ def test_client_disconnect_frees_blocks(cluster):
 
 
 def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, reference, model):
-    """Every role uses the remote tier: the blocks one fused worker computed are written
-    back to the cache service, and another fused worker imports them instead of computing."""
+    """Every role uses the remote tier: the blocks one fused worker served twice are written
+    back to the cache service (the default `--remote-write reused`), and another fused
+    worker imports them instead of computing."""
     if cluster.mode != "fused":
         pytest.skip("prefill workers' use of the tier is covered by the PD cluster's requests")
     from rtp_serve.core.block_hash import block_hash_keys, cache_salt
@@ -300,6 +301,7 @@ def test_a_prefix_computed_on_one_worker_is_fetched_by_another(cluster, referenc
 
     async def run():
         computed = await generate(first.address, "tier-a")
+        await generate(first.address, "tier-a2")  # reused: now written back
         deadline = time.monotonic() + 10
         while await stored() < len(keys):  # the write-back runs off the request path
             assert time.monotonic() < deadline, "the blocks never reached the cache service"

@@ -31,6 +31,7 @@ from rtp_serve.core.validation import check_prompt
 from rtp_serve.engine.block_pool import BlockPool, KVEvent
 from rtp_serve.engine.config import KVLayout
 from rtp_serve.engine.errors import EngineStoppedError
+from rtp_serve.engine.kv_export import KVExport
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 from rtp_serve.engine.sim.cpu_burn import burn
 from rtp_serve.engine.sim.scheduler import SimRequest, SimScheduler, Work
@@ -121,7 +122,7 @@ class SimLLM:
         priority: int = 0,
         *,
         export_kv_from: int | None = None,
-        export_computed_only: bool = False,
+        export_kv: KVExport = KVExport.PROMPT,
         remote_prefill: bool = False,
         block_hashes: list[BlockHash] | None = None,
         lora: str = "",
@@ -153,7 +154,7 @@ class SimLLM:
             params,
             priority,
             export_kv_from=export_kv_from,
-            export_computed_only=export_computed_only,
+            export_kv=export_kv,
             remote_prefill=remote_prefill,
         )
         self.scheduler.add(request, held=prefetch is not None)  # ValueError, QueueFullError

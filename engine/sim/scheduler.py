@@ -21,6 +21,7 @@ from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.sampling_params import SamplingParams
 from rtp_serve.engine.block_pool import BlockPool, KVBlock
 from rtp_serve.engine.errors import QueueFullError
+from rtp_serve.engine.kv_export import KVExport, export_range
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -41,7 +42,7 @@ class SimRequest:
     params: SamplingParams
     priority: int = 0
     export_kv_from: int | None = None
-    export_computed_only: bool = False
+    export_kv: KVExport = KVExport.PROMPT
     remote_prefill: bool = False
     status: SimStatus = SimStatus.WAITING
     arrival: float = field(default_factory=time.monotonic)
@@ -309,15 +310,18 @@ class SimScheduler:
             self._free(request)
 
 
-def _prompt_kv(request: SimRequest) -> PromptKV:
-    """The prompt's KV past `export_kv_from` (past the cache's hits too, if asked): one
-    float32 per token for K and V, the token id, so a receiver holds what was computed."""
+def _prompt_kv(request: SimRequest) -> PromptKV | None:
+    """The part of the prompt's KV the request asked for (engine/kv_export.py), None if
+    empty: one float32 per token for K and V, the token id, so a receiver holds what was
+    computed."""
     import numpy as np
 
-    start = request.export_kv_from or 0
-    if request.export_computed_only:
-        start = max(start, request.num_cached)
-    tokens = np.asarray(request.prompt[start:], dtype=np.float32).reshape(1, -1, 1, 1)
+    start, end = export_range(
+        request.export_kv, request.export_kv_from or 0, request.num_cached, len(request.prompt)
+    )
+    if start >= end:
+        return None
+    tokens = np.asarray(request.prompt[start:end], dtype=np.float32).reshape(1, -1, 1, 1)
     return PromptKV(start, tokens, tokens.copy())
 
 

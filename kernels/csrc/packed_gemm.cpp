@@ -11,10 +11,11 @@
 // (two registers, widened from bf16, fp16 or int8 as loaded), broadcasts x[m, k] for MR rows
 // of x and does 2 MR FMAs into 2 MR accumulators: MR x NR outputs held in registers for a
 // block of K. MR is 6 on AVX2 (12 accumulators of its 16 registers) and 12 on AVX-512 (24 of
-// 32). Threads split the panels (parallel over N); within a panel the rows of x go MR at a
-// time, so the panel comes from memory for the first MR rows and from L1/L2 for the rest:
-// every weight is read from memory once per call, whatever M is.
+// 32). Threads take the panels in chunks, in turn (parallel over N, parallel.h); within a panel
+// the rows of x go MR at a time, so the panel comes from memory for the first MR rows and from
+// L1/L2 for the rest: every weight is read from memory once per call, whatever M is.
 #include "gemm_args.h"
+#include "parallel.h"
 #include "tensor.h"
 #include "vec.h"
 
@@ -104,23 +105,25 @@ template <typename w_t>
 void panels_kernel(const float* x, const w_t* panels, const float* scale, const float* bias,
                    const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
   const int64_t P = (N + kNR - 1) / kNR;
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  rtp::parallel_chunks(P, rtp::chunk_for(P), [&](rtp::Chunks& chunks) {
     alignas(64) float c[kMR * kNR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const w_t* b = panels + p * K * kNR;
-      const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
-      for (int64_t m = 0; m < M; m += kMR) {
-        const int64_t mr = std::min<int64_t>(kMR, M - m);
-        tile_rows(x + m * K, K, b, mr, c);
-        for (int64_t r = 0; r < mr; ++r) {
-          float* o = out + (m + r) * N + n0;
-          const float* cr = c + r * kNR;
-          const float* res = residual ? residual + (m + r) * N + n0 : nullptr;
-          for (int64_t j = 0; j < cols; ++j) {
-            float v = scale ? cr[j] * scale[n0 + j] : cr[j];
-            if (bias) v += bias[n0 + j];
-            if (res) v += res[j];
-            o[j] = v;
+    for (int64_t p0, p1; chunks.next(p0, p1);) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const w_t* b = panels + p * K * kNR;
+        const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
+        for (int64_t m = 0; m < M; m += kMR) {
+          const int64_t mr = std::min<int64_t>(kMR, M - m);
+          tile_rows(x + m * K, K, b, mr, c);
+          for (int64_t r = 0; r < mr; ++r) {
+            float* o = out + (m + r) * N + n0;
+            const float* cr = c + r * kNR;
+            const float* res = residual ? residual + (m + r) * N + n0 : nullptr;
+            for (int64_t j = 0; j < cols; ++j) {
+              float v = scale ? cr[j] * scale[n0 + j] : cr[j];
+              if (bias) v += bias[n0 + j];
+              if (res) v += res[j];
+              o[j] = v;
+            }
           }
         }
       }

@@ -8,6 +8,7 @@
 // stretch, serving every query head of each kv head's group (GQA). With enough sequences a
 // task takes all heads of one sequence, so rows are streamed whole; with few sequences
 // (batch 1) the heads are split so that every thread has work.
+#include "parallel.h"
 #include "tensor.h"
 
 #include <algorithm>
@@ -42,64 +43,66 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
   const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
 
-  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  rtp::parallel_chunks(batch * tasks_per_seq, 1, [&](rtp::Chunks& chunks) {
     std::vector<float> qf, acc, scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_seq;
-      const int64_t h0 = (task % tasks_per_seq) * heads_per_task;
-      const int64_t h1 = std::min(num_kv_heads, h0 + heads_per_task);
-      const int64_t nq = (h1 - h0) * group;  // query heads served by this task
-      const int64_t len = lens[b];
-      const scalar_t* qb = qp + (b * num_heads + h0 * group) * head_dim;
-      qf.resize(nq * head_dim);
-      for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * fscale;
-      scores.resize(nq * len);
+    for (int64_t begin, end; chunks.next(begin, end);) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / tasks_per_seq;
+        const int64_t h0 = (task % tasks_per_seq) * heads_per_task;
+        const int64_t h1 = std::min(num_kv_heads, h0 + heads_per_task);
+        const int64_t nq = (h1 - h0) * group;  // query heads served by this task
+        const int64_t len = lens[b];
+        const scalar_t* qb = qp + (b * num_heads + h0 * group) * head_dim;
+        qf.resize(nq * head_dim);
+        for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * fscale;
+        scores.resize(nq * len);
 
-      // Pass 1: scores[h][t] = q_h . k_t.
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = bt[b * max_blocks + t / block_size];
-        const int64_t slot = block * block_size + t % block_size;
-        const kv_t* __restrict krow = kp + slot * slot_stride + h0 * head_dim;
-        const float* ks = k_scale ? k_scale + block * num_kv_heads + h0 : nullptr;
-        for (int64_t h = 0; h < nq; ++h) {
-          const kv_t* __restrict kh = krow + (h / group) * head_dim;
-          const float* __restrict qh = qf.data() + h * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-          scores[h * len + t] = ks ? s * ks[h / group] : s;
-        }
-      }
-      // Softmax per query head.
-      for (int64_t h = 0; h < nq; ++h) {
-        float* sh = scores.data() + h * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
-        float sum = 0.f;
+        // Pass 1: scores[h][t] = q_h . k_t.
         for (int64_t t = 0; t < len; ++t) {
-          sh[t] = std::exp(sh[t] - mx);
-          sum += sh[t];
+          const int64_t block = bt[b * max_blocks + t / block_size];
+          const int64_t slot = block * block_size + t % block_size;
+          const kv_t* __restrict krow = kp + slot * slot_stride + h0 * head_dim;
+          const float* ks = k_scale ? k_scale + block * num_kv_heads + h0 : nullptr;
+          for (int64_t h = 0; h < nq; ++h) {
+            const kv_t* __restrict kh = krow + (h / group) * head_dim;
+            const float* __restrict qh = qf.data() + h * head_dim;
+            float s = 0.f;
+  #pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
+            scores[h * len + t] = ks ? s * ks[h / group] : s;
+          }
         }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
-      }
-      // Pass 2: out_h = sum_t p[h][t] * v_t.
-      acc.assign(nq * head_dim, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = bt[b * max_blocks + t / block_size];
-        const int64_t slot = block * block_size + t % block_size;
-        const kv_t* __restrict vrow = vp + slot * slot_stride + h0 * head_dim;
-        const float* vs = v_scale ? v_scale + block * num_kv_heads + h0 : nullptr;
+        // Softmax per query head.
         for (int64_t h = 0; h < nq; ++h) {
-          const kv_t* __restrict vh = vrow + (h / group) * head_dim;
-          const float p = vs ? scores[h * len + t] * vs[h / group] : scores[h * len + t];
-          float* __restrict ah = acc.data() + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(vh[d]);
+          float* sh = scores.data() + h * len;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < len; ++t) {
+            sh[t] = std::exp(sh[t] - mx);
+            sum += sh[t];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
         }
+        // Pass 2: out_h = sum_t p[h][t] * v_t.
+        acc.assign(nq * head_dim, 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t block = bt[b * max_blocks + t / block_size];
+          const int64_t slot = block * block_size + t % block_size;
+          const kv_t* __restrict vrow = vp + slot * slot_stride + h0 * head_dim;
+          const float* vs = v_scale ? v_scale + block * num_kv_heads + h0 : nullptr;
+          for (int64_t h = 0; h < nq; ++h) {
+            const kv_t* __restrict vh = vrow + (h / group) * head_dim;
+            const float p = vs ? scores[h * len + t] * vs[h / group] : scores[h * len + t];
+            float* __restrict ah = acc.data() + h * head_dim;
+  #pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(vh[d]);
+          }
+        }
+        scalar_t* ob = op + (b * num_heads + h0 * group) * head_dim;
+        for (int64_t i = 0; i < nq * head_dim; ++i) ob[i] = static_cast<scalar_t>(acc[i]);
       }
-      scalar_t* ob = op + (b * num_heads + h0 * group) * head_dim;
-      for (int64_t i = 0; i < nq * head_dim; ++i) ob[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }

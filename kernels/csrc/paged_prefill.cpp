@@ -10,6 +10,7 @@
 // score loop runs over the block's keys) and V to float once, and serves every query head
 // of the kv head's group for every row of the tile with it: an online softmax (running max,
 // running sum, rescaled accumulator) over the blocks, as flash attention does.
+#include "parallel.h"
 #include "tensor.h"
 
 #include <algorithm>
@@ -66,99 +67,101 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
   const float fscale = static_cast<float>(scale);
   const int64_t tiles = (n + kTileRows - 1) / kTileRows;
 
-  at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  rtp::parallel_chunks(tiles * kv_heads, 1, [&](rtp::Chunks& chunks) {
     std::vector<float> qf, acc, run_max, run_sum, kt(dim * bs), vf(bs * dim), s(kRows * bs);
     std::vector<int64_t> visible(kRows);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % kv_heads;
-      const int64_t i0 = (task / kv_heads) * kTileRows, i1 = std::min(n, i0 + kTileRows);
-      const int64_t nq = (i1 - i0) * group;  // query vectors: row-major (row, group head)
-      qf.assign(((nq + kRows - 1) / kRows) * kRows * dim, 0.f);  // padded to micro-tiles
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const scalar_t* src = qp + (i * num_heads + h * group + g) * dim;
-          float* dst = qf.data() + ((i - i0) * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
-        }
-      }
-      acc.assign(nq * dim, 0.f);
-      run_max.assign(nq, -std::numeric_limits<float>::infinity());
-      run_sum.assign(nq, 0.f);
-      const int64_t blocks = (ctx_len + i1 + bs - 1) / bs;  // all the tile's last row sees
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int64_t j0 = blk * bs, jn = std::min(bs, total - j0);
-        const int64_t phys = table[blk];
-        const float ks = k_scale ? k_scale[phys * kv_heads + h] : 1.f;
-        const float vs = v_scale ? v_scale[phys * kv_heads + h] : 1.f;
-        if (jn < bs) {  // the last block: its unwritten rows may hold anything, even NaN
-          std::fill(kt.begin(), kt.end(), 0.f);
-          std::fill(vf.begin(), vf.end(), 0.f);
-        }
-        for (int64_t j = 0; j < jn; ++j) {
-          const kv_t* krow = kp + ((phys * bs + j) * kv_heads + h) * dim;
-          const kv_t* vrow = vp + ((phys * bs + j) * kv_heads + h) * dim;
-          float* vj = vf.data() + j * dim;
-          for (int64_t d = 0; d < dim; ++d) {
-            kt[d * bs + j] = static_cast<float>(krow[d]) * ks;
-            vj[d] = static_cast<float>(vrow[d]) * vs;
+    for (int64_t begin, end; chunks.next(begin, end);) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task % kv_heads;
+        const int64_t i0 = (task / kv_heads) * kTileRows, i1 = std::min(n, i0 + kTileRows);
+        const int64_t nq = (i1 - i0) * group;  // query vectors: row-major (row, group head)
+        qf.assign(((nq + kRows - 1) / kRows) * kRows * dim, 0.f);  // padded to micro-tiles
+        for (int64_t i = i0; i < i1; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            const scalar_t* src = qp + (i * num_heads + h * group + g) * dim;
+            float* dst = qf.data() + ((i - i0) * group + g) * dim;
+            for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
           }
         }
-        for (int64_t r0 = 0; r0 < nq; r0 += kRows) {
-          // Scores of kRows query vectors against the block's keys: s[rr][j].
-          float local[kRows * (kBs ? kBs : 1)];
-          float* __restrict st = kBs ? local : s.data();
-          for (int64_t x = 0; x < kRows * bs; ++x) st[x] = 0.f;
-          for (int64_t d = 0; d < dim; ++d) {
-            const float* __restrict kd = kt.data() + d * bs;
-            for (int64_t rr = 0; rr < kRows; ++rr) {
-              const float qd = qf[(r0 + rr) * dim + d];
-#pragma omp simd
-              for (int64_t j = 0; j < bs; ++j) st[rr * bs + j] += qd * kd[j];
+        acc.assign(nq * dim, 0.f);
+        run_max.assign(nq, -std::numeric_limits<float>::infinity());
+        run_sum.assign(nq, 0.f);
+        const int64_t blocks = (ctx_len + i1 + bs - 1) / bs;  // all the tile's last row sees
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t j0 = blk * bs, jn = std::min(bs, total - j0);
+          const int64_t phys = table[blk];
+          const float ks = k_scale ? k_scale[phys * kv_heads + h] : 1.f;
+          const float vs = v_scale ? v_scale[phys * kv_heads + h] : 1.f;
+          if (jn < bs) {  // the last block: its unwritten rows may hold anything, even NaN
+            std::fill(kt.begin(), kt.end(), 0.f);
+            std::fill(vf.begin(), vf.end(), 0.f);
+          }
+          for (int64_t j = 0; j < jn; ++j) {
+            const kv_t* krow = kp + ((phys * bs + j) * kv_heads + h) * dim;
+            const kv_t* vrow = vp + ((phys * bs + j) * kv_heads + h) * dim;
+            float* vj = vf.data() + j * dim;
+            for (int64_t d = 0; d < dim; ++d) {
+              kt[d * bs + j] = static_cast<float>(krow[d]) * ks;
+              vj[d] = static_cast<float>(vrow[d]) * vs;
             }
           }
-          const int64_t rows = std::min(kRows, nq - r0);
-          for (int64_t rr = 0; rr < rows; ++rr) {
-            const int64_t r = r0 + rr, i = i0 + r / group;
-            const int64_t vis = std::min(jn, ctx_len + i + 1 - j0);
-            visible[rr] = vis;
-            if (vis <= 0) continue;  // this row's causal window ends before the block
-            float* __restrict sr = st + rr * bs;
-            float mx = run_max[r];
-            for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, sr[j]);
-            const float correction = exp_nonpositive(run_max[r] - mx);
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < bs; ++j) {
-              const float p = j < vis ? exp_nonpositive(sr[j] - mx) : 0.f;
-              sr[j] = p;
-              sum += p;
+          for (int64_t r0 = 0; r0 < nq; r0 += kRows) {
+            // Scores of kRows query vectors against the block's keys: s[rr][j].
+            float local[kRows * (kBs ? kBs : 1)];
+            float* __restrict st = kBs ? local : s.data();
+            for (int64_t x = 0; x < kRows * bs; ++x) st[x] = 0.f;
+            for (int64_t d = 0; d < dim; ++d) {
+              const float* __restrict kd = kt.data() + d * bs;
+              for (int64_t rr = 0; rr < kRows; ++rr) {
+                const float qd = qf[(r0 + rr) * dim + d];
+  #pragma omp simd
+                for (int64_t j = 0; j < bs; ++j) st[rr * bs + j] += qd * kd[j];
+              }
             }
-            run_sum[r] = run_sum[r] * correction + sum;
-            run_max[r] = mx;
-            // acc_r = acc_r * correction + sum_j p_j v_j, the row held in registers.
-            float a[kDim ? kDim : 1];
-            float* __restrict ar = kDim ? a : acc.data() + r * dim;
-            float* __restrict stored = acc.data() + r * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ar[d] = stored[d] * correction;
-            for (int64_t j = 0; j < vis; ++j) {
-              const float p = sr[j];
-              const float* __restrict vj = vf.data() + j * dim;
-#pragma omp simd
-              for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
-            }
-            if (kDim) {
-              for (int64_t d = 0; d < dim; ++d) stored[d] = ar[d];
+            const int64_t rows = std::min(kRows, nq - r0);
+            for (int64_t rr = 0; rr < rows; ++rr) {
+              const int64_t r = r0 + rr, i = i0 + r / group;
+              const int64_t vis = std::min(jn, ctx_len + i + 1 - j0);
+              visible[rr] = vis;
+              if (vis <= 0) continue;  // this row's causal window ends before the block
+              float* __restrict sr = st + rr * bs;
+              float mx = run_max[r];
+              for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, sr[j]);
+              const float correction = exp_nonpositive(run_max[r] - mx);
+              float sum = 0.f;
+  #pragma omp simd reduction(+ : sum)
+              for (int64_t j = 0; j < bs; ++j) {
+                const float p = j < vis ? exp_nonpositive(sr[j] - mx) : 0.f;
+                sr[j] = p;
+                sum += p;
+              }
+              run_sum[r] = run_sum[r] * correction + sum;
+              run_max[r] = mx;
+              // acc_r = acc_r * correction + sum_j p_j v_j, the row held in registers.
+              float a[kDim ? kDim : 1];
+              float* __restrict ar = kDim ? a : acc.data() + r * dim;
+              float* __restrict stored = acc.data() + r * dim;
+  #pragma omp simd
+              for (int64_t d = 0; d < dim; ++d) ar[d] = stored[d] * correction;
+              for (int64_t j = 0; j < vis; ++j) {
+                const float p = sr[j];
+                const float* __restrict vj = vf.data() + j * dim;
+  #pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
+              }
+              if (kDim) {
+                for (int64_t d = 0; d < dim; ++d) stored[d] = ar[d];
+              }
             }
           }
         }
-      }
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t i = i0 + r / group, g = r % group;
-        const float inv = 1.f / run_sum[r];
-        scalar_t* dst = op + (i * num_heads + h * group + g) * dim;
-        const float* ar = acc.data() + r * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t i = i0 + r / group, g = r % group;
+          const float inv = 1.f / run_sum[r];
+          scalar_t* dst = op + (i * num_heads + h * group + g) * dim;
+          const float* ar = acc.data() + r * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+        }
       }
     }
   });

@@ -17,6 +17,7 @@
 // with no buffer in between. A single row of x against float32 weights takes eight weight
 // rows at a time, more rows four.
 #include "gemm_args.h"
+#include "parallel.h"
 #include "tensor.h"
 #include "vec.h"
 
@@ -171,39 +172,40 @@ RTP_NOINLINE void f32_rows_of_x(const float* x, const w_t* w, int64_t K, int64_t
 }
 
 // Every row of x against blocks of R weight rows (eight for a single row of x over float32,
-// else kRows); each thread a contiguous run of blocks. `scale`: int8's, per output row.
+// else kRows); threads take contiguous runs of blocks in turn (parallel.h). `scale`: int8's, per output row.
 template <int R, typename w_t>
 void f32_blocks(const float* x, const w_t* w, const float* scale, const float* bias,
                 const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = (N + R - 1) / R;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (4 * at::get_num_threads())),
-                   [&](int64_t b0, int64_t b1) {
+  rtp::parallel_chunks(blocks, rtp::chunk_for(blocks), [&](rtp::Chunks& chunks) {
     std::vector<w_t> tail;
     float s[kGroup * R];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * R;
-      const int64_t rows = std::min<int64_t>(R, N - n0);
-      const w_t* wr = w + n0 * K;
-      if (rows < R) {  // pad the last, partial block with zero rows
-        tail.assign(R * K, w_t(0));
-        std::copy(wr, wr + rows * K, tail.begin());
-        wr = tail.data();
-      }
-      for (int64_t m = 0; m < M; m += kGroup) {
-        const int64_t G = std::min<int64_t>(kGroup, M - m);
-        if constexpr (R == kRows) {
-          f32_rows_of_x(x + m * K, wr, K, G, s);
-        } else {
-          f32_single(x + m * K, wr, K, s);  // M == 1, float32
+    for (int64_t b0, b1; chunks.next(b0, b1);) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = blk * R;
+        const int64_t rows = std::min<int64_t>(R, N - n0);
+        const w_t* wr = w + n0 * K;
+        if (rows < R) {  // pad the last, partial block with zero rows
+          tail.assign(R * K, w_t(0));
+          std::copy(wr, wr + rows * K, tail.begin());
+          wr = tail.data();
         }
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t i = (m + g) * N + n0 + r;
-            float v = scale ? s[g * R + r] * scale[n0 + r] : s[g * R + r];
-            if (bias) v += bias[n0 + r];
-            if (residual) v += residual[i];
-            out[i] = v;
+        for (int64_t m = 0; m < M; m += kGroup) {
+          const int64_t G = std::min<int64_t>(kGroup, M - m);
+          if constexpr (R == kRows) {
+            f32_rows_of_x(x + m * K, wr, K, G, s);
+          } else {
+            f32_single(x + m * K, wr, K, s);  // M == 1, float32
           }
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t i = (m + g) * N + n0 + r;
+              float v = scale ? s[g * R + r] * scale[n0 + r] : s[g * R + r];
+              if (bias) v += bias[n0 + r];
+              if (residual) v += residual[i];
+              out[i] = v;
+            }
+        }
       }
     }
   });
@@ -248,40 +250,41 @@ void rows_kernel(const float* x, const w_t* w, const float* scale, const float* 
       out[m * N + n] = v;
     }
   };
-  // Contiguous runs of output rows per thread: sequential weight reads.
-  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (4 * at::get_num_threads())),
-                   [&](int64_t b0, int64_t b1) {
+  // Contiguous runs of output rows, taken in turn: sequential weight reads.
+  rtp::parallel_chunks(blocks, rtp::chunk_for(blocks), [&](rtp::Chunks& chunks) {
     std::vector<float> wbuf(kRows * K);
     std::vector<w_t> tail;
     float sa[kRows], sb[kRows];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * kRows;
-      const int64_t rows = std::min(kRows, N - n0);
-      const w_t* wr = w + n0 * K;
-      if (blk >= full) {  // pad the last, partial block with zero rows
-        tail.assign(kRows * K, w_t(0));
-        std::copy(wr, wr + rows * K, tail.begin());
-        wr = tail.data();
-      }
-      if (M <= 2) {  // memory-bound: widen as we read, nothing else reuses the weights
-        for (int64_t m = 0; m < M; ++m) {
-          dot_rows(x + m * K, wr, K, sa);
+    for (int64_t b0, b1; chunks.next(b0, b1);) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = blk * kRows;
+        const int64_t rows = std::min(kRows, N - n0);
+        const w_t* wr = w + n0 * K;
+        if (blk >= full) {  // pad the last, partial block with zero rows
+          tail.assign(kRows * K, w_t(0));
+          std::copy(wr, wr + rows * K, tail.begin());
+          wr = tail.data();
+        }
+        if (M <= 2) {  // memory-bound: widen as we read, nothing else reuses the weights
+          for (int64_t m = 0; m < M; ++m) {
+            dot_rows(x + m * K, wr, K, sa);
+            store(m, n0, rows, sa);
+          }
+          continue;
+        }
+        float* __restrict dst = wbuf.data();
+  #pragma omp simd
+        for (int64_t i = 0; i < kRows * K; ++i) dst[i] = widen(wr[i]);
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+          dot_rows2(x + m * K, x + (m + 1) * K, dst, K, sa, sb);
+          store(m, n0, rows, sa);
+          store(m + 1, n0, rows, sb);
+        }
+        if (m < M) {
+          dot_rows(x + m * K, dst, K, sa);
           store(m, n0, rows, sa);
         }
-        continue;
-      }
-      float* __restrict dst = wbuf.data();
-#pragma omp simd
-      for (int64_t i = 0; i < kRows * K; ++i) dst[i] = widen(wr[i]);
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2) {
-        dot_rows2(x + m * K, x + (m + 1) * K, dst, K, sa, sb);
-        store(m, n0, rows, sa);
-        store(m + 1, n0, rows, sb);
-      }
-      if (m < M) {
-        dot_rows(x + m * K, dst, K, sa);
-        store(m, n0, rows, sa);
       }
     }
   });

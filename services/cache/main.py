@@ -19,6 +19,7 @@ from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.env import env
 from rtp_serve.services.common.flags import add_common_flags, advertised, redact
+from rtp_serve.services.common.heap import keep_freed_memory
 from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "cache") -> None:
 async def serve(args: argparse.Namespace) -> None:
     if args.capacity_mib <= 0:
         raise ValueError(f"--capacity-mib must be positive, got {args.capacity_mib}")
+    keep_freed_memory()  # blocks of megabytes arrive, are copied and stored (common/heap.py)
     redis = (
         RedisTier(
             args.redis_url, args.namespace, ttl_s=args.redis_ttl_s, password=args.redis_password

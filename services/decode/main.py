@@ -23,6 +23,12 @@ async def serve(args: argparse.Namespace) -> None:
     # A decode worker also serves fused requests if asked (e.g. when no prefill worker is
     # left): degraded, but the request is served, through the tiers like a fused worker's.
     def make(llm, args):
-        return DecodeServicer(llm, allow_fused=True, role=role, cache=cache_client(args))
+        return DecodeServicer(
+            llm,
+            allow_fused=True,
+            role=role,
+            cache=cache_client(args),
+            remote_write=args.remote_write,
+        )
 
     await serve_worker(args, role, make)

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from rtp_serve.core.block_hash import BlockHash, block_hash_keys, verify_first_key
 from rtp_serve.core.cost_model import TIER_TRANSFER
 from rtp_serve.core.outputs import SampledToken
+from rtp_serve.engine.kv_export import KVExport
 from rtp_serve.engine.outputs import RequestOutput
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.common import grpc_util, tracing
@@ -69,6 +70,7 @@ class DecodeServicer(WorkerServicer):
         allow_fused: bool,
         role: int = nameservice_pb2.ROLE_DECODE,
         cache: CacheClient | None = None,
+        remote_write: str = "reused",
     ) -> None:
         super().__init__(llm)
         self.allow_fused = allow_fused
@@ -76,7 +78,7 @@ class DecodeServicer(WorkerServicer):
         self._channels = grpc_util.ChannelCache()
         self._warned_salt = False
         self.metrics = metrics.worker(role, llm.model)
-        self.tiers = Tiers(llm, cache, self.metrics)
+        self.tiers = Tiers(llm, cache, self.metrics, remote_write)
 
     async def background(self, names: NameClient | None) -> None:
         await self.tiers.follow(names)
@@ -130,25 +132,26 @@ class DecodeServicer(WorkerServicer):
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
         fetch = self.tiers.prefetch(prompt, hashes)
-        # With a remote tier (and room to spare: Tiers.writes_back), the KV of the prompt
-        # blocks computed here (past the cache's hits) comes back with the last output, to
-        # be written back (the blocks are intact until the engine's next step).
-        remote = self.tiers.writes_back()
+        # With a remote tier (and room to spare), the KV of the prompt blocks the write
+        # policy may write back comes with the last output (Tiers.export: the blocks are
+        # intact until the engine's next step).
+        export_from, part = self.tiers.export(hashes) or (None, KVExport.PROMPT)
         async for out in self.llm.generate(
             prompt,
             params,
             request.request_id,
             request.priority,
             block_hashes=hashes,
-            export_kv_from=0 if remote else None,
-            export_computed_only=remote,
+            export_kv_from=export_from,
+            export_kv=part,
             lora=request.lora_name,
             tenant=tenant_from_pb(request.tenant),
             prefetch=fetch,
         ):
             fetch.admitted(out.num_cached_tokens)
             if out.prompt_kv is not None:
-                self.tiers.write_back_kv(out.prompt_kv, hashes, fetch.hits)
+                reused = out.num_cached_tokens // self.block_size
+                self.tiers.write_back_kv(out.prompt_kv, hashes, fetch.hits, reused)
             yield _response(out)
 
     async def _pd(self, request, prompt, params, hashes: list[BlockHash], context):

@@ -18,6 +18,6 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     def make(llm, args):
-        return PrefillServicer(llm, cache_client(args))
+        return PrefillServicer(llm, cache_client(args), args.remote_write)
 
     await serve_worker(args, nameservice_pb2.ROLE_PREFILL, make)

@@ -35,11 +35,13 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(WorkerServicer):
-    def __init__(self, llm: AsyncLLM, cache: CacheClient | None) -> None:
+    def __init__(
+        self, llm: AsyncLLM, cache: CacheClient | None, remote_write: str = "reused"
+    ) -> None:
         super().__init__(llm)
         self.block_size = llm.block_size
         self.metrics = metrics.worker(nameservice_pb2.ROLE_PREFILL, llm.model)
-        self.tiers = Tiers(llm, cache, self.metrics)
+        self.tiers = Tiers(llm, cache, self.metrics, remote_write)
 
     async def background(self, names: NameClient | None) -> None:
         await self.tiers.follow(names)
@@ -105,7 +107,7 @@ class PrefillServicer(WorkerServicer):
         )
         _trace_kv_sent(trace.get_current_span(), blocks)
         if self.tiers.writes_back():
-            self.tiers.write_back(blocks, hits)
+            self.tiers.write_back(blocks, hits, final.num_cached_tokens // self.block_size)
 
     def _prompt_keys(self, prompt: list[int], given: list[BlockHash], lora: str) -> list[BlockHash]:
         """The decode worker's keys for this prompt after a cheap check, else our own."""

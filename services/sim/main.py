@@ -137,8 +137,14 @@ async def serve(args: argparse.Namespace) -> None:
 
     def make(llm, worker_args):
         if role == nameservice_pb2.ROLE_PREFILL:
-            return PrefillServicer(llm, cache_client(worker_args))
-        return DecodeServicer(llm, allow_fused=True, role=role, cache=cache_client(worker_args))
+            return PrefillServicer(llm, cache_client(worker_args), worker_args.remote_write)
+        return DecodeServicer(
+            llm,
+            allow_fused=True,
+            role=role,
+            cache=cache_client(worker_args),
+            remote_write=worker_args.remote_write,
+        )
 
     def one(i: int) -> argparse.Namespace:
         worker_id = args.worker_id

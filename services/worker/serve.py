@@ -19,6 +19,7 @@ from rtp_serve.core.dtypes import kv_numerics
 from rtp_serve.services.common import grpc_util, metrics
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.flags import advertised
+from rtp_serve.services.common.heap import keep_freed_memory
 from rtp_serve.services.common.kv_namespace import KVNamespace
 from rtp_serve.services.common.naming import NameClient, make_member
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2_grpc
@@ -47,6 +48,7 @@ async def serve_worker(
     process (several workers in one process share one), else one is started here."""
     if build_llm is None:
         from rtp_serve.services.worker.config import build_llm
+    keep_freed_memory()  # KV moves through buffers of megabytes (services/common/heap.py)
     llm = await asyncio.to_thread(build_llm, args)
     server, port, health = grpc_util.create_server(f"{args.host}:{args.port}")
     servicer = make_servicer(llm, args)

@@ -1,16 +1,29 @@
-"""How a worker resolves a prompt's prefix through the KV tiers before computing it.
+"""How a worker resolves a prompt's prefix through the KV tiers before computing it, and which
+of its blocks it writes back.
 
 Each prompt block is resolved through the tiers first (Algorithm 1 of the paper): found in
 the device pool (or copied up from the engine's host tier), it is reused; else found in the
 remote tier (the cache service instances, backed by Redis), it is fetched and imported into
 the pool; else it is computed. The lookup (`Prefetch`) runs while the request is queued
-(the engine holds it until the lookup is over, engine/scheduler.py). Full blocks computed here are written back to the remote tier
-off the request path, unless requests are waiting for the engine (`writes_back`: a saturated
-worker serves first). Prefill workers and fused workers both do this. The remote tier is an
+(the engine holds it until the lookup is over, engine/scheduler.py). The remote tier is an
 optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
 uses its own pool alone. Blocks fetched from it are used only if their integrity tag matches
 the key asked for (services/cache/integrity.py): a poisoned block reads as a miss too, and
 is counted.
+
+Full blocks are written back to the remote tier off the request path, by prefill and fused
+workers, unless requests wait for the engine (`writes_back`: a saturated worker serves
+first). Which blocks is the write policy's (`--remote-write`):
+
+    reused     blocks the device pool served to a second request, once (the default): what
+               proves reusable reaches the fleet at its second use, and a prompt used once
+               costs nothing (SGLang's selective write-through)
+    computed   every block computed here, at its first use
+
+Writing a prompt back reads its KV out of the pool, copies, seals, serialises and sends it,
+and the cache service and Redis copy it again, all on the cores the engine computes on: on
+2 cores, writing back every prompt made a fused worker's lone TTFT 1.3-1.4x the in-process
+engine's (docs/cluster.md#the-kv-tiers).
 """
 
 from __future__ import annotations
@@ -20,10 +33,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.cost_model import TIER_REMOTE
+from rtp_serve.engine.kv_export import KVExport
 from rtp_serve.engine.outputs import PromptKV, StagedKV
 from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.cache.integrity import KVIntegrity
@@ -38,6 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_PENDING_PUTS = 16
+WRITE_POLICIES = ("reused", "computed")
+# Keys this worker knows the remote tier holds (it wrote or fetched them), most recent kept:
+# a reused block among them is not written again. About 100 bytes each: ~6 MiB.
+MAX_KNOWN_KEYS = 1 << 16
 
 
 def add_tier_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +70,13 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
         default=env("kv_integrity_key"),
         help="a secret every worker of the cluster shares: blocks in the cache tiers carry "
         "an HMAC-SHA256 with it (default: a plain SHA-256, which catches corruption only)",
+    )
+    p.add_argument(
+        "--remote-write",
+        choices=WRITE_POLICIES,
+        default=env("remote_write", "reused"),
+        help="which blocks go to the remote tier: those the device pool served to a second "
+        "request (reused), or every block computed here (computed)",
     )
 
 
@@ -103,12 +129,22 @@ class Prefetch:
 
 
 class Tiers:
-    def __init__(self, llm: AsyncLLM, cache: CacheClient | None, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        cache: CacheClient | None,
+        metrics: WorkerMetrics,
+        write_policy: str = "reused",
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy {write_policy!r} is not one of {WRITE_POLICIES}")
         self.llm = llm
         self.cache = cache
         self.metrics = metrics
+        self.write_policy = write_policy
         self.block_size = llm.block_size
         self._puts: set[asyncio.Task] = set()
+        self._known: OrderedDict[BlockHash, None] = OrderedDict()
 
     async def follow(self, names: NameClient | None) -> None:
         """Follow the cache service instances in the nameservice."""
@@ -151,16 +187,16 @@ class Tiers:
         except ValueError as exc:  # a bad remote block is a miss, not a failed request
             log.warning("ignoring remote KV blocks: %s", exc)
             return TierHits(device, 0), None
+        self._remember(usable[device:end])
         # What the master's cost model predicts a remote hit with (rtp_serve/core/cost_model.py).
         self.llm.costs.observe_fetch(TIER_REMOTE, time.perf_counter() - started, kv.nbytes)
         return TierHits(device, len(found)), StagedKV(usable[device:end], kv)
 
     def writes_back(self) -> bool:
-        """Whether the prompt of a request arriving now is to be written back to the remote
-        tier: not while requests wait for this worker's engine. Writing back reads the KV
-        out of the pool, serialises, hashes and sends it, on the cores the engine computes
-        on: on 2 cores it cost a fused worker a fifth of its tokens/s at concurrency 16
-        (docs/benchmarks.md). A saturated worker serves first; the fleet still gets the
+        """Whether the prompt of a request arriving now may be written back to the remote
+        tier: not while requests wait for this worker's engine. A saturated worker serves
+        first (writing every computed prompt back cost a fused worker a fifth of its
+        tokens/s at concurrency 16 on 2 cores, docs/cluster.md); the fleet still gets the
         blocks of every worker with room to spare."""
         if self.cache is None:
             return False
@@ -169,19 +205,58 @@ class Tiers:
             return False
         return True
 
-    def write_back(self, blocks: list[common_pb2.KVBlock], hits: TierHits) -> None:
-        """Put the full blocks computed here (past the hits) into the remote tier, in the
-        background; dropped if too many puts are pending already."""
-        computed = [b for b in blocks if b.block_hash and b.index >= hits.blocks]
-        if self.cache is None or not computed or len(self._puts) >= MAX_PENDING_PUTS:
+    def export(self, hashes: list[BlockHash]) -> tuple[int, KVExport] | None:
+        """What a fused request arriving now asks its engine to export for the write-back
+        (`export_kv_from` and the part, engine/kv_export.py), or None for nothing: the blocks
+        computed here, or those its prefix cache serves from the first one the remote tier
+        is not known to hold."""
+        if not self.writes_back():
+            return None
+        if self.write_policy == "computed":
+            return 0, KVExport.COMPUTED
+        first = next((i for i, key in enumerate(hashes) if key not in self._known), None)
+        return None if first is None else (first * self.block_size, KVExport.REUSED)
+
+    def write_back(
+        self, blocks: list[common_pb2.KVBlock], hits: TierHits, reused_blocks: int
+    ) -> None:
+        """Put the full blocks the write policy picks into the remote tier, in the
+        background: those computed here (past the hits), or those the device pool served
+        (below `reused_blocks`) that the remote tier is not known to hold. Dropped if too
+        many puts are pending already."""
+        if self.write_policy == "computed":
+            chosen = [b for b in blocks if b.block_hash and b.index >= hits.blocks]
+        else:
+            chosen = [
+                b
+                for b in blocks
+                if b.block_hash and b.index < reused_blocks and b.block_hash not in self._known
+            ]
+        if self.cache is None or not chosen or len(self._puts) >= MAX_PENDING_PUTS:
             return
-        task = asyncio.create_task(self.cache.put(computed))
+        task = asyncio.create_task(self._put(chosen))
         self._puts.add(task)
         task.add_done_callback(self._puts.discard)
 
-    def write_back_kv(self, kv: PromptKV, hashes: list[BlockHash], hits: TierHits) -> None:
+    def write_back_kv(
+        self, kv: PromptKV, hashes: list[BlockHash], hits: TierHits, reused_blocks: int
+    ) -> None:
         if self.cache is not None:
-            self.write_back(split_blocks(kv, self.block_size, hashes), hits)
+            self.write_back(split_blocks(kv, self.block_size, hashes), hits, reused_blocks)
+
+    async def _put(self, blocks: list[common_pb2.KVBlock]) -> None:
+        assert self.cache is not None
+        if await self.cache.put(blocks) == len(blocks):  # else written at a later reuse
+            self._remember([b.block_hash for b in blocks])
+
+    def _remember(self, keys: list[BlockHash]) -> None:
+        """The remote tier holds these keys, as far as this worker knows."""
+        known = self._known
+        for key in keys:
+            known[key] = None
+            known.move_to_end(key)
+        while len(known) > MAX_KNOWN_KEYS:
+            known.popitem(last=False)
 
     @property
     def remote(self) -> bool:
