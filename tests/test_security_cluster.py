@@ -257,16 +257,25 @@ def test_the_launchers_admin_key_lora_root_and_priority_floor_reach_the_frontend
 
 
 # -- the cache instance on the authenticated bus -------------------------------------------
-def test_the_masters_index_follows_the_cache_over_the_token_bus(cluster, member):
+async def _generate(
+    address: str, member: TlsConfig, prompt: list[int], rid: str
+) -> list[worker_pb2.GenerateResponse]:
+    """One greedy request straight to a worker, over TLS."""
+    params = params_to_pb(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    async with grpc_util.channel(address, member) as ch:
+        request = worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+        return [m async for m in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=60)]
+
+
+def test_the_masters_index_follows_the_cache_over_the_token_bus(cluster, member, model):
     """The cache's memory (T2) reaches the master's prefix index by KV events on NATS, which
     needs the token: without it the index keeps the cache's part from when it joined."""
     (master,) = _members(cluster, member, nameservice_pb2.ROLE_MASTER)
     (cache,) = _members(cluster, member, nameservice_pb2.ROLE_CACHE)
-    body = {"prompt": "a prompt long enough to fill several KV blocks, " * 6, "max_tokens": 2}
-    with httpx.Client(base_url=cluster.url, timeout=60) as http:
-        auth = {"Authorization": f"Bearer {API_KEYS[0]}"}
-        body["model"] = http.get("/v1/models", headers=auth).json()["data"][0]["id"]
-        assert http.post("/v1/completions", json=body, headers=auth).status_code == 200
+    worker = _members(cluster, member, nameservice_pb2.ROLE_FUSED)[0]
+    prompt = LLM(model, num_kv_blocks=64).tokenizer.encode("a prompt of several blocks, " * 12)
+    for rid in ("index-a", "index-b"):  # its blocks are written back at their second use
+        run_sync(_generate(worker.address, member, prompt, rid))
 
     async def state() -> tuple[set[bytes], set[bytes]]:
         async with grpc_util.channel(master.address, member) as ch:
@@ -301,14 +310,6 @@ def test_a_poisoned_cache_block_is_detected_counted_and_never_used(cluster, memb
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     reference = llm.generate([prompt], greedy)[0].token_ids
     keys = block_hash_keys(prompt, 16, cache_salt(model, "float32"))[:4]
-    params = params_to_pb(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-
-    async def generate(address: str, rid: str) -> list[worker_pb2.GenerateResponse]:
-        async with grpc_util.channel(address, member) as ch:
-            request = worker_pb2.GenerateRequest(
-                request_id=rid, prompt_token_ids=prompt, params=params
-            )
-            return [m async for m in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=60)]
 
     async def poison() -> None:
         async with grpc_util.channel(cache.address, member) as ch:
@@ -330,9 +331,10 @@ def test_a_poisoned_cache_block_is_detected_counted_and_never_used(cluster, memb
             assert again[2].k == bad.k  # the tier now serves the poisoned block
 
     async def run():
-        computed = await generate(first.address, "poison-a")
+        computed = await _generate(first.address, member, prompt, "poison-a")
+        await _generate(first.address, member, prompt, "poison-a2")  # reused: written back
         await poison()
-        return computed, await generate(second.address, "poison-b")
+        return computed, await _generate(second.address, member, prompt, "poison-b")
 
     before = _integrity_failures(second.metrics_address)
     computed, fetched = run_sync(run())

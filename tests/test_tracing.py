@@ -87,6 +87,8 @@ def cluster(model_dir, tmp_path_factory, receiver):
     with pytest.MonkeyPatch.context() as mp:  # the launcher passes its environment on
         for key, value in otel.items():
             mp.setenv(key, value)
+        # Every computed block is written back, so that one request's trace has its Put.
+        mp.setenv("RTP_REMOTE_WRITE", "computed")
         model = str(model_dir("tiny-llama"))
         with launch(
             model, tmp_path_factory.mktemp("traced"), "--prefill", "1", "--decode", "1"
