@@ -138,8 +138,9 @@ class LLMEngine:
         UnknownAdapterError for a `lora` adapter this engine does not serve).
 
         `export_kv_from`: the last output carries the prompt's KV from this position on, the
-        part `export_kv` says (engine/kv_export.py). `remote_prefill`: PD decode side, the prompt's KV comes from elsewhere
-        (see `write_remote_kv`). `block_hashes`: the prompt's keys, if this process has them.
+        part `export_kv` says (engine/kv_export.py). `remote_prefill`: PD decode side, the
+        prompt's KV comes from elsewhere (see `write_remote_kv`). `block_hashes`: the
+        prompt's keys, if this process has them.
         """
         salt = self.adapters.salt_for(lora)  # raises UnknownAdapterError first
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
