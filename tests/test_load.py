@@ -136,8 +136,12 @@ def test_deadline_passing_in_the_queue_is_504_and_leaves_nothing_held(cluster):
     worker keeps it. (A stream that runs to its end while the others are still queued, as
     on a busy machine, is started again.)"""
 
+    # A queued stream's first byte waits for a long stream ahead of it to end (on a loaded
+    # machine that took 60 s once): the reads wait as long as the loop's deadline below.
+    timeout = httpx.Timeout(60, read=180)
+
     async def main():
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=timeout) as http:
             started = [asyncio.Event() for _ in range(6)]
 
             def long_stream(i: int) -> asyncio.Task:
