@@ -84,7 +84,7 @@ class Cluster:
 
     async def settled(self, servicer: DecodeServicer) -> None:
         """Until the worker's background puts are done."""
-        await eventually(lambda: not servicer.tiers._puts, timeout=10)
+        await eventually(lambda: servicer.tiers.pending_puts == 0, timeout=10)
 
 
 @contextlib.asynccontextmanager

@@ -261,3 +261,8 @@ class Tiers:
     @property
     def remote(self) -> bool:
         return self.cache is not None
+
+    @property
+    def pending_puts(self) -> int:
+        """Write-backs under way in the background."""
+        return len(self._puts)
