@@ -29,7 +29,12 @@ __all__ = ["EVENT_INTERVAL_S", "KVEventFeed", "load_report", "publish_events"]
 
 log = logging.getLogger(__name__)
 
-LOAD_INTERVAL_S = 0.25  # the master ignores reports older than a few of these
+# A load report goes out at most this often, when something in it changed since the last;
+# an unchanged one at least every LOAD_KEEPALIVE_S. The master counts a report for 1 s
+# (services/master/cluster.py: LOAD_TTL_S): two keepalives. At 1,000 idle workers reports
+# unchanged but for their stamp were half the master's idle CPU (docs/operations/scale.md).
+LOAD_INTERVAL_S = 0.25
+LOAD_KEEPALIVE_S = 0.5
 
 
 def _changes(events: Sequence[KVEvent]) -> Changes:
@@ -108,7 +113,8 @@ async def publish_events(
     """Forward the engine's stored/removed block events and load until cancelled; the load
     also goes to `load_metrics` (the Prometheus gauges)."""
     llm, bus = feed.llm, feed.bus
-    last_load = 0.0
+    last_load = last_sent = 0.0
+    last_said = b""  # the last report published, less its stamp
     load_subject = subjects.load_report(feed.worker_id, namespace)
     while True:
         await asyncio.sleep(EVENT_INTERVAL_S)
@@ -127,5 +133,19 @@ async def publish_events(
                 load_metrics.host_tier(stats.host_tier)
                 load_metrics.spec_decode(stats.spec)
                 load_metrics.lora(stats.loras)
+            said = _said(report)
+            if said == last_said and now - last_sent < LOAD_KEEPALIVE_S:
+                continue
+            last_said, last_sent = said, now
             # Published after the batch it names, on the same connection: NATS keeps the order.
             await bus.publish(load_subject, report)
+
+
+def _said(report: events_pb2.LoadReport) -> bytes:
+    """What a report says, its stamp aside: two reports that differ only in when they were
+    made are the same load."""
+    stamp, report.unix_ms = report.unix_ms, 0
+    try:
+        return report.SerializeToString(deterministic=True)
+    finally:
+        report.unix_ms = stamp

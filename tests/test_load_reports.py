@@ -1,0 +1,100 @@
+"""A worker's load reports on NATS: an idle worker repeats an unchanged report only every
+LOAD_KEEPALIVE_S (a thousand idle workers' reports were half the master's idle CPU), a
+change goes out at the next report interval, and the master never sees the worker's load
+go stale between keepalives.
+
+Real parts: a nats-server process, a real engine (tiny-llama) behind AsyncLLM with its
+event feed, and the master's ClusterView subscribed on NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rtp_serve.core.sampling_params import SamplingParams
+from rtp_serve.engine.async_llm import AsyncLLM
+from rtp_serve.engine.config import EngineConfig
+from rtp_serve.services.common import subjects
+from rtp_serve.services.common.bus import Bus
+from rtp_serve.services.common.pb import events_pb2
+from rtp_serve.services.common.pb import nameservice_pb2 as ns
+from rtp_serve.services.master.cluster import LOAD_TTL_S, ClusterView
+from rtp_serve.services.worker.kv_events import (
+    LOAD_INTERVAL_S,
+    LOAD_KEEPALIVE_S,
+    KVEventFeed,
+    publish_events,
+)
+from tests.servers import eventually
+
+WORKER = "fused-0"
+
+
+def test_keepalive_is_shorter_than_the_masters_ttl():
+    # Two keepalives fit in the TTL: one report lost or late does not make a worker unknown.
+    assert LOAD_INTERVAL_S < LOAD_KEEPALIVE_S <= LOAD_TTL_S / 2
+
+
+def test_idle_reports_are_keepalives_and_a_change_is_reported(model_dir, nats_server):
+    async def main() -> None:
+        llm = await asyncio.to_thread(
+            AsyncLLM, EngineConfig(model=str(model_dir("tiny-llama")), num_kv_blocks=32), True
+        )
+        worker_bus = await Bus.connect(nats_server, WORKER)
+        master_bus = await Bus.connect(nats_server, "master")
+        view = ClusterView()
+        view.apply_membership(
+            ns.MembershipEvent(
+                kind=ns.MembershipEvent.KIND_SNAPSHOT,
+                member=ns.Member(id=WORKER, role=ns.ROLE_FUSED, address="127.0.0.1:1"),
+            )
+        )
+        view.end_snapshot()
+        reports: list[events_pb2.LoadReport] = []
+
+        async def seen(msg: events_pb2.LoadReport, headers: dict[str, str]) -> None:
+            reports.append(msg)
+
+        await master_bus.subscribe(subjects.load_report(WORKER), events_pb2.LoadReport, seen)
+        await view.subscribe(master_bus)
+        await master_bus.flush()
+        publisher = asyncio.create_task(
+            publish_events(KVEventFeed(llm, worker_bus, WORKER), "default")
+        )
+        try:
+            # Idle: the same report, each at least a keepalive after the one before.
+            await eventually(lambda: len(reports) >= 4, timeout=30)
+            idle = list(reports)
+            said = {r.SerializeToString(deterministic=True) for r in _unstamped(idle)}
+            assert len(said) == 1, "an idle worker's reports differ"
+            gaps = [b.unix_ms - a.unix_ms for a, b in zip(idle, idle[1:], strict=False)]
+            assert min(gaps) >= LOAD_KEEPALIVE_S * 1000 - 20, gaps
+            assert view.load(WORKER) is not None
+
+            # A request changes the load (new cached blocks, a fitted step): it is reported.
+            before = len(reports)
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            async for _ in llm.generate(list(range(1, 40)), params, "r1"):
+                pass
+            await eventually(lambda: any(r.kv_seq != idle[-1].kv_seq for r in reports[before:]))
+            changed = next(r for r in reports[before:] if r.kv_seq != idle[-1].kv_seq)
+            assert changed.kv_seq > idle[-1].kv_seq
+            await eventually(lambda: view.load(WORKER).kv_seq == changed.kv_seq)
+        finally:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+            await worker_bus.close()
+            await master_bus.close()
+            await asyncio.to_thread(llm.shutdown)
+
+    asyncio.run(main())
+
+
+def _unstamped(reports: list[events_pb2.LoadReport]) -> list[events_pb2.LoadReport]:
+    out = []
+    for r in reports:
+        copy = events_pb2.LoadReport()
+        copy.CopyFrom(r)
+        copy.unix_ms = 0
+        out.append(copy)
+    return out
