@@ -33,28 +33,37 @@ void lora_rows(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, torch::
                torch::Tensor b_col0, torch::Tensor b_len);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every kernel runs without the GIL, as torch's own ops do: the worker's event loop (its
+  // gRPC streams, KV events, write-back) runs Python beside the engine thread's kernels
+  // instead of waiting for each kernel to end, and stopping the engine while it runs.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   // The loader refuses a module built against another torch (kernels/cpu.py).
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"),
+  m.def("paged_decode", &paged_decode, nogil, "paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention over a cached prefix (CPU)",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
-        py::arg("ctx_len"), py::arg("block_size"), py::arg("scale"),
+  m.def("paged_prefill", &paged_prefill, nogil,
+        "paged prefill attention over a cached prefix (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("ctx_len"), py::arg("block_size"),
+        py::arg("scale"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
-  m.def("kv_write_int8", &kv_write_int8, "rows into the int8 KV cache, adapting block scales");
-  m.def("small_gemm", &small_gemm, "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding for every dtype");
-  m.def("lora_rows", &lora_rows, "y += LoRA updates of rows, each with its own adapter (float32)");
-  m.def("packed_gemm", &packed_gemm,
+  m.def("kv_write_int8", &kv_write_int8, nogil,
+        "rows into the int8 KV cache, adapting block scales");
+  m.def("small_gemm", &small_gemm, nogil,
+        "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row, HF's rounding for every dtype");
+  m.def("lora_rows", &lora_rows, nogil,
+        "y += LoRA updates of rows, each with its own adapter (float32)");
+  m.def("packed_gemm", &packed_gemm, nogil,
         "x @ w.T (* scale) (+ bias) (+ residual) over w packed in column panels [P, K, panel_width]",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
   m.def("panel_width", &panel_width, "output columns per packed_gemm panel");
   m.def("vector_lanes", &vector_lanes, "float32 lanes of the build's widest register");
-  m.def("fma_peak_gflops", &fma_peak_gflops, "the FMA pipes' rate, measured in registers");
-  m.def("rows_gemm", &rows_gemm, "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
+  m.def("fma_peak_gflops", &fma_peak_gflops, nogil, "the FMA pipes' rate, measured in registers");
+  m.def("rows_gemm", &rows_gemm, nogil,
+        "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }
