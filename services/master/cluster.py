@@ -67,8 +67,8 @@ PENDING_TTL_S = 2.0
 # twice for that long errs towards spreading a burst, forgetting it piles the burst up.
 IN_TRANSIT_S = 0.25
 # A load report stops counting after this long: workers report every 0.25 s while their load
-# changes and at least every 0.5 s while it does not (services/worker/kv_events.py), so this
-# is two missed reports at the least. Without reports a worker is unknown, not idle.
+# changes and at least every 0.4 s while it does not (services/worker/kv_events.py), so one
+# lost report does not make a worker unknown. Without reports a worker is unknown, not idle.
 LOAD_TTL_S = 1.0
 # Under an event cutoff, a request stamped further ahead of this master's clock counts as
 # stamped this far ahead (hosts' clocks are synchronized to milliseconds, not seconds).

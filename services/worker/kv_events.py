@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 
 # A load report goes out at most this often, when something in it changed since the last;
 # an unchanged one at least every LOAD_KEEPALIVE_S. The master counts a report for 1 s
-# (services/master/cluster.py: LOAD_TTL_S): two keepalives. At 1,000 idle workers reports
-# unchanged but for their stamp were half the master's idle CPU (docs/operations/scale.md).
+# (services/master/cluster.py: LOAD_TTL_S), so one keepalive lost or late by 150 ms leaves
+# the worker known. At 1,000 idle workers, reports unchanged but for their stamp were most
+# of the master's idle CPU (docs/operations/scale.md: quiet load reports).
 LOAD_INTERVAL_S = 0.25
-LOAD_KEEPALIVE_S = 0.5
+LOAD_KEEPALIVE_S = 0.4
 
 
 def _changes(events: Sequence[KVEvent]) -> Changes:
