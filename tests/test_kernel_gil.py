@@ -24,7 +24,7 @@ MODULE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "module.cpp"
 CONSTANTS = {"panel_width", "vector_lanes"}
 
 
-def ran_beside(call, tries: int = 5) -> bool:
+def ran_beside(call, tries: int = 20) -> bool:
     """Whether another Python thread ran while `call()` was running (in one try of several:
     on a busy machine that thread may get no core during one call). The switch interval is
     made huge, so that thread runs only where the GIL is let go of, never by a forced
