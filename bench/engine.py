@@ -5,7 +5,7 @@
 
 Header: the CPU's ISA level and flags (rtp_serve/kernels/isa.py), the kernels chosen, and the machine
 measured in this run: memory bandwidth (a large tensor copy) and GEMM peaks (fp32 MKL; bf16
-through the path the engine takes for large batches).
+and W8A8 through the path the engine takes for large batches).
 
 Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
   fp32       float32 weights, activations and KV
@@ -14,6 +14,9 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
   bf16-kv8   bf16 weights and activations, INT8 KV cache (a scale per block and kv head)
   int8       weight-only INT8 projections, float32 activations and KV
   int8-bf16  weight-only INT8 projections, bf16 activations and KV
+  w8a8       INT8 projections with per-token INT8 activations (integer GEMMs: VNNI or
+             torch._int_mm), float32 elsewhere; its prefill against the W8A8 peak
+  w8a8-kv16  the same with a bf16 KV cache
 
 (a) one request, 256-token prompt, 128 new tokens: TTFT and decode tokens/s;
 (w) the offline workload: 48 random prompts x 200 tokens -> 96 new tokens each, submitted
@@ -63,6 +66,8 @@ CONFIGS = {
     "bf16-kv8": ("bfloat16", "auto", "int8"),
     "int8": ("float32", "int8", "auto"),
     "int8-bf16": ("bfloat16", "int8", "auto"),
+    "w8a8": ("float32", "w8a8", "auto"),
+    "w8a8-kv16": ("float32", "w8a8", "bfloat16"),
 }
 
 
@@ -77,6 +82,7 @@ class Machine:
     bandwidth: float  # bytes/s
     fp32_peak: float  # FLOP/s
     bf16_peak: float
+    w8a8_peak: float  # integer ops/s of the W8A8 projection (activation quantization included)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
@@ -92,12 +98,14 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def gemm_peak(dtype: torch.dtype, m: int = 2048, k: int = 768, n: int = 4096) -> float:
+def gemm_peak(
+    dtype: torch.dtype, m: int = 2048, k: int = 768, n: int = 4096, weight_dtype: str = "auto"
+) -> float:
     """FLOP/s of a prefill-sized projection through the engine's own large-batch path (the
     best of 20: on a shared machine the best run is the closest to what the CPU can do)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g).to(dtype)
-    op = make_linear(w, dtype, "auto", cpu_kernels(torch.device("cpu")))
+    op = make_linear(w, dtype, weight_dtype, cpu_kernels(torch.device("cpu")))
     x = torch.randn(m, k, generator=g).to(dtype)
     op(x)
     best = float("inf")
@@ -106,6 +114,12 @@ def gemm_peak(dtype: torch.dtype, m: int = 2048, k: int = 768, n: int = 4096) ->
         op(x)
         best = min(best, time.perf_counter() - t)
     return 2 * m * k * n / best
+
+
+def measure_machine() -> Machine:
+    peak = gemm_peak
+    w8a8 = peak(torch.float32, weight_dtype="w8a8")
+    return Machine(copy_bandwidth(), peak(torch.float32), peak(torch.bfloat16), w8a8)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -276,6 +290,8 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
             fresh = prompts(args.batch, args.work_prompt_len, vocab, seed=3)
             prefill_s, step_s = ours_split(llm, fresh, args.work_new_tokens)
         peak = machine.bf16_peak if dtype == "bfloat16" else machine.fp32_peak
+        if weight_dtype == "w8a8":
+            peak = machine.w8a8_peak
         # Every projection for every prompt token; the LM head only for each prompt's last.
         prefill_flops = 2 * (params - head) * args.batch * args.work_prompt_len
         prefill_flops += 2 * head * args.batch
@@ -351,16 +367,17 @@ def main() -> None:
 
     isa = cpu_isa()
     kernels = cpu_kernels(torch.device("cpu"))
-    machine = Machine(copy_bandwidth(), gemm_peak(torch.float32), gemm_peak(torch.bfloat16))
+    machine = measure_machine()
     print(f"model {model_dir}, threads {args.threads}, torch {torch.__version__}")
     print(f"cpu: {isa.describe()}")
     print(f"kernels: compiled {'yes' if kernels.ops else 'no'}, oneDNN prepacked bf16 "
           f"{'yes' if kernels.prepack_bf16 else 'unavailable (needs AVX512-BF16 / AMX)'}")  # fmt: skip
     print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, GEMM peak fp32 "
-          f"{machine.fp32_peak / 1e9:.0f} GFLOPS, bf16 {machine.bf16_peak / 1e9:.0f} GFLOPS")  # fmt: skip
+          f"{machine.fp32_peak / 1e9:.0f} GFLOPS, bf16 {machine.bf16_peak / 1e9:.0f} GFLOPS, "
+          f"w8a8 {machine.w8a8_peak / 1e9:.0f} GOPS")  # fmt: skip
     rows = bench(model_dir, args, machine)
     # Measured again after the runs: a peak lower than what prefill reached was noise.
-    again = Machine(copy_bandwidth(), gemm_peak(torch.float32), gemm_peak(torch.bfloat16))
+    again = measure_machine()
     if again.fp32_peak > machine.fp32_peak * 1.05 or again.bf16_peak > machine.bf16_peak * 1.05:
         print(f"note: GEMM peak measured again after the runs: fp32 {again.fp32_peak / 1e9:.0f}, "
               f"bf16 {again.bf16_peak / 1e9:.0f} GFLOPS (the fractions use the first)")  # fmt: skip

@@ -21,7 +21,8 @@ class EngineConfig:
 
     model: str
     dtype: str = "float32"
-    # "auto": projections stored in `dtype`; "int8": weight-only INT8, per output channel.
+    # "auto": projections stored in `dtype`; "int8": weight-only INT8, per output channel;
+    # "w8a8": INT8 weights and per-token INT8 activations (rtp_serve/kernels/w8a8.py, CPU).
     weight_dtype: str = "auto"
     # "auto": the KV cache in `dtype`; or a narrower dtype than the model (bf16 KV, fp32 model).
     kv_dtype: str = "auto"
@@ -73,6 +74,8 @@ class EngineConfig:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
             )
+        if self.weight_dtype == "w8a8" and self.device != "cpu":
+            raise ValueError(f"weight_dtype 'w8a8' runs on the CPU only, not {self.device!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rtp_serve.core.dtypes import INT8_WEIGHT_DTYPES
+
 if TYPE_CHECKING:
     from rtp_serve.core.model_config import ModelConfig
 
@@ -99,7 +101,8 @@ def kv_bytes_per_block(model: ModelConfig, dtype: str, block_size: int) -> int:
 
 def weights_bytes(model_dir: str | os.PathLike, dtype: str, weight_dtype: str = "auto") -> int:
     """The model's parameters in `dtype`, counted from the safetensors headers; with
-    `weight_dtype` "int8" the projections (`*_proj.weight`) take one byte per parameter."""
+    `weight_dtype` "int8" or "w8a8" the projections (`*_proj.weight`) take one byte per
+    parameter."""
     total = 0
     for file in Path(model_dir).glob("*.safetensors"):
         with open(file, "rb") as f:
@@ -107,7 +110,7 @@ def weights_bytes(model_dir: str | os.PathLike, dtype: str, weight_dtype: str = 
         for name, t in header.items():
             if name == "__metadata__":
                 continue
-            int8 = weight_dtype == "int8" and name.endswith("_proj.weight")
+            int8 = weight_dtype in INT8_WEIGHT_DTYPES and name.endswith("_proj.weight")
             total += math.prod(t["shape"]) * (1 if int8 else _ITEMSIZE[dtype])
     return total
 

@@ -21,7 +21,7 @@ from rtp_serve.kernels.linear import pack_panels
 
 MODULE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "module.cpp"
 # Bindings that compute nothing (a constant), so need not release it.
-CONSTANTS = {"panel_width", "vector_lanes"}
+CONSTANTS = {"panel_width", "vector_lanes", "int8_gemm_supported"}
 
 
 def ran_beside(call, tries: int = 20) -> bool:

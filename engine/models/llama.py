@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rtp_serve.core.dtypes import INT8_WEIGHT_DTYPES
 from rtp_serve.core.model_config import ModelConfig, RopeScaling
 from rtp_serve.engine.lora.batch import LoraBatch
 from rtp_serve.engine.lora.weights import DOWN, GATE_UP, OUT, QKV
@@ -77,8 +78,9 @@ def load_llama_weights(
 ) -> LlamaWeights:
     """Map HF tensor names onto fused weights; `tensors` is consumed (popped) as we go.
 
-    `weight_dtype` "int8" stores the projections (not the embedding, norms or LM head, as
-    is usual for weight-only INT8) quantized per output channel; "auto" keeps `dtype`.
+    `weight_dtype` "int8" (and "w8a8") stores the projections (not the embedding, norms or
+    LM head, as is usual for weight-only INT8) quantized per output channel; "auto" keeps
+    `dtype`.
     The projections are prepared (converted, quantized, prepacked; joined where the file
     does not hold a fused group back to back) by `threads` threads: torch's copies do it on
     one core each. A weight already in its dtype and layout is used as loaded.
@@ -103,7 +105,7 @@ def load_llama_weights(
             ops = [make_linear(p, dtype, wd, kernels) for p in parts]
             return PartsLinear(ops, [p.shape[0] for p in parts])
         w = joined(parts)  # no copy where the loader placed them back to back
-        return make_linear(w if wd == "int8" else w.to(dtype), dtype, wd, kernels)
+        return make_linear(w if wd in INT8_WEIGHT_DTYPES else w.to(dtype), dtype, wd, kernels)
 
     # Each job takes its weights from `tensors` as it starts, so a checkpoint is never held
     # twice (raw and prepared) beyond the projections in flight.

@@ -19,6 +19,10 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,
                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual);
 int64_t panel_width();
+torch::Tensor int8_gemm(torch::Tensor xq, torch::Tensor x_scale, torch::Tensor panels,
+                        torch::Tensor w_sums, torch::Tensor w_scale, int64_t N,
+                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);
+bool int8_gemm_supported();
 double fma_peak_gflops(int64_t iters);
 int64_t vector_lanes();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
@@ -61,6 +65,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (* scale) (+ bias) (+ residual) over w packed in column panels [P, K, panel_width]",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("int8_gemm", &int8_gemm, nogil,
+        "int8 xq @ int8 w.T, scaled per row and column (+ bias) (+ residual): W8A8 on VNNI",
+        py::arg("xq"), py::arg("x_scale"), py::arg("panels"), py::arg("w_sums"),
+        py::arg("w_scale"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
+  m.def("int8_gemm_supported", &int8_gemm_supported, "whether this CPU runs int8_gemm (VNNI)");
   m.def("panel_width", &panel_width, "output columns per packed_gemm panel");
   m.def("vector_lanes", &vector_lanes, "float32 lanes of the build's widest register");
   m.def("fma_peak_gflops", &fma_peak_gflops, nogil, "the FMA pipes' rate, measured in registers");

@@ -9,8 +9,11 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 # What a user may ask to compute in: "auto" serves the checkpoint's own dtype (resolve_dtype).
 MODEL_DTYPES = ("auto", *DTYPES)
-# How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized.
-WEIGHT_DTYPES = ("auto", "int8")
+# How projection weights are stored: "auto" as the model dtype, "int8" weight-only quantized,
+# "w8a8" INT8 weights with activations quantized per token, multiplied in integers (CPU).
+WEIGHT_DTYPES = ("auto", "int8", "w8a8")
+# Those that store the projections one byte per parameter.
+INT8_WEIGHT_DTYPES = ("int8", "w8a8")
 # How the KV cache is stored: "auto" as the model dtype, any of DTYPES, or "int8" with a
 # float32 scale per block and kv head (rtp_serve/kernels/kv_quant.py).
 KV_DTYPES = ("auto", *DTYPES, "int8")

@@ -33,6 +33,7 @@ SOURCES = (
     "kv_quant.cpp",
     "paged_prefill.cpp",
     "lora_rows.cpp",
+    "int8_gemm.cpp",
 )
 COMMON_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp")  # -g0: Python's CFLAGS carry -g
 LINK_FLAGS = ("-fopenmp",)

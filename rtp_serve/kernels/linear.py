@@ -290,8 +290,12 @@ def make_linear(
     if weight_dtype == "int8":
         q, scale = quantize_int8(w)
         return RowsLinear(q, dtype, kernels, scale)
+    if weight_dtype == "w8a8":
+        from rtp_serve.kernels.w8a8 import W8A8Linear  # it builds on this module's TunedLinear
+
+        return W8A8Linear(w, dtype, kernels)
     if weight_dtype != "auto":
-        raise ValueError(f"weight dtype must be 'auto' or 'int8', got {weight_dtype!r}")
+        raise ValueError(f"weight dtype must be 'auto', 'int8' or 'w8a8', got {weight_dtype!r}")
     if dtype == torch.float32:
         return Fp32Linear(w, kernels)
     return RowsLinear(w.to(dtype), dtype, kernels)

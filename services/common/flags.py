@@ -82,7 +82,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default=env("weight_dtype", "auto"),
         choices=WEIGHT_DTYPES,
         help="auto: projections in --dtype; int8: weight-only INT8 per output channel, "
-        "quantized at load (half of bf16's bytes for decode; ~1%% higher perplexity)",
+        "quantized at load (half of bf16's bytes for decode; ~1%% higher perplexity); "
+        "w8a8: INT8 weights and per-token INT8 activations in integer GEMMs (CPU; VNNI)",
     )
     p.add_argument(
         "--kv-dtype",
