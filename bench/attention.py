@@ -6,6 +6,8 @@ Header: the CPU's ISA level and flags. Per KV dtype (float32, bfloat16, int8; th
 float32, or bfloat16 over a bf16 cache):
   decode   batch 48, contexts of 200..296 tokens (the engine benchmark's offline workload)
   prefill  256 new tokens after a cached prefix of 1024 (a prefix-cache hit, a later chunk)
+  new N    a prompt of N tokens with nothing cached (N = 200, 1024, 2048; the reference is
+           SDPA's causal kernel on the new K/V, as the engine runs it; KV in the query's dtype)
   write    256 new rows into the cache (int8: the adaptive scale writer)
 Each cell is the best of several runs, in milliseconds; the reference gathers the context
 into a contiguous copy, the kernels read the blocks in place.
@@ -23,7 +25,13 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 import torch  # noqa: E402
 
 from rtp_serve.kernels import cpu  # noqa: E402
-from rtp_serve.kernels.attention import LayerCache, paged_decode, paged_prefill, write_kv  # noqa: E402
+from rtp_serve.kernels.attention import (  # noqa: E402
+    LayerCache,
+    _attend,
+    paged_decode,
+    paged_prefill,
+    write_kv,
+)
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 from rtp_serve.kernels.kv_quant import write_int8  # noqa: E402
 
@@ -66,15 +74,15 @@ def main() -> None:
     print(f"cpu: {cpu_isa().describe()}; threads {args.threads}")
     if ops is None:
         print("compiled kernels unavailable: only the reference runs")
-    print(f"{'kv dtype':<10}{'op':<9}{'reference ms':>14}{'kernel ms':>11}{'speedup':>9}")
+    print(f"{'kv dtype':<10}{'op':<10}{'reference ms':>14}{'kernel ms':>11}{'speedup':>9}")
     for kv_dtype in (torch.float32, torch.bfloat16, torch.int8):
         for op, ref, kernel in cases(kv_dtype, ops, *args.heads, args.head_dim):
             name, ref_ms = str(kv_dtype).removeprefix("torch."), best_ms(ref)
             if kernel is None:
-                print(f"{name:<10}{op:<9}{ref_ms:>14.2f}{'-':>11}{'-':>9}")
+                print(f"{name:<10}{op:<10}{ref_ms:>14.2f}{'-':>11}{'-':>9}")
                 continue
             k_ms = best_ms(kernel)
-            print(f"{name:<10}{op:<9}{ref_ms:>14.2f}{k_ms:>11.2f}{ref_ms / k_ms:>8.2f}x")
+            print(f"{name:<10}{op:<10}{ref_ms:>14.2f}{k_ms:>11.2f}{ref_ms / k_ms:>8.2f}x")
 
 
 def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
@@ -104,6 +112,20 @@ def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
             lambda: ops.paged_prefill(qn, cache.k, cache.v, prefill_table, ctx, BLOCK, scale, *sc)
         ),
     )
+    for new in (200, 1024, 2048) if kv_dtype != torch.int8 else ():
+        fresh = make_cache(-(-new // BLOCK), hkv, d, kv_dtype)
+        qf = torch.randn(new, hq, d).to(q_dtype)
+        kf, vf, table = fresh.k[:new], fresh.v[:new], torch.arange(-(-new // BLOCK))
+        yield (
+            f"new {new}",
+            lambda qf=qf, kf=kf, vf=vf: _attend(qf, kf, vf, None, scale, causal=True),
+            ops
+            and (
+                lambda qf=qf, fresh=fresh, table=table: ops.paged_prefill(
+                    qf, fresh.k, fresh.v, table, 0, BLOCK, scale
+                )
+            ),
+        )
     if kv_dtype == torch.int8:
         rows = torch.randn(n, hkv, d)
         slots = torch.arange(n) + 7 * BLOCK  # from a block boundary

@@ -22,7 +22,7 @@
 
 namespace {
 
-constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileRows = 64;
 
 // exp(x) for x <= 0 (a score minus its running max), written so that loops over it
 // vectorize: 2^(x log2 e) as 2^floor times a degree-6 polynomial of the fraction
@@ -69,7 +69,6 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
 
   rtp::parallel_chunks(tiles * kv_heads, 1, [&](rtp::Chunks& chunks) {
     std::vector<float> qf, acc, run_max, run_sum, kt(dim * bs), vf(bs * dim), s(kRows * bs);
-    std::vector<int64_t> visible(kRows);
     for (int64_t begin, end; chunks.next(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task % kv_heads;
@@ -83,7 +82,7 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
             for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
           }
         }
-        acc.assign(nq * dim, 0.f);
+        acc.assign(((nq + kRows - 1) / kRows) * kRows * dim, 0.f);  // padded as qf
         run_max.assign(nq, -std::numeric_limits<float>::infinity());
         run_sum.assign(nq, 0.f);
         const int64_t blocks = (ctx_len + i1 + bs - 1) / bs;  // all the tile's last row sees
@@ -119,12 +118,16 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
               }
             }
             const int64_t rows = std::min(kRows, nq - r0);
-            for (int64_t rr = 0; rr < rows; ++rr) {
+            int64_t reach = 0;  // keys of the block that any row of the micro-tile sees
+            for (int64_t rr = 0; rr < kRows; ++rr) {
               const int64_t r = r0 + rr, i = i0 + r / group;
-              const int64_t vis = std::min(jn, ctx_len + i + 1 - j0);
-              visible[rr] = vis;
-              if (vis <= 0) continue;  // this row's causal window ends before the block
               float* __restrict sr = st + rr * bs;
+              const int64_t vis = rr < rows ? std::min(jn, ctx_len + i + 1 - j0) : 0;
+              if (vis <= 0) {  // a padding row, or its causal window ends before the block
+                for (int64_t j = 0; j < bs; ++j) sr[j] = 0.f;
+                continue;
+              }
+              reach = std::max(reach, vis);
               float mx = run_max[r];
               for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, sr[j]);
               const float correction = exp_nonpositive(run_max[r] - mx);
@@ -137,22 +140,25 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
               }
               run_sum[r] = run_sum[r] * correction + sum;
               run_max[r] = mx;
-              // acc_r = acc_r * correction + sum_j p_j v_j, the row held in registers.
-              float a[kDim ? kDim : 1];
-              float* __restrict ar = kDim ? a : acc.data() + r * dim;
-              float* __restrict stored = acc.data() + r * dim;
+              float* __restrict ar = acc.data() + r * dim;
   #pragma omp simd
-              for (int64_t d = 0; d < dim; ++d) ar[d] = stored[d] * correction;
-              for (int64_t j = 0; j < vis; ++j) {
-                const float p = sr[j];
-                const float* __restrict vj = vf.data() + j * dim;
+              for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
+            }
+            // acc_r += sum_j p_rj v_j for the micro-tile's rows together: each V row is
+            // loaded once for kRows rows (with the head dim fixed, their accumulators stay in
+            // registers).
+            float a[kDim ? kRows * kDim : 1];
+            float* __restrict at = kDim ? a : acc.data() + r0 * dim;
+            if (kDim) std::memcpy(a, acc.data() + r0 * dim, sizeof a);
+            for (int64_t j = 0; j < reach; ++j) {
+              const float* __restrict vj = vf.data() + j * dim;
+              for (int64_t rr = 0; rr < kRows; ++rr) {
+                const float p = st[rr * bs + j];
   #pragma omp simd
-                for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
-              }
-              if (kDim) {
-                for (int64_t d = 0; d < dim; ++d) stored[d] = ar[d];
+                for (int64_t d = 0; d < dim; ++d) at[rr * dim + d] += p * vj[d];
               }
             }
+            if (kDim) std::memcpy(acc.data() + r0 * dim, a, sizeof a);
           }
         }
         for (int64_t r = 0; r < nq; ++r) {

@@ -96,6 +96,8 @@ def build(choice: BackendChoice, scale: float, device: torch.device) -> Attentio
         return TritonAttention(scale)
     if choice.name == "cpu-kernels":
         from rtp_serve.kernels import cpu
+        from rtp_serve.kernels.isa import cpu_isa
 
-        return CpuKernelAttention(scale, cpu.load())
+        # Prefill on the kernel where it was measured faster (CpuKernelAttention's docstring).
+        return CpuKernelAttention(scale, cpu.load(), compiled_prefill=cpu_isa().at_least("avx512"))
     return TorchAttention(scale)
