@@ -8,7 +8,8 @@ Header: the CPU flags, the threads, and two ceilings measured in this run:
                what no GEMM can exceed; divided by (2 FMA pipes x the build's fp32 lanes, 8 on
                AVX2 and 16 on AVX-512, x 2 FLOPs x threads) it gives the clock the cores
                ran at if they have two FMA pipes of that width (AVX2: two 256-bit FMA pipes
-               on the Zen and Intel cores measured here)
+               on the Zen and Intel cores measured here; AMD Zen 4 splits each AVX-512 FMA
+               into two 256-bit halves, so there the clock is twice what that gives)
   GEMM peak    the best of MKL (torch.mm), oneDNN (torch's mkldnn linear) and packed_gemm
                on large GEMMs (2048 x 2048 x 2048, and the model's largest shape at 256,
                1024 and 2048 rows)
@@ -120,8 +121,12 @@ def main() -> None:
     print(f"model {args.model}: {len(layer)} shapes (k x n) {layer}, x{args.layers} copies, "
           f"{nbytes / 2**20:.0f} MiB fp32; tables measured in {tune_s:.1f} s")  # fmt: skip
     per_cycle = 2 * ops.vector_lanes() * 2  # 2 FMA pipes x the build's fp32 lanes x 2 FLOPs
-    print(f"FMA limit (measured in registers): {fma:.0f} GFLOPS = {fma / per_cycle / args.threads:.2f} GHz"
-          f" x {per_cycle} FLOP/cycle x {args.threads} cores")  # fmt: skip
+    ghz = fma / per_cycle / args.threads
+    split = ""  # AMD Zen 4 runs a 512-bit FMA as two 256-bit halves: half the FLOP a cycle
+    if ops.vector_lanes() == 16:
+        split = f" (or {2 * ghz:.2f} GHz x {per_cycle // 2}, where AVX-512 runs as two halves)"
+    print(f"FMA limit (measured in registers): {fma:.0f} GFLOPS = {ghz:.2f} GHz"
+          f" x {per_cycle} FLOP/cycle x {args.threads} cores{split}")  # fmt: skip
     print("GEMM peak (large GEMMs): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items())
           + f" GFLOPS -> peak {peak:.0f} ({100 * peak / fma:.0f}% of the FMA limit)")  # fmt: skip
     print(f"copy bandwidth: {bandwidth:.1f} GB/s")

@@ -25,6 +25,7 @@ from rtp_serve.engine.models.llama import (
     fused_groups,
     load_llama_weights,
     rms_norm,
+    silu_mul,
 )
 from rtp_serve.engine.outputs import PromptKV
 from rtp_serve.engine.request import Request
@@ -111,13 +112,20 @@ class ModelRunner:
         self.attention_backend = choice.describe()
         attention = backends.build(choice, model_config.head_dim**-0.5, self.device)
         norm = getattr(self.kernels.ops, "rms_norm", rms_norm)
-        rope = apply_rope
+        # One pass instead of torch's three to five, the same rounding; in float32 only: in
+        # bf16 their scalar conversions took 2-4x torch's vectorized ops (AVX-512, 2 threads;
+        # float32 at 2,048 rows: rope 1.3 vs 20 ms, silu_mul 1.2 vs 12 ms).
+        fused = self.kernels.ops if self.dtype == torch.float32 else None
+        rope = getattr(fused, "rope", apply_rope)
+        act = getattr(fused, "silu_mul", silu_mul)
         if choice.name == "triton":  # its RMSNorm and rotary kernels come with it
             from rtp_serve.kernels.triton import rms_norm as triton_norm
             from rtp_serve.kernels.triton import rotary
 
             norm, rope = triton_norm.rms_norm, rotary.apply_rope
-        self.model = LlamaModel(model_config, weights, attention, limits.max_model_len, norm, rope)
+        self.model = LlamaModel(
+            model_config, weights, attention, limits.max_model_len, norm, rope, act
+        )
         self.weight_bytes_per_step = weights.nbytes_per_token  # what a decode step streams
         # CUDA graphs pad decode batches with rows that write into a scratch block past the
         # pool's (engine/cuda_graphs.py): the block pool never hands it out.

@@ -189,3 +189,39 @@ def test_rms_norm_kernel_matches_the_reference(ops, dtype, rows, h):
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
     with pytest.raises(RuntimeError, match="share a dtype"):
         ops.rms_norm(x, w.float() if dtype != torch.float32 else w.double(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rope_kernel_matches_the_reference_bit_for_bit(ops, dtype, tokens):
+    """q and k as the model passes them (a view of the fused qkv rows, heads of 64), cos and
+    sin [T, 1, D]: each product and the sum rounded as torch rounds them."""
+    from rtp_serve.engine.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (3 * torch.randn(tokens, 7 * 64, generator=g)).to(dtype)
+    x = qkv[:, : 5 * 64].view(-1, 5, 64)  # 3 query heads and 2 kv heads, v left out
+    cos, sin = (torch.randn(tokens, 1, 64, generator=g).to(dtype) for _ in range(2))
+    got = ops.rope(x, cos, sin)
+    assert got.is_contiguous() and got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(got, apply_rope(x, cos, sin))
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.rope(x, cos.double(), sin.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (5, 13), (300, 576)])
+def test_silu_mul_kernel_matches_the_reference(ops, dtype, rows, inter):
+    """float32: within a few ulps (its exp is a polynomial, torch's Sleef's); bf16/fp16: the
+    same two roundings as torch's silu then multiply, so at most one ulp apart."""
+    from rtp_serve.engine.models.llama import silu_mul
+
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=g)).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's range ends, and zero
+    got, ref = ops.silu_mul(gate_up), silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (rows, inter) and got.is_contiguous()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    wider = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * inter]  # rows of a wider tensor
+    torch.testing.assert_close(ops.silu_mul(wider).float(), ref.float(), rtol=tol, atol=tol)

@@ -198,6 +198,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: silu(gate) * up of the fused gate_up output [T, 2 I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos/sin [T, 1, D]."""
     half = x.shape[-1] // 2
@@ -214,12 +220,14 @@ class LlamaModel:
         max_len: int,
         norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
         rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope,
+        act: Callable[[torch.Tensor], torch.Tensor] = silu_mul,
     ) -> None:
         self.cfg = cfg
         self.w = weights
         self.attention = attention
         self.norm = norm  # the compiled kernel on CPUs (same rounding), else rms_norm
-        self.rope = rope  # the Triton kernel on CUDA (same rounding), else apply_rope
+        self.rope = rope  # the compiled or Triton kernel (same rounding), else apply_rope
+        self.act = act  # the compiled kernel on CPUs (one pass), else silu_mul
         self.cos, self.sin = rope_cache(cfg, max_len, weights.embed.dtype, weights.embed.device)
         self._q = cfg.num_heads * cfg.head_dim
         self._kv = cfg.num_kv_heads * cfg.head_dim
@@ -259,8 +267,7 @@ class LlamaModel:
             gate_up = layer.gate_up(h)
             if lora is not None:
                 lora.add(i, GATE_UP, h, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = self.act(gate_up)
             x = layer.down(act, None, x)
             if lora is not None:
                 lora.add(i, DOWN, act, x)

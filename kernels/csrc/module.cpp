@@ -26,6 +26,8 @@ bool int8_gemm_supported();
 double fma_peak_gflops(int64_t iters);
 int64_t vector_lanes();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, int64_t ctx_len, int64_t block_size,
                             double scale, c10::optional<torch::Tensor> k_scale,
@@ -59,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, nogil,
         "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row, HF's rounding for every dtype");
+  m.def("rope", &rope, nogil, "rotary embedding, rotate-half layout, torch's rounding");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of the fused gate_up rows [T, 2 I]");
   m.def("lora_rows", &lora_rows, nogil,
         "y += LoRA updates of rows, each with its own adapter (float32)");
   m.def("packed_gemm", &packed_gemm, nogil,

@@ -34,6 +34,8 @@ SOURCES = (
     "paged_prefill.cpp",
     "lora_rows.cpp",
     "int8_gemm.cpp",
+    "rope.cpp",
+    "silu_mul.cpp",
 )
 COMMON_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp")  # -g0: Python's CFLAGS carry -g
 LINK_FLAGS = ("-fopenmp",)
