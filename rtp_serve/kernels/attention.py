@@ -156,10 +156,10 @@ class CpuKernelAttention(TorchAttention):
 
     The compiled `paged_prefill` reads the blocks in place; the reference gathers them (or,
     for a prompt with nothing cached, runs SDPA's causal flash kernel on the new K/V). On
-    AVX-512 (an EPYC with AVX512-BF16; bench/attention.py) the kernel ran at 1.5-2.0x the
-    reference's speed for new prompts of 32 to 512 tokens (bf16 1.7-2.0x), 1.1x at 1,024,
-    0.93-1.0x at 2,048 (bf16 1.06-1.09x), and 1.06-1.35x for 256 or 512 tokens after a
-    cached prefix of 1,024.
+    AVX-512 (an EPYC with AVX512-BF16; bench/attention.py, 12 query and 4 kv heads) the
+    kernel ran at 1.75x the reference's speed for a new 200-token prompt (bf16 1.91x),
+    1.16x (1.28x) at 1,024 tokens, 1.00x (1.09x) at 2,048, and 1.06-1.20x for 256 tokens
+    after a cached prefix of 1,024 (float32, bf16 and int8 KV).
     An older version measured 0.6-0.9x on an AVX2-only EPYC; the AVX2 build, not measured
     on such a CPU since, keeps the reference (rtp_serve/kernels/backends.py turns the
     kernel on from the AVX-512 level).
