@@ -10,6 +10,7 @@
 // score loop runs over the block's keys) and V to float once, and serves every query head
 // of the kv head's group for every row of the tile with it: an online softmax (running max,
 // running sum, rescaled accumulator) over the blocks, as flash attention does.
+#include "exp_approx.h"
 #include "parallel.h"
 #include "tensor.h"
 
@@ -23,27 +24,6 @@
 namespace {
 
 constexpr int64_t kTileRows = 64;
-
-// exp(x) for x <= 0 (a score minus its running max), written so that loops over it
-// vectorize: 2^(x log2 e) as 2^floor times a degree-6 polynomial of the fraction
-// (relative error 1e-7, float32's own rounding).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 2.1877505e-4f;
-  p = p * f + 1.2387822e-3f;
-  p = p * f + 9.6845804e-3f;
-  p = p * f + 5.5480428e-2f;
-  p = p * f + 2.4023050e-1f;
-  p = p * f + 6.9314694e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float two_to_whole;
-  std::memcpy(&two_to_whole, &bits, sizeof bits);
-  return p * two_to_whole;
-}
 
 // The kernel's inner loops, for a block size and head dim fixed at compile time (kBs, kDim;
 // 0 = read them at run time). Fixed sizes let the compiler keep a micro-tile of scores
@@ -130,11 +110,11 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
               reach = std::max(reach, vis);
               float mx = run_max[r];
               for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, sr[j]);
-              const float correction = exp_nonpositive(run_max[r] - mx);
+              const float correction = rtp::exp_approx(run_max[r] - mx);
               float sum = 0.f;
   #pragma omp simd reduction(+ : sum)
               for (int64_t j = 0; j < bs; ++j) {
-                const float p = j < vis ? exp_nonpositive(sr[j] - mx) : 0.f;
+                const float p = j < vis ? rtp::exp_approx(sr[j] - mx) : 0.f;
                 sr[j] = p;
                 sum += p;
               }

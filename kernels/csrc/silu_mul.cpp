@@ -4,35 +4,15 @@
 //
 //   silu(g) = g / (1 + exp(-g))
 //
-// exp as 2^(x log2 e): 2^floor times a degree-6 polynomial of the fraction (relative error
-// 1e-7, float32's own rounding; paged_prefill.cpp's, over the whole range), so the loop
-// vectorizes. Within a few float32 ulps of torch's silu * up; in bf16 and fp16 the
-// activation and the product are each rounded to the dtype, as torch's two ops round them.
+// exp is exp_approx.h's polynomial, so the loop vectorizes. Within a few float32 ulps of
+// torch's silu * up; in bf16 and fp16 the activation and the product are each rounded to the
+// dtype, as torch's two ops round them.
+#include "exp_approx.h"
 #include "tensor.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 
 namespace {
-
-inline float exp_any(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.44269504088896341f;
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 2.1877505e-4f;
-  p = p * f + 1.2387822e-3f;
-  p = p * f + 9.6845804e-3f;
-  p = p * f + 5.5480428e-2f;
-  p = p * f + 2.4023050e-1f;
-  p = p * f + 6.9314694e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float two_to_whole;
-  std::memcpy(&two_to_whole, &bits, sizeof bits);
-  return p * two_to_whole;
-}
 
 template <typename T>
 void silu_mul_rows(const T* x, int64_t stride, T* out, int64_t rows, int64_t inter) {
@@ -45,7 +25,7 @@ void silu_mul_rows(const T* x, int64_t stride, T* out, int64_t rows, int64_t int
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float g = static_cast<float>(gate[i]);
-        const T act = static_cast<T>(g / (1.f + exp_any(-g)));  // rounded as torch's silu
+        const T act = static_cast<T>(g / (1.f + rtp::exp_approx(-g)));  // torch's silu rounding
         o[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
       }
     }
