@@ -36,12 +36,25 @@ def model(model_dir) -> str:
     return str(model_dir("tiny-llama"))
 
 
+def _launch(model, tmp_path_factory):
+    flags = ("--prefill", "1", "--decode", "2", "--max-num-seqs", "2")
+    return launch(model, tmp_path_factory.mktemp("load"), *flags, "--drain-timeout", str(DRAIN_S))
+
+
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    flags = ("--prefill", "1", "--decode", "2", "--max-num-seqs", "2")
-    with launch(
-        model, tmp_path_factory.mktemp("load"), *flags, "--drain-timeout", str(DRAIN_S)
-    ) as c:
+    with _launch(model, tmp_path_factory) as c:
+        yield c
+
+
+@pytest.fixture
+def fresh_cluster(model, tmp_path_factory):
+    """A cluster of its own, whose two decode workers have decoded nothing yet. After a
+    test has fitted one decode worker's costs and not the other's, the master sent five of
+    six simultaneous streams to one of them, its batch of 2 full and 3 queued, the other
+    running 1 (the decode side's cost does not count a full batch), for as long as the
+    streams ran; alike, they split the streams."""
+    with _launch(model, tmp_path_factory) as c:
         yield c
 
 
@@ -130,12 +143,13 @@ def test_load_report_and_stats_carry_the_wait_estimate(cluster):
     )
 
 
-def test_deadline_passing_in_the_queue_is_504_and_leaves_nothing_held(cluster):
+def test_deadline_passing_in_the_queue_is_504_and_leaves_nothing_held(fresh_cluster):
     """Six long streams fill both decode workers' batches (2 + 2) and queues; a request
     with a 0.5 s timeout queues behind them and is answered 504 naming the timeout; no
     worker keeps it. (A stream that runs to its end while the others are still queued, as
     on a busy machine, is started again.)"""
 
+    cluster = fresh_cluster
     # A queued stream's first byte waits for a long stream ahead of it to end (on a loaded
     # machine that took 60 s once): the reads wait as long as the loop's deadline below.
     timeout = httpx.Timeout(60, read=180)
