@@ -117,9 +117,12 @@ def gemm_peak(
 
 
 def measure_machine() -> Machine:
-    peak = gemm_peak
-    w8a8 = peak(torch.float32, weight_dtype="w8a8")
-    return Machine(copy_bandwidth(), peak(torch.float32), peak(torch.bfloat16), w8a8)
+    return Machine(
+        copy_bandwidth(),
+        gemm_peak(torch.float32),
+        gemm_peak(torch.bfloat16),
+        gemm_peak(torch.float32, weight_dtype="w8a8"),
+    )
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
