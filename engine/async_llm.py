@@ -99,6 +99,7 @@ class AsyncLLM:
         self.model = config.model
         self.block_size = config.block_size
         self.max_num_waiting = config.max_num_waiting
+        self.max_num_seqs = config.max_num_seqs
         self._inbox: queue.SimpleQueue[_Add | _Release | _DeliverKV | _Abort | _Call | None] = (
             queue.SimpleQueue()
         )

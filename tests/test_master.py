@@ -231,7 +231,7 @@ def test_decode_fewest_running_then_most_free_blocks():
     loads = [load("d1", free=50, running=2), load("d2", free=60, running=1)]
     plan = route(CacheAware(), cluster(*PD3, loads=loads))
     assert plan.decode.id == "d2"
-    assert plan.reason.endswith("; decode d2 (free 60 blocks, cost 2 rows)")
+    assert plan.reason.endswith("; decode d2 (free 60 blocks, a slot free, cost 2 rows)")
     assert route(CacheAware(), cluster(*PD3, loads=[load("d2", free=0)])).decode.id == "d2"
 
 
@@ -248,7 +248,8 @@ def test_decode_prefers_the_worker_that_holds_the_prefix_once_transfers_are_time
     plan = route(CacheAware(), cluster(*PD3, cached=cached, loads=timed))
     assert plan.decode.id == "d1"
     assert plan.reason.endswith(
-        "decode d1 (free 20 blocks, cost 1.0 ms (transfer 1.0 of 1 blocks + step 0.0))"
+        "decode d1 (free 20 blocks, a slot free, cost 1.0 ms (transfer 1.0 of 1 blocks + "
+        "step 0.0))"
     )
     untimed = [fitted("d1", free=20), fitted("d2", free=90)]
     assert route(CacheAware(), cluster(*PD3, cached=cached, loads=untimed)).decode.id == "d2"
@@ -264,6 +265,31 @@ def test_a_busy_decode_worker_loses_its_prefix_advantage():
         fitted("d2", row_ms=1.0, **_transfer(1.0)),
     ]
     assert route(CacheAware(), cluster(*PD3, cached=cached, loads=loads)).decode.id == "d2"
+
+
+def test_a_decode_worker_with_a_full_batch_loses_to_one_with_a_free_slot():
+    """d1 holds the prefix and steps faster, but its batch of 2 is full: the request would
+    wait there for a stream to end, which no step cost prices. The streams routed to a
+    worker since its report, and those waiting there, count toward its batch; among full
+    ones, the fewest waiting for a slot wins."""
+    cached = {"d1": H[:6]}
+    full = dict(max_num_seqs=2, **_transfer(1.0))
+    loads = [fitted("d1", running=2, **full), fitted("d2", row_ms=5.0, running=1, **full)]
+    plan = route(CacheAware(), cluster(*PD3, cached=cached, loads=loads))
+    assert plan.decode.id == "d2" and ", a slot free, " in plan.reason
+    # Unbounded (no max_num_seqs said), d1 is the cheaper.
+    loads = [fitted("d1", running=2, **_transfer(1.0)), fitted("d2", row_ms=5.0, running=1)]
+    assert route(CacheAware(), cluster(*PD3, cached=cached, loads=loads)).decode.id == "d1"
+    # d2's one free slot is taken by a request routed since its report (or one waiting).
+    view = cluster(*PD3, cached=cached,
+                   loads=[fitted("d1", running=1, num_waiting=2, **full),
+                          fitted("d2", running=1, **full)])  # fmt: skip
+    view.charge("d2", blocks=7)
+    plans = [route(CacheAware(), view) for _ in range(3)]
+    # d1: 1 running + 2 waiting; d2: 1 + 1 routed. The first goes to d2 (1 to wait there
+    # against 2), then to the one with fewer to wait (on a tie, d1: its transfer is 1 block).
+    assert [p.decode.id for p in plans] == ["d2", "d1", "d2"]
+    assert ", batch full, 1 to wait for a slot, cost " in plans[0].reason
 
 
 def test_a_decode_worker_without_room_for_the_blocks_it_lacks_loses():

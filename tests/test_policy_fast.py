@@ -46,6 +46,7 @@ def reports(draw, worker_id: str) -> events_pb2.LoadReport:
         num_waiting=draw(st.integers(0, 4)),
         max_num_waiting=draw(st.sampled_from((0, 2, 4))),
         num_running=draw(st.integers(0, 3)),
+        max_num_seqs=draw(st.sampled_from((0, 2, 4))),
         free_blocks=draw(st.integers(0, 40)),
         total_blocks=40,
         queued_tokens=draw(st.sampled_from((0, 0, 16, 100, 333))),

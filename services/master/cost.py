@@ -171,6 +171,27 @@ class DecodeCost:
         )
 
 
+def decode_rows(report: events_pb2.LoadReport | None, pending_requests: int) -> tuple[int, int]:
+    """A PD decode candidate's batch with this request in it, and how many requests (this
+    one the last) would wait there for a slot: those running and waiting there as last
+    reported, plus `pending_requests` routed there since, at most its max_num_seqs in a
+    batch (0: not said, unbounded). Waiting for a slot is waiting for a stream there to
+    end, which no step cost prices: the policies rank a candidate that would make the
+    request wait after those that would not."""
+    ahead = pending_requests + 1
+    if report is not None:
+        ahead += report.num_running + report.num_waiting
+    limit = report.max_num_seqs if report is not None else 0
+    if limit <= 0 or ahead <= limit:
+        return ahead, 0
+    return limit, ahead - limit
+
+
+def describe_slots(over: int) -> str:
+    """`over` from decode_rows, for a plan's reason."""
+    return "a slot free" if over <= 0 else f"batch full, {over} to wait for a slot"
+
+
 def decode_cost(
     report: events_pb2.LoadReport | None,
     step: StepCost,
@@ -311,6 +332,14 @@ def lora_swap_seconds(steps: Steps, cold: np.ndarray) -> np.ndarray:
     """`lora_swap` of every candidate: where `cold` (the adapter not resident), else 0."""
     tokens = np.full(len(cold), LORA_SWAP_TOKENS)
     return np.where(cold, steps.prefill_s(tokens, steps.step_s(0)), 0.0)
+
+
+def decode_rows_all(loads: Loads) -> tuple[np.ndarray, np.ndarray]:
+    """`decode_rows(...)` of every candidate: (rows, waiting for a slot)."""
+    ahead = loads.pending_requests + 1 + (loads.running + loads.waiting)
+    limit = loads.max_seqs
+    over = np.where((limit > 0) & (ahead > limit), ahead - limit, 0)
+    return ahead - over, over
 
 
 def decode_seconds(

@@ -34,7 +34,7 @@ FLOATS = ("arrival", "step_fixed", "step_token", "step_row", "step_run", "in_fli
           "host_fixed", "host_byte", "remote_fixed", "remote_byte", "transfer_fixed",
           "transfer_byte")  # fmt: skip
 INTS = ("queued", "running", "waiting", "max_waiting", "free", "block_size", "kv_block_bytes",
-        "budget", "fitted", "host_fitted", "remote_fetch", "transfer_fitted",
+        "budget", "fitted", "host_fitted", "remote_fetch", "transfer_fitted", "max_seqs",
         "pending_requests", "pending_tokens", "pending_blocks", "host")  # fmt: skip
 _F = {name: i for i, name in enumerate(FLOATS)}
 _I = {name: i for i, name in enumerate(INTS)}
@@ -142,7 +142,7 @@ class LoadTable:
             report.free_blocks, report.block_size, report.kv_block_bytes,
             report.step_token_budget, fixed > 0 or token > 0, host[0] > 0 or host[1] > 0,
             report.remote_tier and (remote[0] > 0 or remote[1] > 0),
-            transfer[0] > 0 or transfer[1] > 0,
+            transfer[0] > 0 or transfer[1] > 0, report.max_num_seqs,
         )  # fmt: skip
         self.loras[slot] = frozenset(report.loras)
         self.resident_loras[slot] = frozenset(report.resident_loras)

@@ -426,13 +426,14 @@ class CacheAware(Policy):
         local = decode.column(ask.prefix.device) if self.uses_cache else None
         if local is None:
             local = np.zeros(len(decode), dtype=np.int64)
-        rows = loads.running + loads.pending_requests + 1
+        rows, over = cost.decode_rows_all(loads)
         seconds, blocks = cost.decode_seconds(loads, steps, rows, tokens, local)
         # Workers that have not reported yet rank after those that have; then those with
-        # room for the prompt's blocks (as far as they lack them) before those without; one
-        # with the request's LoRA adapter resident before one that would load it; then the
-        # lowest cost (transfer + a decode step of its batch), the most free blocks: the
-        # first of these keys that differs decides.
+        # room for the prompt's blocks (as far as they lack them) before those without;
+        # then those with a free slot in their batch, and among full ones the fewest
+        # requests waiting for a slot; one with the request's LoRA adapter resident before
+        # one that would load it; then the lowest cost (transfer + a decode step of its
+        # batch), the most free blocks: the first of these keys that differs decides.
         free = loads.free - loads.pending_blocks
         cold = (
             ~lora_mask(decode, loads, request.lora_name, resident=True)
@@ -440,8 +441,8 @@ class CacheAware(Policy):
             else np.zeros(len(decode), dtype=bool)
         )
         tied = np.arange(len(decode))
-        keys = [~loads.fresh, free < blocks, cold, seconds, -free]
-        for key in keys[:4] if ask.view.event_cutoff_s > 0 else keys:
+        keys = [~loads.fresh, free < blocks, over, cold, seconds, -free]
+        for key in keys[:-1] if ask.view.event_cutoff_s > 0 else keys:
             k = key[tied]
             tied = tied[k == k.min()]
         i = int(tied[decode.pick(request.request_id, tied)])  # the same on every replica
@@ -452,7 +453,8 @@ class CacheAware(Policy):
         c = cost.decode_cost(
             report, steps.step(i), int(rows[i]), tokens, int(loads.block_size[i]), int(local[i])
         )
-        return Choice(chosen, reason=f" (free {int(free[i])} blocks, cost {c.describe()})")
+        slots = cost.describe_slots(int(over[i]))
+        return Choice(chosen, reason=f" (free {int(free[i])} blocks, {slots}, cost {c.describe()})")
 
 
 class LeastLoad(CacheAware):

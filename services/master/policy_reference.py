@@ -364,36 +364,39 @@ class CacheAware(Policy):
             if self.uses_cache
             else dict.fromkeys(reports, 0)
         )
-        costs = {}
+        costs, over = {}, {}
         for m in decode:
             own = cost.step_cost(reports[m.id])
-            rows = _running(view, m.id) + 1
+            rows, over[m.id] = cost.decode_rows(reports[m.id], view.pending(m.id).requests)
             bs = _block_size(view, m.id)
             costs[m.id] = cost.decode_cost(
                 reports[m.id], own if own.fitted else borrowed, rows, tokens, bs, local[m.id]
             )
 
         # Workers that have not reported yet rank after those that have; then those with
-        # room for the prompt's blocks (as far as they lack them) before those without; one
-        # with the request's LoRA adapter resident before one that would load it; then the
-        # lowest cost (transfer + a decode step of its batch), the most free blocks.
+        # room for the prompt's blocks (as far as they lack them) before those without;
+        # then those with a free slot in their batch, and among full ones the fewest
+        # requests waiting for a slot; one with the request's LoRA adapter resident before
+        # one that would load it; then the lowest cost (transfer + a decode step of its
+        # batch), the most free blocks.
         def free(m: Member) -> int:
             load, pending = reports[m.id], view.pending(m.id).blocks
             return load.free_blocks - pending if load is not None else -pending
 
-        def key(m: Member) -> tuple[bool, bool, bool, float, int]:
+        def key(m: Member) -> tuple[bool, bool, int, bool, float, int]:
             short = free(m) < costs[m.id].transferred_blocks
             cold = not resident(view, m, request.lora_name)
             most_free = 0 if view.event_cutoff_s > 0 else -free(m)
-            return (reports[m.id] is None, short, cold, costs[m.id].seconds, most_free)
+            return (reports[m.id] is None, short, over[m.id], cold, costs[m.id].seconds,
+                    most_free)  # fmt: skip
 
         best = min(key(m) for m in decode)
         tied = [m for m in decode if key(m) == best]
         chosen = _rendezvous(request.request_id, tied)  # the same on every replica
         if best[0]:
             return Choice(chosen, reason=" (no load report)")
-        c = costs[chosen.id]
-        return Choice(chosen, reason=f" (free {free(chosen)} blocks, cost {c.describe()})")
+        c, slots = costs[chosen.id], cost.describe_slots(over[chosen.id])
+        return Choice(chosen, reason=f" (free {free(chosen)} blocks, {slots}, cost {c.describe()})")
 
 
 class LeastLoad(CacheAware):

@@ -88,6 +88,7 @@ def load_report(llm: AsyncLLM, feed: KVEventFeed, remote_tier: bool) -> events_p
         prefill_tokens_per_s=cost.prefill_tokens_per_s,
         decode_step_s=cost.decode_step_s(s.num_running),
         max_num_waiting=llm.max_num_waiting,
+        max_num_seqs=llm.max_num_seqs,
         incarnation=feed.incarnation,
         kv_seq=feed.seq,
         step_fixed_s=cost.fixed_s,

@@ -29,7 +29,7 @@ class KVEvents(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., incarnation: _Optional[int] = ..., host_stored: _Optional[_Iterable[bytes]] = ..., host_removed: _Optional[_Iterable[bytes]] = ..., published_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "incarnation", "kv_seq", "step_fixed_s", "step_token_s", "step_row_s", "step_token_budget", "fetch_costs", "kv_block_bytes", "remote_tier", "loras", "resident_loras")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "free_blocks", "total_blocks", "queued_tokens", "block_size", "unix_ms", "queue_wait_s", "prefill_tokens_per_s", "decode_step_s", "max_num_waiting", "incarnation", "kv_seq", "step_fixed_s", "step_token_s", "step_row_s", "step_token_budget", "fetch_costs", "kv_block_bytes", "remote_tier", "loras", "resident_loras", "max_num_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class LoadReport(_message.Message):
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -76,7 +77,8 @@ class LoadReport(_message.Message):
     remote_tier: bool
     loras: _containers.RepeatedScalarFieldContainer[str]
     resident_loras: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., unix_ms: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., incarnation: _Optional[int] = ..., kv_seq: _Optional[int] = ..., step_fixed_s: _Optional[float] = ..., step_token_s: _Optional[float] = ..., step_row_s: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., fetch_costs: _Optional[_Iterable[_Union[TierFetchCost, _Mapping]]] = ..., kv_block_bytes: _Optional[int] = ..., remote_tier: _Optional[bool] = ..., loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., unix_ms: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., max_num_waiting: _Optional[int] = ..., incarnation: _Optional[int] = ..., kv_seq: _Optional[int] = ..., step_fixed_s: _Optional[float] = ..., step_token_s: _Optional[float] = ..., step_row_s: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., fetch_costs: _Optional[_Iterable[_Union[TierFetchCost, _Mapping]]] = ..., kv_block_bytes: _Optional[int] = ..., remote_tier: _Optional[bool] = ..., loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class TierFetchCost(_message.Message):
     __slots__ = ("tier", "fixed_s", "byte_s")
