@@ -302,7 +302,9 @@ def test_stale_load_report_counts_as_unknown_not_idle():
     assert view.load("p2") is None and view.load("p1") is not None
     plan = route(policy, view)
     assert (plan.prefill.id, plan.matched_blocks) == ("p1", 2)
-    assert plan.decode.id == "d2" and plan.reason.endswith("(free 10 blocks, a slot free, cost 2 rows)")
+    assert plan.decode.id == "d2" and plan.reason.endswith(
+        "(free 10 blocks, a slot free, cost 2 rows)"
+    )
     now[0] = 5.0  # nobody reports (NATS down): costs from what is known, the prefix again
     plan = route(policy, view)
     assert plan.prefill.id == "p2" and plan.reason.endswith("(no load report)")

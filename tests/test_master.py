@@ -248,8 +248,7 @@ def test_decode_prefers_the_worker_that_holds_the_prefix_once_transfers_are_time
     plan = route(CacheAware(), cluster(*PD3, cached=cached, loads=timed))
     assert plan.decode.id == "d1"
     assert plan.reason.endswith(
-        "decode d1 (free 20 blocks, a slot free, cost 1.0 ms (transfer 1.0 of 1 blocks + "
-        "step 0.0))"
+        "decode d1 (free 20 blocks, a slot free, cost 1.0 ms (transfer 1.0 of 1 blocks + step 0.0))"
     )
     untimed = [fitted("d1", free=20), fitted("d2", free=90)]
     assert route(CacheAware(), cluster(*PD3, cached=cached, loads=untimed)).decode.id == "d2"
