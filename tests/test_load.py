@@ -117,6 +117,7 @@ def test_load_report_and_stats_carry_the_wait_estimate(cluster):
     assert set(reports) == set(roles)
     for worker_id, report in reports.items():
         assert report.max_num_waiting == 256  # the workers' default
+        assert report.max_num_seqs == 2  # the cluster's --max-num-seqs
         assert report.queue_wait_s >= 0 and report.num_waiting == 0
         if roles[worker_id] == nameservice_pb2.ROLE_PREFILL:
             assert report.prefill_tokens_per_s > 0  # it computed the prompts

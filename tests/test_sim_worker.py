@@ -197,6 +197,34 @@ def test_the_master_index_matches_every_snapshot(cluster):
     asyncio.run(main())
 
 
+def test_every_worker_publishes_load_reports_with_its_limits(cluster):
+    """The load reports the master routes by, from every simulated worker, with the limits
+    it routes around (a full batch, a full queue)."""
+    from rtp_serve.services.common import subjects
+    from rtp_serve.services.common.bus import Bus
+    from rtp_serve.services.common.pb import events_pb2
+
+    ids = {m.id for m in [*cluster["fused"], cluster["prefill"], cluster["decode"]]}
+    reports: dict[str, events_pb2.LoadReport] = {}
+
+    async def collect() -> None:
+        bus = await Bus.connect(cluster["nats"], "test-sim-load")
+
+        async def keep(msg: events_pb2.LoadReport, headers) -> None:
+            reports[msg.worker_id] = msg
+
+        await bus.subscribe(subjects.load_report_all(), events_pb2.LoadReport, keep)
+        try:
+            await eventually(lambda: ids <= set(reports), 10.0, "a report from each")
+        finally:
+            await bus.close()
+
+    asyncio.run(collect())
+    for worker_id in ids:
+        r = reports[worker_id]
+        assert (r.max_num_seqs, r.max_num_waiting, r.block_size) == (64, 256, BLOCK), r
+
+
 def test_cancel_and_deadline_release_everything(cluster):
     address = cluster["fused"][0].address
 

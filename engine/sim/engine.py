@@ -83,6 +83,7 @@ class SimLLM:
         self.model = config.model
         self.block_size = config.block_size
         self.max_num_waiting = config.max_num_waiting
+        self.max_num_seqs = config.max_num_seqs
         self.kv_layout = SIM_KV_LAYOUT
         self.kv_block_bytes = 2 * 4 * config.block_size
         self.cost = cost
