@@ -223,6 +223,28 @@ def routes_by(frontend: dict[str, list], source: str) -> float:
     )
 
 
+def gc_pauses(metrics: dict[str, list]) -> dict | None:
+    """rtp:gc_pause_seconds over a window (every generation): collections, their seconds
+    in all, full collections, and the bound of the bucket that holds the longest."""
+    family = "rtp:gc_pause_seconds"
+    samples = metrics.get(family, [])
+    count = sum(s.value for s in samples if s.name == family + "_count")
+    if not count:
+        return None
+    by_le: dict[float, float] = {}
+    for s in samples:
+        if s.name == family + "_bucket":
+            by_le[float(s.labels["le"])] = by_le.get(float(s.labels["le"]), 0.0) + s.value
+    longest = min(le for le, n in by_le.items() if n >= count)
+    full = sum(
+        s.value
+        for s in samples
+        if s.name == family + "_count" and s.labels.get("generation") == "2"
+    )
+    return {"count": count, "seconds": total(metrics, family, "_sum"), "full": full,
+            "longest_le_s": longest}  # fmt: skip
+
+
 def histogram_quantile(metrics: dict[str, list], family: str, q: float) -> float | None:
     """The q-quantile of a histogram, interpolated linearly within its bucket."""
     buckets = sorted(
@@ -798,6 +820,7 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
         "route_cpu_p99_s": histogram_quantile(routes_after, "rtp:route_cpu_seconds", 0.99),
         "routes": routes,
         "routes_per_master_cpu_s": routes / m_cpu if m_cpu else None,
+        "master_gc": gc_pauses(replay_only),
         "master_cpu_s": m_cpu,
         "master_rss_mib": rss / 2**20,
         "index_blocks": blocks,
@@ -858,6 +881,7 @@ ROWS = (
         lambda r: r.get("route_cpu_p99_s") and r["route_cpu_p99_s"] * 1e3,
     ),
     ("routes / master CPU-second, over the replay", lambda r: r["routes_per_master_cpu_s"]),
+    ("master GC over the replay: collections; ms in all; full; longest ≤ (ms)", lambda r: _gc(r)),
     ("master RSS (MiB)", lambda r: r["master_rss_mib"]),
     ("indexed blocks", lambda r: r["index_blocks"]),
     ("master RSS growth per indexed block (bytes)", lambda r: r["bytes_per_block"]),
@@ -889,6 +913,14 @@ ROWS = (
 
 def _ms(v: float | None) -> float | None:
     return v * 1e3 if v is not None else None
+
+
+def _gc(r: dict) -> str | None:
+    g = r.get("master_gc")
+    if not g:
+        return None
+    return (f"{g['count']:.0f}; {g['seconds'] * 1e3:.1f}; {g['full']:.0f}; "
+            f"{_fmt(g['longest_le_s'] * 1e3)}")  # fmt: skip
 
 
 def _wall(r: dict) -> str:

@@ -28,6 +28,9 @@ def test_scale_bench_measures_every_row(model_dir, tmp_path):
                 "master_resync_s"):  # fmt: skip
         assert result[key] is not None and result[key] >= 0, key
     assert result["route_p50_s"] <= result["route_p99_s"]
+    # The master's GC pauses over the replay (None: a replay this short may make none).
+    gc = result["master_gc"]
+    assert gc is None or (gc["count"] >= max(1, gc["full"]) and gc["longest_le_s"] > 0)
     # Route calls back to back: answered, and the master's CPU counted for them.
     assert result["capacity_routes_per_s"] > 0 and result["capacity_routes_per_cpu_s"] > 0
     # The same through the frontend's route batcher: several routes a call.

@@ -256,8 +256,10 @@ def test_every_member_serves_metrics(cluster, sent):
     for m in members:
         exposed = names(scrape(m.metrics_address))
         assert exposed & set(markers.values()) == {markers[m.role]}, m
+        assert "rtp:gc_pause_seconds_count" in exposed, m  # every process: its GC pauses
     ns = names(scrape(cluster.info["nameservice_metrics"]))
     assert "rtp:heartbeats_total" in ns and not ns & set(markers.values())
+    assert "rtp:gc_pause_seconds_count" in ns
     frontend = _member(cluster, ns_pb2.ROLE_FRONTEND)
     assert frontend.metrics_address == cluster.url.removeprefix("http://")
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from rtp_serve.services.common import tracing
+from rtp_serve.services.common import gc_pauses, tracing
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ def setup_logging(
 
 def run_service(main: Coroutine[Any, Any, None]) -> int:
     """Run `main` on uvloop until it returns or SIGTERM/SIGINT cancels it; exit code 0."""
+    gc_pauses.watch()
     try:
         import uvloop
 
