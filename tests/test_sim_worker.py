@@ -398,3 +398,36 @@ def test_the_launcher_refuses_what_a_simulated_worker_lacks(model_dir):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode != 0 and "--sim-cost and --sim-step are a simulated" in run.stderr
+
+
+def test_a_worker_whose_publishing_fails_exits_instead_of_serving_unseen(model_dir, nats_server):
+    """The load and KV-event publisher runs for the worker's life; if it fails (here: the
+    engine's step cost raises), the master would route on stale load and a stale index,
+    so the worker stops with the error (its process exits non-zero, and its supervisor
+    restarts it) rather than serve on."""
+    from rtp_serve.core.sim_cost import SimCost
+    from rtp_serve.engine.sim.engine import SimLLM
+    from rtp_serve.services.cli import build_parser
+    from rtp_serve.services.decode.servicer import DecodeServicer
+    from rtp_serve.services.sim.main import sim_config
+    from rtp_serve.services.worker.serve import serve_worker
+
+    argv = ["sim-worker", "--model", str(model_dir("tiny-llama")), "--nats-url", nats_server]
+    args = build_parser(argv).parse_args(argv)
+
+    class Broken(SimLLM):
+        def step_cost(self):
+            raise RuntimeError("cost model gone")
+
+    def build(_):
+        return Broken(sim_config(args), SimCost())
+
+    def make(llm, worker_args):
+        return DecodeServicer(llm, allow_fused=True, role=nameservice_pb2.ROLE_FUSED)
+
+    async def main() -> None:
+        await asyncio.wait_for(serve_worker(args, nameservice_pb2.ROLE_FUSED, make, build), 30)
+
+    with pytest.raises(RuntimeError, match="publishing failed") as failed:
+        asyncio.run(main())
+    assert str(failed.value.__cause__) == "cost model gone"

@@ -65,7 +65,8 @@ def setup_logging(
 
 
 def run_service(main: Coroutine[Any, Any, None]) -> int:
-    """Run `main` on uvloop until it returns or SIGTERM/SIGINT cancels it; exit code 0."""
+    """Run `main` on uvloop until it returns or SIGTERM/SIGINT cancels it: exit code 0;
+    1 where it failed (logged)."""
     gc_pauses.watch()
     try:
         import uvloop
@@ -73,6 +74,7 @@ def run_service(main: Coroutine[Any, Any, None]) -> int:
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:  # uvloop is optional on platforms without it
         runner = asyncio.Runner()
+    code = 0
     try:
         with runner:
             loop = runner.get_loop()
@@ -81,10 +83,13 @@ def run_service(main: Coroutine[Any, Any, None]) -> int:
                 loop.add_signal_handler(sig, task.cancel)
             with contextlib.suppress(asyncio.CancelledError):
                 runner.run(_await(task))
+    except Exception:
+        log.critical("failed", exc_info=True)
+        code = 1
     finally:
         tracing.shutdown_tracing()  # export the last spans (bounded wait)
     log.info("stopped")
-    return 0
+    return code
 
 
 async def _await(task: asyncio.Task) -> None:

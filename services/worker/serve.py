@@ -88,7 +88,10 @@ async def serve_worker(
             address,
             os.getpid(),
         )
-        await asyncio.Event().wait()  # until cancelled (SIGTERM)
+        # Until cancelled (SIGTERM). The publisher runs as long: it ends only by failing,
+        # and a worker whose load and KV events stop reaching the master must not serve on.
+        await asyncio.wait([publisher])
+        raise RuntimeError("load and KV-event publishing failed") from publisher.exception()
     finally:
         await _drain(servicer, names, health, args.drain_timeout)
         publisher.cancel()
