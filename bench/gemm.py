@@ -17,7 +17,8 @@ Header: the CPU flags, the threads, and two ceilings measured in this run:
 Per row count M: one layer's projections (q/k/v, o, gate/up, down, the LM head once per
 `--layers`) as the engine holds them (rtp_serve/kernels/linear.py), `--layers` copies with
 their own weights so that small M streams them from memory as a decode step does. Columns:
-GFLOPS of the op as tuned (its KernelTable's pick, `gemm_table.tune`), of each path forced,
+GFLOPS of the op as tuned (its KernelTable's pick, `gemm_table.tune`), of each path forced
+(oneDNN's prepacked fp32 where it runs here),
 and of torch.mm on the same weights; then the tuned op as % of the GEMM peak and the floor
 arithmetic: the step's FLOPs at the peak vs its weight bytes at the copy bandwidth.
 Wall-clock on a shared machine: compare within one run.
@@ -44,7 +45,7 @@ from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
 from rtp_serve.kernels.linear import Fp32Linear, cpu_kernels, tune_linears  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
-PATHS = ("rows_gemm", "packed_gemm", "mkl")
+PATHS = ("rows_gemm", "packed_gemm", "mkl", "onednn")  # onednn: where prepack_fp32 works
 
 
 def best_time(fn, repeats: int) -> float:
@@ -133,7 +134,7 @@ def main() -> None:
     for op, (k, n) in zip(linears[: len(layer)], layer, strict=True):
         print(f"  table {k}x{n}: {op.table.describe()}")
     print()
-    print(f"{'M':>5} {'tuned':>7} {'rows_gemm':>9} {'packed':>7} {'mkl':>7} {'torch.mm':>8} "
+    print(f"{'M':>5} {'tuned':>7} {'rows_gemm':>9} {'packed':>7} {'mkl':>7} {'onednn':>7} {'torch.mm':>8} "
           f"{'tuned/mm':>8} {'% peak':>6} {'floor ms':>8} {'tuned ms':>8}  floor by")  # fmt: skip
     mm_ws = [w.t().contiguous() for w in weights]  # torch.mm's own [k, n] layout
     for m in [int(r) for r in args.rows.split(",")]:
@@ -144,7 +145,7 @@ def main() -> None:
             **{
                 p: (lambda xs=xs, p=p: [op.paths()[p](xs[op.w.shape[1]]) for op in forced])
                 for p in PATHS
-                if m <= 256 or p != "rows_gemm"
+                if p in forced[0].paths() and (m <= 256 or p != "rows_gemm")
             },
             "torch.mm": lambda xs=xs, ws=mm_ws: [torch.mm(xs[w.shape[0]], w) for w in ws],
         }
@@ -156,7 +157,7 @@ def main() -> None:
             return f"{gf[name]:.1f}" if name in gf else "-"
 
         print(f"{m:>5} {cell('tuned'):>7} {cell('rows_gemm'):>9} {cell('packed_gemm'):>7} "
-              f"{cell('mkl'):>7} {cell('torch.mm'):>8} {gf['tuned'] / gf['torch.mm']:>7.2f}x "
+              f"{cell('mkl'):>7} {cell('onednn'):>7} {cell('torch.mm'):>8} {gf['tuned'] / gf['torch.mm']:>7.2f}x "
               f"{100 * gf['tuned'] / peak:>5.0f}% {floor_s * 1e3:>8.2f} {flops / gf['tuned'] / 1e6:>8.2f}  {by}")  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rtp_serve.kernels import cpu
+from rtp_serve.kernels.gemm_table import KernelTable
 from rtp_serve.kernels.isa import LEVELS, resolve
 from rtp_serve.kernels.linear import (
     PACKED_FROM,
@@ -87,6 +88,10 @@ def test_quantize_int8_is_symmetric_per_channel():
 _KERNEL_SETS = {
     "reference": lambda ops: Kernels(ops=None, prepack_bf16=False),
     "compiled": lambda ops: Kernels(ops=ops, prepack_bf16=False),
+    # oneDNN's prepacked copies, where this machine runs them (a no-op elsewhere)
+    "prepacked": lambda ops: Kernels(
+        ops=ops, prepack_bf16=prepack_works(), prepack_fp32=prepack_works(torch.float32)
+    ),
 }
 
 
@@ -142,6 +147,7 @@ def test_kernel_choice_follows_the_machine(ops):
     assert isinstance(op, RowsLinear) and op.kernel == "rows_gemm"
     # The prepacked oneDNN path is used exactly where it works (AVX512-BF16 / AMX machines).
     assert kernels.prepack_bf16 == (kernels.isa.at_least("avx512_bf16") and prepack_works())
+    assert kernels.prepack_fp32 == prepack_works(torch.float32)
     with pytest.raises(ValueError, match="weight dtype"):
         make_linear(torch.randn(8, 4), torch.float32, "int4", kernels)
 
@@ -225,3 +231,17 @@ def test_silu_mul_kernel_matches_the_reference(ops, dtype, rows, inter):
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
     wider = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * inter]  # rows of a wider tensor
     torch.testing.assert_close(ops.silu_mul(wider).float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not prepack_works(torch.float32), reason="oneDNN prepacked fp32 unavailable")
+def test_prepacked_fp32_is_a_path_the_table_can_pick_or_drop(ops):
+    """float32 gets oneDNN's packing as a fourth path; a table without it frees the copy."""
+    x, w, bias, residual = linear_case(48, 96, 200)
+    kernels = Kernels(ops=ops, prepack_bf16=False, prepack_fp32=True)
+    op = make_linear(w, torch.float32, "auto", kernels)
+    assert list(op.paths()) == ["rows_gemm", "packed_gemm", "mkl", "onednn"]
+    op.use(KernelTable.split("packed_gemm", 32, "onednn"))
+    expected = F.linear(x, w, bias) + residual
+    torch.testing.assert_close(op(x, bias, residual), expected, rtol=1e-4, atol=1e-4)
+    op.use(KernelTable.split("rows_gemm", 32, "mkl"))
+    assert op._prepacked is None and "onednn" not in op.paths()

@@ -100,7 +100,8 @@ def tune(ops: Sequence[Tunable], cache: bool = True) -> dict[str, KernelTable]:
     start = time.perf_counter()
     measured = 0
     for key, members in groups.items():
-        file = _cache_file(key) if cache else None
+        # The paths are in the key: a build that adds one measures again.
+        file = _cache_file(f"{key} paths {','.join(members[0].paths())}") if cache else None
         table = _read(file)
         if table is None or set(table.kernel) - set(members[0].paths()):
             table = measure(members)

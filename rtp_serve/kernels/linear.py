@@ -9,13 +9,14 @@ op can run several ways (its paths), and its KernelTable picks one per row count
     packed_gemm   column panels packed at load         a few to hundreds of rows: 6 x 16
                   (kernels/csrc/packed_gemm.cpp)       register tiles near the FMA peak
     mkl / widen   [out, in] (bf16 widened to fp32)     large prefill chunks: MKL's sgemm
-    onednn        oneDNN's prepacked bf16              avx512_bf16 / AMX CPUs, from PACKED_FROM
+    onednn        oneDNN's prepacked copy (fp32, or    large fp32 chunks where it beats MKL;
+                  bf16 on avx512_bf16 / AMX CPUs)      bf16 from PACKED_FROM rows
     torch         F.linear in the model's dtype        off the CPU, or no compiled kernels
 
 The table starts as the split measured on the first machines (rows_gemm up to SMALL_M rows,
 then the large path); when a model loads, `gemm_table.tune()` times the paths on its own
-shapes and replaces it (rtp_serve/kernels/gemm_table.py). The panels are a second copy of
-the weight; an op whose table never picks packed_gemm drops them.
+shapes and replaces it (rtp_serve/kernels/gemm_table.py). The panels and oneDNN's packing
+are copies of the weight; an op whose table never picks their path drops them.
 
 Every weight keeps the checkpoint's [out, in] layout, so one already in the dtype it runs in
 is used where the loader put it (a view of the mapped file: engine/weights.py), never
@@ -70,6 +71,7 @@ class Kernels:
     ops: object | None  # the compiled CPU kernels (kernels.cpu.load()), None without
     prepack_bf16: bool  # oneDNN's prepacked bf16 linear works here (AVX512-BF16 / AMX)
     isa: CpuIsa | None = None
+    prepack_fp32: bool = False  # oneDNN's prepacked float32 linear works here
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +80,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+def _onednn(self, x, bias=None, residual=None):
+    """The onednn path of an op with `_prepacked`."""
+    out = torch.ops.mkldnn._linear_pointwise(x, self._prepacked, bias, "none", [], "")
+    return out if residual is None else out.add_(residual)
 
 
 class TunedLinear:
@@ -91,6 +99,7 @@ class TunedLinear:
     packed_gemm: Callable[..., torch.Tensor] | None
     table: KernelTable
     _paths: dict[str, Callable[..., torch.Tensor]]
+    _prepacked: object | None = None  # oneDNN's own packing of the weight (the onednn path)
 
     def __call__(self, x, bias=None, residual=None):
         return self._paths[self.table.pick(x.shape[0])](x, bias, residual)
@@ -107,6 +116,9 @@ class TunedLinear:
         if "packed_gemm" not in table.kernel and self.panels is not None:
             self.panels = None  # the packed copy serves no row count: its memory back
             del self._paths["packed_gemm"]
+        if "onednn" not in table.kernel and self._prepacked is not None:
+            self._prepacked = None  # oneDNN's copy, alike
+            del self._paths["onednn"]
 
     def in_features(self) -> int:
         return self.w.shape[1]
@@ -130,7 +142,10 @@ class TunedLinear:
 
 
 class Fp32Linear(TunedLinear):
-    """float32 weights [out, in], as the checkpoint stores them (no copy where it is float32)."""
+    """float32 weights [out, in], as the checkpoint stores them (no copy where it is float32),
+    and, where oneDNN's prepacked linear works, its packing of them: the large GEMM path
+    beside MKL's (on an AVX-512 EPYC oneDNN's large GEMM ran at 226 GFLOPS against MKL's
+    191-202, bench/gemm.py); the table keeps whichever is faster here."""
 
     def __init__(self, w: torch.Tensor, kernels: Kernels) -> None:
         self.w = w.float().contiguous()
@@ -143,11 +158,17 @@ class Fp32Linear(TunedLinear):
         if ops is not None:
             self._compiled_paths(ops)
         self._paths["mkl"] = self._mkl
+        if kernels.prepack_fp32 and ops is not None:
+            self._prepacked = _prepack(self.w)
+            if self._prepacked is not None:
+                self._paths["onednn"] = self._onednn
         small = "rows_gemm" if ops is not None else "mkl"
         self.table = KernelTable.split(small, SMALL_M, "mkl")
 
     def act_dtype(self) -> torch.dtype:
         return torch.float32
+
+    _onednn = _onednn
 
     def _mkl(self, x, bias=None, residual=None):
         if residual is None:
@@ -171,7 +192,6 @@ class RowsLinear(TunedLinear):
         self.params = self.w.numel()
         self.nbytes = self.params * self.w.element_size()
         self.panels = None
-        self._prepacked = None  # oneDNN's own packing of the weight (AVX512-BF16 / AMX)
         if kernels.prepack_bf16 and dtype == torch.bfloat16:
             self._prepacked = _prepack(self.dense())
         # oneDNN's bf16 GEMM emulated on AVX2 is several times slower than widening the
@@ -204,9 +224,7 @@ class RowsLinear(TunedLinear):
             return self.w.to(self.dtype)
         return (self.w.float() * self.scale[:, None]).to(self.dtype)
 
-    def _onednn(self, x, bias=None, residual=None):
-        out = torch.ops.mkldnn._linear_pointwise(x, self._prepacked, bias, "none", [], "")
-        return out if residual is None else out.add_(residual)
+    _onednn = _onednn
 
     def _widen(self, x, bias=None, residual=None):
         """float32 math on the widened weight, the result in x's dtype."""
@@ -259,6 +277,11 @@ class PartsLinear(TunedLinear):
             del p._paths["packed_gemm"]
         return lambda x, b=None, r=None: gemm(x, self.panels, n, self.scale, b, r)
 
+    def use(self, table: KernelTable) -> None:
+        super().use(table)
+        for p in self.parts:  # their own copies for paths the table never picks
+            p.use(table)
+
     def _each(self, fns, x, bias=None, residual=None):
         biases = bias.split(self.sizes) if bias is not None else [None] * len(fns)
         out = torch.cat([fn(x, b) for fn, b in zip(fns, biases, strict=True)], dim=-1)
@@ -308,24 +331,26 @@ def _prepack(w: torch.Tensor) -> object | None:
         return None
 
 
-def prepack_works() -> bool:
-    """Whether oneDNN's prepacked bf16 linear runs here and agrees with F.linear.
+@functools.cache
+def prepack_works(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether oneDNN's prepacked linear runs here in `dtype` and agrees with F.linear.
 
     The op lives in a private namespace that has moved between torch releases and refuses
-    CPUs without native bf16, so it is resolved and checked once, never assumed.
+    bf16 on CPUs without native bf16, so it is resolved and checked once, never assumed.
     """
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     try:
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(64, 96, generator=g).bfloat16()
-        x = torch.randn(5, 96, generator=g).bfloat16()
+        w = torch.randn(64, 96, generator=g).to(dtype)
+        x = torch.randn(5, 96, generator=g).to(dtype)
         packed = ops._reorder_linear_weight(w, None)
         got = ops._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
+        return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=tol, atol=tol))
     except Exception as exc:
-        log.info("oneDNN prepacked bf16 linear unavailable: %s", exc)
+        log.info("oneDNN prepacked %s linear unavailable: %s", dtype, exc)
         return False
 
 
@@ -339,4 +364,11 @@ def cpu_kernels(device: torch.device) -> Kernels:
     isa = cpu_isa()
     ops = cpu.load()
     prepack = isa.at_least("avx512_bf16") and prepack_works()
-    return Kernels(ops=ops, prepack_bf16=prepack, isa=isa)
+    # RTP_SERVE_ONEDNN_FP32=0: float32 without oneDNN's packed copy (what ran before it;
+    # bench/engine.py compares the two).
+    fp32 = (
+        ops is not None
+        and os.environ.get("RTP_SERVE_ONEDNN_FP32", "1") != "0"
+        and prepack_works(torch.float32)
+    )
+    return Kernels(ops=ops, prepack_bf16=prepack, isa=isa, prepack_fp32=fp32)
