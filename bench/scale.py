@@ -149,6 +149,28 @@ def spawn(name: str, *flags: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` (its own affinity is its main thread's only) to `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def pin_master(args, masters: list[int], others: list[int]) -> None:
+    """--master-cpu: the master replicas on that CPU alone, every other process of the
+    bench (this one, NATS, the services, the simulated workers) on the rest: the master on
+    a core of its own, as a deployment gives it, so its route latency is its own."""
+    if args.master_cpu is None:
+        return
+    rest = os.sched_getaffinity(0) - {args.master_cpu}
+    if not rest:
+        raise SystemExit(f"--master-cpu {args.master_cpu}: no CPU left for the rest")
+    for pid in masters:
+        pin(pid, {args.master_cpu})
+    for pid in [os.getpid(), *others]:
+        pin(pid, rest)
+
+
 def stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -341,6 +363,9 @@ def cluster(args, n: int, model: Path, tmp: Path, policy: str) -> Iterator[Scale
             "--max-concurrent", "100000", "--max-streams-per-client", "0", log=log,
         )  # fmt: skip
         asyncio.run(wait_ready(f"127.0.0.1:{fe_port}"))
+        ms = {procs[master_proc(i)].pid for i in range(args.masters)}
+        rest = [p.pid for p in [*procs.values(), *workers] if p.pid not in ms] + [nats.pid]
+        pin_master(args, sorted(ms), rest)
         yield ScaleCluster(
             nats.url, ns, masters, master_metrics, f"127.0.0.1:{fe_port}", procs, workers, warm
         )  # fmt: skip
@@ -642,7 +667,7 @@ async def route_capacity(
 
 # -- a restarted master -----------------------------------------------------------------
 async def master_restart_s(
-    c: ScaleCluster, log: Path, settle_s: float, timeout: float = 300.0
+    c: ScaleCluster, log: Path, settle_s: float, master_cpu: int | None, timeout: float = 300.0
 ) -> float | None:
     """SIGKILL the master and start it again on its port: seconds until it has rebuilt
     every member's part of its index (a startup resync each, from its snapshot) and holds
@@ -658,6 +683,8 @@ async def master_restart_s(
     started = time.monotonic()
     out = log.open("ab")
     c.procs["master"] = subprocess.Popen(old.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    if master_cpu is not None:  # (its threads, started later, inherit it)
+        pin(c.procs["master"].pid, {master_cpu})
     while time.monotonic() - started < timeout:
         with contextlib.suppress(httpx.TransportError, httpx.HTTPStatusError):
             metrics = await asyncio.to_thread(scrape, c.master_metrics[0])
@@ -793,7 +820,7 @@ def run(args, n: int, model: Path, trace: list[TraceRequest], policy: str) -> di
         if "restart" not in args.skip:
             log = Path(args.log_dir or tmp) / f"master-{n}.log"
             settle_s = 0.25 + 3 * args.event_cutoff_ms / 1000
-            resync_s = asyncio.run(master_restart_s(c, log, settle_s))
+            resync_s = asyncio.run(master_restart_s(c, log, settle_s, args.master_cpu))
         if "dead-worker" not in args.skip:
             out_s = asyncio.run(dead_worker_out_s(c, args, model, tmp))
     ok = [r for r in results if r.ok]
@@ -1008,6 +1035,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--probes", type=int, default=100,
         help="agreement probes over the replay (with 2 masters or more)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--master-cpu", type=int, default=None,
+        help="pin the master replicas to this CPU and everything else to the others",
     )  # fmt: skip
     ap.add_argument("--failover-rate", type=float, default=20.0, help="requests/s, failover")
     ap.add_argument("--failover-s", type=float, default=3.0, help="failover window (s)")
