@@ -96,33 +96,23 @@ RTP_VNNI __attribute__((noinline)) void tile_rows(const int8_t* x, int64_t Kp, i
 void vnni_kernel(const int8_t* x, const float* x_scale, const int8_t* panels,
                  const int32_t* w_sums, const float* w_scale, const float* bias,
                  const float* residual, float* out, int64_t M, int64_t Kp, int64_t N) {
-  const int64_t P = (N + kNR - 1) / kNR, K4 = Kp / 4;
-  rtp::parallel_chunks(P, rtp::chunk_for(P), [&](rtp::Chunks& chunks) {
-    alignas(64) int32_t c[kMR * kNR];
-    for (int64_t p0, p1; chunks.next(p0, p1);) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int8_t* b = panels + p * K4 * kNR * 4;
-        const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
-        for (int64_t m = 0; m < M; m += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, M - m);
-          tile_rows(x + m * Kp, Kp, K4, b, mr, c);
-          for (int64_t r = 0; r < mr; ++r) {
-            float* o = out + (m + r) * N + n0;
-            const int32_t* cr = c + r * kNR;
-            const float xs = x_scale[m + r];
-            const float* res = residual ? residual + (m + r) * N + n0 : nullptr;
-            for (int64_t j = 0; j < cols; ++j) {
-              const int32_t dot = cr[j] - 128 * w_sums[n0 + j];
-              float v = static_cast<float>(dot) * xs * w_scale[n0 + j];
-              if (bias) v += bias[n0 + j];
-              if (res) v += res[j];
-              o[j] = v;
-            }
-          }
-        }
-      }
+  const int64_t K4 = Kp / 4;
+  auto tile = [&](int64_t p, int64_t m, int64_t mr, int32_t* c) {
+    tile_rows(x + m * Kp, Kp, K4, panels + p * K4 * kNR * 4, mr, c);
+  };
+  auto store = [&](int64_t row, int64_t n0, int64_t cols, const int32_t* cr) {
+    float* o = out + row * N + n0;
+    const float xs = x_scale[row];
+    const float* res = residual ? residual + row * N + n0 : nullptr;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int32_t dot = cr[j] - 128 * w_sums[n0 + j];
+      float v = static_cast<float>(dot) * xs * w_scale[n0 + j];
+      if (bias) v += bias[n0 + j];
+      if (res) v += res[j];
+      o[j] = v;
     }
-  });
+  };
+  rtp::over_panels<kMR, kNR, int32_t>(M, N, tile, store);
 }
 #endif
 

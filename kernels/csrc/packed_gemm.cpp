@@ -104,31 +104,20 @@ __attribute__((noinline)) void tile_rows(const float* x, int64_t K, const w_t* b
 template <typename w_t>
 void panels_kernel(const float* x, const w_t* panels, const float* scale, const float* bias,
                    const float* residual, float* out, int64_t M, int64_t K, int64_t N) {
-  const int64_t P = (N + kNR - 1) / kNR;
-  rtp::parallel_chunks(P, rtp::chunk_for(P), [&](rtp::Chunks& chunks) {
-    alignas(64) float c[kMR * kNR];
-    for (int64_t p0, p1; chunks.next(p0, p1);) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const w_t* b = panels + p * K * kNR;
-        const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
-        for (int64_t m = 0; m < M; m += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, M - m);
-          tile_rows(x + m * K, K, b, mr, c);
-          for (int64_t r = 0; r < mr; ++r) {
-            float* o = out + (m + r) * N + n0;
-            const float* cr = c + r * kNR;
-            const float* res = residual ? residual + (m + r) * N + n0 : nullptr;
-            for (int64_t j = 0; j < cols; ++j) {
-              float v = scale ? cr[j] * scale[n0 + j] : cr[j];
-              if (bias) v += bias[n0 + j];
-              if (res) v += res[j];
-              o[j] = v;
-            }
-          }
-        }
-      }
+  auto tile = [&](int64_t p, int64_t m, int64_t mr, float* c) {
+    tile_rows(x + m * K, K, panels + p * K * kNR, mr, c);
+  };
+  auto store = [&](int64_t row, int64_t n0, int64_t cols, const float* cr) {
+    float* o = out + row * N + n0;
+    const float* res = residual ? residual + row * N + n0 : nullptr;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = scale ? cr[j] * scale[n0 + j] : cr[j];
+      if (bias) v += bias[n0 + j];
+      if (res) v += res[j];
+      o[j] = v;
     }
-  });
+  };
+  rtp::over_panels<kMR, kNR, float>(M, N, tile, store);
 }
 #endif
 

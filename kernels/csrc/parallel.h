@@ -50,4 +50,27 @@ inline int64_t chunk_for(int64_t n, int64_t per_thread = 8) {
   return std::max<int64_t>(1, n / (per_thread * std::max<int64_t>(1, at::get_num_threads())));
 }
 
+// The driver of a GEMM over column panels (packed_gemm, int8_gemm): threads take panels of
+// NR output columns in chunks; each panel's rows go in tiles of up to MR, computed by
+// tile(panel, row, rows, c) into c [MR][NR] (per-thread scratch of acc_t), each row of
+// which store(row, first column, columns, c row) finishes into the output (the last panel
+// may be narrower than NR).
+template <int64_t MR, int64_t NR, typename acc_t, typename Tile, typename Store>
+void over_panels(int64_t M, int64_t N, const Tile& tile, const Store& store) {
+  const int64_t P = (N + NR - 1) / NR;
+  parallel_chunks(P, chunk_for(P), [&](Chunks& chunks) {
+    alignas(64) acc_t c[MR * NR];
+    for (int64_t p0, p1; chunks.next(p0, p1);) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+        for (int64_t m = 0; m < M; m += MR) {
+          const int64_t mr = std::min(MR, M - m);
+          tile(p, m, mr, c);
+          for (int64_t r = 0; r < mr; ++r) store(m + r, n0, cols, c + r * NR);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace rtp
