@@ -404,7 +404,7 @@ def test_a_worker_whose_publishing_fails_exits_instead_of_serving_unseen(model_d
     """The load and KV-event publisher runs for the worker's life; if it fails (here: the
     engine's step cost raises), the master would route on stale load and a stale index,
     so the worker stops with the error (its process exits non-zero, and its supervisor
-    restarts it) rather than serve on."""
+    restarts it) rather than serve on. So does a failure of its role's background work."""
     from rtp_serve.core.sim_cost import SimCost
     from rtp_serve.engine.sim.engine import SimLLM
     from rtp_serve.services.cli import build_parser
@@ -419,15 +419,25 @@ def test_a_worker_whose_publishing_fails_exits_instead_of_serving_unseen(model_d
         def step_cost(self):
             raise RuntimeError("cost model gone")
 
-    def build(_):
-        return Broken(sim_config(args), SimCost())
+    class Failing(DecodeServicer):
+        async def background(self, names) -> None:
+            await asyncio.sleep(0.2)
+            raise RuntimeError("background gone")
 
-    def make(llm, worker_args):
-        return DecodeServicer(llm, allow_fused=True, role=nameservice_pb2.ROLE_FUSED)
+    def run(engine: type[SimLLM], servicer: type[DecodeServicer]) -> None:
+        def build(_):
+            return engine(sim_config(args), SimCost())
 
-    async def main() -> None:
-        await asyncio.wait_for(serve_worker(args, nameservice_pb2.ROLE_FUSED, make, build), 30)
+        def make(llm, worker_args):
+            return servicer(llm, allow_fused=True, role=nameservice_pb2.ROLE_FUSED)
+
+        fused = nameservice_pb2.ROLE_FUSED
+        asyncio.run(asyncio.wait_for(serve_worker(args, fused, make, build), 30))
 
     with pytest.raises(RuntimeError, match="publishing failed") as failed:
-        asyncio.run(main())
+        run(Broken, DecodeServicer)
     assert str(failed.value.__cause__) == "cost model gone"
+    # The role's background work alike (the base servicer's has none and ends at once).
+    with pytest.raises(RuntimeError, match="background work failed") as failed:
+        run(SimLLM, Failing)
+    assert str(failed.value.__cause__) == "background gone"

@@ -88,10 +88,13 @@ async def serve_worker(
             address,
             os.getpid(),
         )
-        # Until cancelled (SIGTERM). The publisher runs as long: it ends only by failing,
-        # and a worker whose load and KV events stop reaching the master must not serve on.
-        await asyncio.wait([publisher])
-        raise RuntimeError("load and KV-event publishing failed") from publisher.exception()
+        # Until cancelled (SIGTERM). The publisher runs as long, and the role's background
+        # work (if any) too: one that fails ends the worker, which must not serve on with
+        # its load and KV events no longer reaching the master, or its role's work undone.
+        await asyncio.wait([publisher, background], return_when=asyncio.FIRST_EXCEPTION)
+        failed = publisher if publisher.done() else background
+        what = "load and KV-event publishing" if failed is publisher else "background work"
+        raise RuntimeError(f"{what} failed") from failed.exception()
     finally:
         await _drain(servicer, names, health, args.drain_timeout)
         publisher.cancel()
