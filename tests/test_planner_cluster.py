@@ -55,9 +55,7 @@ def _client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-async def _stream(
-    client: openai.AsyncOpenAI, model: str, prompt: str, started: asyncio.Event
-) -> str:
+async def _stream(client: openai.AsyncOpenAI, model: str, prompt: str) -> str:
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
@@ -66,7 +64,6 @@ async def _stream(
     async for chunk in stream:
         if chunk.choices:
             text.append(chunk.choices[0].text)
-            started.set()
     return "".join(text)
 
 
@@ -101,16 +98,19 @@ def test_scaling_a_decode_worker_down_under_streams_loses_nothing(model, referen
                 await bus.close()
             client = _client(c.url)
             model_id = (await client.models.list()).data[0].id
-            started = [asyncio.Event() for _ in PROMPTS]
-            streams = [
-                asyncio.create_task(_stream(client, model_id, p, s))
-                for p, s in zip(PROMPTS, started, strict=True)
-            ]
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
-            stats = await asyncio.to_thread(c.worker_stats)
-            assert stats[worker_id].num_running + stats[worker_id].num_waiting > 0, (
-                "no stream ran on the worker being scaled down"
-            )
+            streams = [asyncio.create_task(_stream(client, model_id, p)) for p in PROMPTS]
+            # Down as soon as it holds some of them: a stream of this model ends within a
+            # second or two, so one look after all had started could find it done already.
+            deadline = time.monotonic() + 120
+            while True:
+                stats = (await asyncio.to_thread(c.worker_stats))[worker_id]
+                if stats.num_running + stats.num_waiting > 0:
+                    break
+                ended = all(t.done() for t in streams)
+                assert not ended and time.monotonic() < deadline, (
+                    "no stream ran on the worker being scaled down"
+                )
+                await asyncio.sleep(0.02)
             await actuator.scale("decode", 0, victims=[worker_id])
             texts = await asyncio.gather(*streams)
             # Its streams moved and ended; its deregistration may still be on the way.
@@ -144,9 +144,9 @@ def test_scale_to_zero_holds_the_request_and_starts_one_worker(model, reference,
         async def run() -> list[str]:
             client = _client(c.url)
             model_id = (await client.models.list()).data[0].id
-            first = asyncio.create_task(_stream(client, model_id, PROMPTS[0], asyncio.Event()))
+            first = asyncio.create_task(_stream(client, model_id, PROMPTS[0]))
             await asyncio.sleep(0.2)
-            second = asyncio.create_task(_stream(client, model_id, PROMPTS[1], asyncio.Event()))
+            second = asyncio.create_task(_stream(client, model_id, PROMPTS[1]))
             return list(await asyncio.gather(first, second))
 
         texts = asyncio.run(run())
