@@ -82,12 +82,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-def _onednn(self, x, bias=None, residual=None):
-    """The onednn path of an op with `_prepacked`."""
-    out = torch.ops.mkldnn._linear_pointwise(x, self._prepacked, bias, "none", [], "")
-    return out if residual is None else out.add_(residual)
-
-
 class TunedLinear:
     """A projection that can run several ways (its `paths`) and runs each call on the one
     its KernelTable picks for the row count. The table starts as the fixed split measured
@@ -122,6 +116,11 @@ class TunedLinear:
 
     def in_features(self) -> int:
         return self.w.shape[1]
+
+    def _onednn(self, x, bias=None, residual=None):
+        """The onednn path: oneDNN's GEMM over `_prepacked`."""
+        out = torch.ops.mkldnn._linear_pointwise(x, self._prepacked, bias, "none", [], "")
+        return out if residual is None else out.add_(residual)
 
     def _compiled_paths(self, ops) -> None:
         """rows_gemm over the weight where it lies, packed_gemm over a packed copy."""
@@ -167,8 +166,6 @@ class Fp32Linear(TunedLinear):
 
     def act_dtype(self) -> torch.dtype:
         return torch.float32
-
-    _onednn = _onednn
 
     def _mkl(self, x, bias=None, residual=None):
         if residual is None:
@@ -223,8 +220,6 @@ class RowsLinear(TunedLinear):
         if self.scale is None:
             return self.w.to(self.dtype)
         return (self.w.float() * self.scale[:, None]).to(self.dtype)
-
-    _onednn = _onednn
 
     def _widen(self, x, bias=None, residual=None):
         """float32 math on the widened weight, the result in x's dtype."""
