@@ -4,7 +4,10 @@
 
 Header: the CPU's ISA level and flags. Per KV dtype (float32, bfloat16, int8; the query in
 float32, or bfloat16 over a bf16 cache):
-  decode   batch 48, contexts of 200..296 tokens (the engine benchmark's offline workload)
+  decode B batch B = 1, 4 (a served load's small batches) and 48 (the engine benchmark's
+           offline workload), contexts of 200..296 tokens; per layer, over as many
+           layers' caches as fill 256 MiB, so that each reads its KV from memory as a
+           decode step does, not from a cache warmed by the previous call
   prefill  256 new tokens after a cached prefix of 1024 (a prefix-cache hit, a later chunk)
   new N    a prompt of N tokens with nothing cached (N = 200, 1024, 2048; the reference is
            SDPA's causal kernel on the new K/V, as the engine runs it; KV in the query's dtype)
@@ -36,6 +39,7 @@ from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 from rtp_serve.kernels.kv_quant import write_int8  # noqa: E402
 
 BLOCK = 16
+DECODE_BYTES = 256 << 20  # the decode rows' layers' caches together: more than any L3
 
 
 def best_ms(fn, reps: int = 7) -> float:
@@ -46,6 +50,11 @@ def best_ms(fn, reps: int = 7) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
+
+
+def per_layer(layers: list[LayerCache], attend) -> None:
+    for cache in layers:
+        attend(cache)
 
 
 def make_cache(num_blocks: int, kv_heads: int, dim: int, dtype: torch.dtype) -> LayerCache:
@@ -76,17 +85,17 @@ def main() -> None:
         print("compiled kernels unavailable: only the reference runs")
     print(f"{'kv dtype':<10}{'op':<10}{'reference ms':>14}{'kernel ms':>11}{'speedup':>9}")
     for kv_dtype in (torch.float32, torch.bfloat16, torch.int8):
-        for op, ref, kernel in cases(kv_dtype, ops, *args.heads, args.head_dim):
-            name, ref_ms = str(kv_dtype).removeprefix("torch."), best_ms(ref)
+        for op, ref, kernel, calls in cases(kv_dtype, ops, *args.heads, args.head_dim):
+            name, ref_ms = str(kv_dtype).removeprefix("torch."), best_ms(ref) / calls
             if kernel is None:
                 print(f"{name:<10}{op:<10}{ref_ms:>14.2f}{'-':>11}{'-':>9}")
                 continue
-            k_ms = best_ms(kernel)
+            k_ms = best_ms(kernel) / calls
             print(f"{name:<10}{op:<10}{ref_ms:>14.2f}{k_ms:>11.2f}{ref_ms / k_ms:>8.2f}x")
 
 
 def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
-    """(op, reference, kernel or None) for one KV dtype."""
+    """(op, reference, kernel or None, the calls each makes) for one KV dtype."""
     scale = d**-0.5
     q_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
     g = torch.Generator().manual_seed(0)
@@ -99,11 +108,29 @@ def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
     sc = (cache.k_scale, cache.v_scale)
     q1 = torch.randn(48, hq, d).to(q_dtype)
     qn = torch.randn(n, hq, d).to(q_dtype)
-    yield (
-        "decode",
-        lambda: paged_decode(q1, cache.k, cache.v, tables, lens, BLOCK, scale, *sc),
-        ops and (lambda: ops.paged_decode(q1, cache.k, cache.v, tables, lens, BLOCK, scale, *sc)),
-    )
+    layer_bytes = cache.k.nbytes + cache.v.nbytes
+    layers = [cache] + [
+        make_cache(48 * per_seq, hkv, d, kv_dtype) for _ in range(DECODE_BYTES // layer_bytes)
+    ]
+    for b in (1, 4, 48):
+        qb, tb, lb = q1[:b], tables[:b], lens[:b]
+        yield (
+            f"decode {b}",
+            lambda qb=qb, tb=tb, lb=lb: per_layer(
+                layers,
+                lambda c: paged_decode(qb, c.k, c.v, tb, lb, BLOCK, scale, c.k_scale, c.v_scale),
+            ),
+            ops
+            and (
+                lambda qb=qb, tb=tb, lb=lb: per_layer(
+                    layers,
+                    lambda c: ops.paged_decode(
+                        qb, c.k, c.v, tb, lb, BLOCK, scale, c.k_scale, c.v_scale
+                    ),
+                )
+            ),
+            len(layers),
+        )
     yield (
         "prefill",
         lambda: paged_prefill(qn, cache, prefill_table, ctx, BLOCK, scale),
@@ -111,6 +138,7 @@ def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
         and (
             lambda: ops.paged_prefill(qn, cache.k, cache.v, prefill_table, ctx, BLOCK, scale, *sc)
         ),
+        1,
     )
     for new in (200, 1024, 2048) if kv_dtype != torch.int8 else ():
         fresh = make_cache(-(-new // BLOCK), hkv, d, kv_dtype)
@@ -125,6 +153,7 @@ def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
                     qf, fresh.k, fresh.v, table, 0, BLOCK, scale
                 )
             ),
+            1,
         )
     if kv_dtype == torch.int8:
         rows = torch.randn(n, hkv, d)
@@ -133,6 +162,7 @@ def cases(kv_dtype: torch.dtype, ops, hq: int, hkv: int, d: int):
             "write",
             lambda: write_int8(cache.k, cache.k_scale, rows, slots, BLOCK),
             ops and (lambda: ops.kv_write_int8(cache.k, cache.k_scale, rows, slots, BLOCK)),
+            1,
         )
 
 

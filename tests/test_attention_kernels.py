@@ -137,6 +137,40 @@ def test_paged_decode_reads_a_narrower_cache(q_dtype, kv_dtype):
         torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol, msg=name)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("n_threads", [1, 2, 5])
+def test_paged_decode_splits_few_long_sequences_into_runs(kv_dtype, n_threads):
+    """Batch 1 and 2 of long contexts: the kernel splits each sequence's tokens into runs
+    of whole blocks (more runs on more threads) and merges their softmax partials, a run
+    whose scores dwarf the others' included; the result is the whole sequence's
+    attention."""
+    torch.manual_seed(5)
+    hq, hkv, d, bs = 12, 4, 64, 16
+    before = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        for lens in ([1000], [700, 3], [129, 64]):
+            contexts = [(torch.randn(n, hkv, d), torch.randn(n, hkv, d)) for n in lens]
+            contexts[0][0][-5:] *= 8  # the last run's scores dwarf the others'
+            cache, tables = scatter_cache(contexts, 128, bs, kv_dtype)
+            q = torch.randn(len(lens), hq, d)
+            scale = d**-0.5
+            expected = torch.stack(
+                [
+                    dense(q[i : i + 1], *stored(cache, table, n, bs), scale)[0]
+                    for i, (table, n) in enumerate(zip(tables, lens, strict=True))
+                ]
+            )
+            for name, impl in _decode_impls():
+                out = impl(
+                    q, cache.k, cache.v, padded(tables), torch.tensor(lens), bs, scale,
+                    cache.k_scale, cache.v_scale,
+                )  # fmt: skip
+                torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=name)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _prefill_impls():
     impls = [("reference", paged_prefill)]
     ops = cpu.load()
