@@ -70,26 +70,36 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
         const int64_t b = task / runs, r = task % runs;
         const int64_t t0 = r * run, t1 = std::min(lens[b], t0 + run), n = t1 - t0;
         if (n <= 0) continue;  // a shorter sequence: its partial stays empty
+        // fn(t, block, slot) for each token t of [from, to) of sequence b, in order.
+        const auto for_each_slot = [&](int64_t from, int64_t to, const auto& fn) {
+          for (int64_t t = from; t < to;) {
+            const int64_t block = bt[b * max_blocks + t / block_size];
+            const int64_t off = t % block_size, count = std::min(block_size - off, to - t);
+            for (int64_t i = 0; i < count; ++i, ++t) fn(t, block, block * block_size + off + i);
+          }
+        };
         const scalar_t* qb = qp + b * num_heads * head_dim;
         for (int64_t i = 0; i < num_heads * head_dim; ++i)
           qf[i] = static_cast<float>(qb[i]) * fscale;
         scores.resize(num_heads * n);
 
-        // Pass 1: scores[h][t] = q_h . k_t.
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t block = bt[b * max_blocks + t / block_size];
-          const int64_t slot = block * block_size + t % block_size;
+        // Pass 1: scores[h][t] = q_h . k_t, walking the run block by block (query head h
+        // reads kv head h / group: the loops go kv head, then its group, with no division).
+        for_each_slot(t0, t1, [&](int64_t t, int64_t block, int64_t slot) {
           const kv_t* __restrict krow = kp + slot * slot_stride;
           const float* ks = k_scale ? k_scale + block * num_kv_heads : nullptr;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const kv_t* __restrict kh = krow + (h / group) * head_dim;
-            const float* __restrict qh = qf.data() + h * head_dim;
-            float s = 0.f;
+          for (int64_t g = 0, h = 0; g < num_kv_heads; ++g) {
+            const kv_t* __restrict kh = krow + g * head_dim;
+            const float k_sc = ks ? ks[g] : 1.f;
+            for (int64_t j = 0; j < group; ++j, ++h) {
+              const float* __restrict qh = qf.data() + h * head_dim;
+              float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-            scores[h * n + (t - t0)] = ks ? s * ks[h / group] : s;
+              for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
+              scores[h * n + (t - t0)] = ks ? s * k_sc : s;
+            }
           }
-        }
+        });
         // Softmax numerators per query head: exp(score - the run's max).
         for (int64_t h = 0; h < num_heads; ++h) {
           float* __restrict sh = scores.data() + h * n;
@@ -106,20 +116,20 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
         }
         // Pass 2: acc_h = sum_t e[h][t] * v_t.
         acc.assign(num_heads * head_dim, 0.f);
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t block = bt[b * max_blocks + t / block_size];
-          const int64_t slot = block * block_size + t % block_size;
+        for_each_slot(t0, t1, [&](int64_t t, int64_t block, int64_t slot) {
           const kv_t* __restrict vrow = vp + slot * slot_stride;
           const float* vs = v_scale ? v_scale + block * num_kv_heads : nullptr;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const kv_t* __restrict vh = vrow + (h / group) * head_dim;
-            const float e = scores[h * n + (t - t0)];
-            const float p = vs ? e * vs[h / group] : e;
-            float* __restrict ah = acc.data() + h * head_dim;
+          for (int64_t g = 0, h = 0; g < num_kv_heads; ++g) {
+            const kv_t* __restrict vh = vrow + g * head_dim;
+            for (int64_t j = 0; j < group; ++j, ++h) {
+              const float e = scores[h * n + (t - t0)];
+              const float p = vs ? e * vs[g] : e;
+              float* __restrict ah = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(vh[d]);
+              for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(vh[d]);
+            }
           }
-        }
+        });
         if (runs == 1) {
           scalar_t* ob = op + b * num_heads * head_dim;
           for (int64_t h = 0; h < num_heads; ++h) {
