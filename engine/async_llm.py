@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.cost_model import CostModel, StepCost
 from rtp_serve.core.outputs import SampledToken
@@ -39,6 +41,7 @@ from rtp_serve.engine.lora.registry import LoraStats
 from rtp_serve.engine.outputs import PromptKV, RequestOutput, StagedKV
 from rtp_serve.engine.request import Request
 from rtp_serve.engine.stats import EngineCheck, EngineStats
+from rtp_serve.kernels import affinity, cpu
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,6 +122,9 @@ class AsyncLLM:
         # same step on the thread that loaded the model (1.05-1.11x, medians of
         # bench/omp_teams.py on 2 cores; built here, 0.92-1.01x).
         self._built: Future[LLMEngine] = Future()
+        # The CPUs the engine's threads are bound to, thread by thread (None: the OS places
+        # them); set on the engine thread before the build.
+        self.bound_cpus: list[int] | None = None
         self._thread = threading.Thread(
             target=self._build_and_run, args=(config, record_kv_events), name="engine-loop",
             daemon=True,
@@ -311,6 +317,7 @@ class AsyncLLM:
     # -- engine thread ---------------------------------------------------------------------
     def _build_and_run(self, config: EngineConfig, record_kv_events: bool) -> None:
         try:
+            self.bound_cpus = _bind_threads(config)
             engine = LLMEngine(config, record_kv_events=record_kv_events)
         except BaseException as exc:
             self._built.set_exception(exc)
@@ -398,3 +405,13 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
             stream.put(exc)
         self._streams.clear()
+
+
+def _bind_threads(config: EngineConfig) -> list[int] | None:
+    """On the engine thread, before the build: its thread count, and its team bound to CPUs
+    as `config.thread_binding` says (rtp_serve/kernels/affinity.py)."""
+    if config.device != "cpu":
+        return None
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return affinity.bind_threads(config.thread_binding, torch.get_num_threads(), cpu.load())

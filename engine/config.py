@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from rtp_serve.core.dtypes import DTYPES, WEIGHT_DTYPES, resolve_kv_dtype
 from rtp_serve.core.sampling_params import MAX_SPECULATIVE_TOKENS
+from rtp_serve.kernels import affinity
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 LOAD_FORMATS = ("auto", "mmap", "read", "fastsafetensors")
@@ -48,6 +49,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # torch intra-op threads; None leaves torch's default. Workers sharing a machine set it.
     num_threads: int | None = None
+    # Bind the engine thread and its helpers to CPUs of their own (rtp_serve/kernels/
+    # affinity.py): "off", "auto" (when the process owns exactly as many CPUs as threads),
+    # or a CPU list ("0-3").
+    thread_binding: str = "off"
     # Picks the random seeds of requests that bring none (engine/sampling_noise.py).
     seed: int = 0
     # Speculative decoding (engine/spec_decode/): None (off), "ngram" or "draft"; each decoding
@@ -107,6 +112,7 @@ class EngineConfig:
         object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        affinity.check(self.thread_binding)
 
     @property
     def resolved_kv_dtype(self) -> str:

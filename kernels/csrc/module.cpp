@@ -3,8 +3,10 @@
 // includes pybind11 (torch/python.h); the kernels include the lighter tensor.h.
 #include <torch/python.h>
 #include <torch/version.h>
+#include <pybind11/stl.h>
 
 #include <string>
+#include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -34,6 +36,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             c10::optional<torch::Tensor> v_scale);
 void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
                    torch::Tensor slot_mapping, int64_t block_size);
+std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
 void lora_rows(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, torch::Tensor a,
                torch::Tensor col_slot, torch::Tensor b, torch::Tensor b_off,
                torch::Tensor b_col0, torch::Tensor b_len);
@@ -78,6 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width, "output columns per packed_gemm panel");
   m.def("vector_lanes", &vector_lanes, "float32 lanes of the build's widest register");
   m.def("fma_peak_gflops", &fma_peak_gflops, nogil, "the FMA pipes' rate, measured in registers");
+  m.def("bind_threads", &bind_threads, nogil,
+        "bind the calling thread's parallel team, thread i to cpus[i]; the CPUs bound (-1: refused)");
   m.def("rows_gemm", &rows_gemm, nogil,
         "x @ w.T (* scale) (+ bias) (+ residual), bf16/fp16/int8 w [N, K]");
 }

@@ -36,6 +36,7 @@ SOURCES = (
     "int8_gemm.cpp",
     "rope.cpp",
     "silu_mul.cpp",
+    "thread_affinity.cpp",
 )
 COMMON_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp")  # -g0: Python's CFLAGS carry -g
 LINK_FLAGS = ("-fopenmp",)

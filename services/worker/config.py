@@ -115,6 +115,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads (0: torch's default); workers sharing a machine split its cores",
     )
     p.add_argument(
+        "--thread-binding",
+        default=env("thread_binding", "off"),
+        help="bind the engine's threads to CPUs: off (the default), auto (when the worker may "
+        "run on exactly as many CPUs as it has threads: exclusive cores), or a CPU list such "
+        "as 0-3 (one per thread)",
+    )
+    p.add_argument(
         "--speculative",
         default=env("speculative", "none"),
         choices=["none", *(m for m in SPECULATIVE_METHODS if m)],
@@ -203,6 +210,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         fair_scheduling=args.scheduling == "fair",
         num_threads=args.threads or None,
+        thread_binding=args.thread_binding,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model if args.speculative == "draft" else None,
