@@ -410,7 +410,7 @@ class AsyncLLM:
 def _bind_threads(config: EngineConfig) -> list[int] | None:
     """On the engine thread, before the build: its thread count, and its team bound to CPUs
     as `config.thread_binding` says (rtp_serve/kernels/affinity.py)."""
-    if config.device != "cpu":
+    if config.device != "cpu" or config.thread_binding == "off":
         return None
     if config.num_threads:
         torch.set_num_threads(config.num_threads)

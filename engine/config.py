@@ -38,6 +38,9 @@ class EngineConfig:
     # KV pool size: an explicit block count wins over the memory budget.
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 << 20
+    # Map a large CPU pool's pages in the background while the cores idle (engine/
+    # prefault.py), instead of on each block's first write.
+    prefault_kv: bool = False
     # T1, a host-memory tier under the KV pool (engine/host_tier.py); 0: none.
     host_kv_cache_bytes: int = 0
     max_num_seqs: int = 64

@@ -12,6 +12,7 @@ import torch
 
 from rtp_serve.core.model_config import ModelConfig
 from rtp_serve.core.outputs import SampledToken
+from rtp_serve.engine import prefault
 from rtp_serve.engine.config import EngineConfig, EngineLimits
 from rtp_serve.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from rtp_serve.engine.dtypes import torch_dtype
@@ -66,7 +67,8 @@ def resolve_limits(model: ModelConfig, config: EngineConfig) -> EngineLimits:
 # GiB) made a worker take 12 to 21 s to start, most of a scale-from-zero cold start; the
 # first-touch cost instead lands on the requests that first use each block (a 270-token
 # prompt's 17 blocks of smollm2: about 25 ms). Smaller pools, and device memory, are
-# zeroed as before.
+# zeroed as before. `prefault_kv` maps a large pool's pages in the background instead, while
+# the cores idle (engine/prefault.py).
 _FRESH_MAPPING_BYTES = 64 << 20
 
 
@@ -142,6 +144,12 @@ class ModelRunner:
             model_config.head_dim,
         )
         self.kv_cache = _kv_pool(shape, self.kv_dtype, self.device)
+        if (
+            config.prefault_kv
+            and self.device.type == "cpu"
+            and self.kv_cache.nbytes >= (_FRESH_MAPPING_BYTES)
+        ):
+            prefault.start(self.kv_cache)  # its pages mapped while the cores idle
         # An int8 cache: a float32 scale per layer, K/V, block and kv head.
         self.kv_scales = None
         if self.kv_dtype == torch.int8:

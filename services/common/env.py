@@ -18,3 +18,16 @@ def env(name: str, default: str | None = None) -> str | None:
         with open(path) as f:
             return f.read().rstrip("\r\n")
     return default
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A yes/no flag's default from RTP_<NAME>: 1/true/yes or 0/false/no (any case); any
+    other value is refused by name."""
+    value = env(name)
+    if value is None:
+        return default
+    if value.strip().lower() in ("1", "true", "yes"):
+        return True
+    if value.strip().lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"RTP_{name.upper()}={value!r}: expected 1/true/yes or 0/false/no")

@@ -16,7 +16,7 @@ from rtp_serve.engine.memory import (
     kv_budget_for_device,
     kv_bytes_per_block,
 )
-from rtp_serve.services.common.env import env
+from rtp_serve.services.common.env import env, env_flag
 from rtp_serve.services.common.flags import (
     DEFAULT_MODEL_HELP,
     add_common_flags,
@@ -115,6 +115,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads (0: torch's default); workers sharing a machine split its cores",
     )
     p.add_argument(
+        "--prefault-kv",
+        action=argparse.BooleanOptionalAction,
+        default=env_flag("prefault_kv", False),
+        help="map the KV pool's pages in the background while the cores idle (lowest "
+        "priority), so that no request pays for first-touch page faults",
+    )
+    p.add_argument(
         "--thread-binding",
         default=env("thread_binding", "off"),
         help="bind the engine's threads to CPUs: off (the default), auto (when the worker may "
@@ -211,6 +218,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         fair_scheduling=args.scheduling == "fair",
         num_threads=args.threads or None,
         thread_binding=args.thread_binding,
+        prefault_kv=args.prefault_kv,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model if args.speculative == "draft" else None,
