@@ -10,8 +10,9 @@
 // sequence's tokens are split into runs, every task keeps its run's softmax partial (max,
 // sum, unnormalised output) and a second pass merges them (split-KV, as flash-decoding).
 // Splitting tokens, not heads, keeps every thread's reads whole rows: when two cores read
-// alternate halves of the same rows, each core's prefetcher pulls the other's half too, and
-// batch 4 on 2 threads read 12 GB/s where whole rows read 25-30 (an EPYC Zen 4).
+// alternate halves of the same rows (the split by heads before), batch 4 on 2 threads read
+// 12-14 GB/s where whole rows read 25-30 (an EPYC Zen 4; most likely each core's
+// prefetcher pulled in the other's half as well).
 #include "exp_approx.h"
 #include "parallel.h"
 #include "tensor.h"
