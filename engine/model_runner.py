@@ -144,11 +144,8 @@ class ModelRunner:
             model_config.head_dim,
         )
         self.kv_cache = _kv_pool(shape, self.kv_dtype, self.device)
-        if (
-            config.prefault_kv
-            and self.device.type == "cpu"
-            and self.kv_cache.nbytes >= (_FRESH_MAPPING_BYTES)
-        ):
+        fresh = self.device.type == "cpu" and self.kv_cache.nbytes >= _FRESH_MAPPING_BYTES
+        if config.prefault_kv and fresh:
             prefault.start(self.kv_cache)  # its pages mapped while the cores idle
         # An int8 cache: a float32 scale per layer, K/V, block and kv head.
         self.kv_scales = None
