@@ -216,6 +216,24 @@ def test_paged_prefill_matches_dense(ctx_len, n, bs, d, kv_dtype):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("heads", [(12, 12), (9, 3)])
+@pytest.mark.parametrize("ctx_len,n", [(0, 270), (100, 150), (63, 65), (64, 1)])
+def test_paged_prefill_long_prompts_over_tiles_and_key_steps(ctx_len, n, heads, kv_dtype):
+    """Prompts of hundreds of tokens, MHA and GQA: several query tiles per kv head, and
+    softmax steps of several blocks whose last one ends mid-step (ctx_len + n not a multiple
+    of 64), against dense attention."""
+    torch.manual_seed(3)
+    (hq, hkv), d, bs = heads, 64, 16
+    k, v = torch.randn(ctx_len + n, hkv, d), torch.randn(ctx_len + n, hkv, d)
+    cache, (table,) = scatter_cache([(k, v)], 32, bs, kv_dtype)
+    q = torch.randn(n, hq, d)
+    expected = dense(q, *stored(cache, table, ctx_len + n, bs), d**-0.5)
+    for name, impl in _prefill_impls():
+        out = impl(q, cache, torch.tensor(table), ctx_len, bs, d**-0.5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 def test_paged_prefill_kernel_in_the_query_dtype(q_dtype):
     torch.manual_seed(5)

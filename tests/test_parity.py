@@ -152,6 +152,31 @@ def test_prefill_logits_match_hf(preset, model_dir, hf_model, prompts):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
+def test_prefill_logits_match_hf_with_mlp_in_slices(model_dir, hf_model, prompts, monkeypatch):
+    """A chunk whose MLP runs in uneven slices of rows (as a large prefill chunk's does)
+    gives every position HF's logits."""
+    from rtp_serve.engine.models import llama
+
+    llm = make_llm(model_dir, "tiny-llama", num_kv_blocks=8)
+    cfg = llm.engine.model_config
+    row_bytes = 2 * cfg.intermediate_size * 4  # float32 gate_up output per row
+    monkeypatch.setattr(llama, "MLP_SLICE_BYTES", 12 * row_bytes)  # 70 rows: 5 x 12, 10
+    sliced = []
+    whole = llama.LlamaModel._mlp_rows
+
+    def spy(self, i, layer, x, lora):
+        sliced.append(x.shape[0])
+        return whole(self, i, layer, x, lora)
+
+    monkeypatch.setattr(llama.LlamaModel, "_mlp_rows", spy)
+    prompt = prompts[7]
+    ours = prompt_logits(llm, prompt)
+    assert sliced == ([12] * 5 + [10]) * cfg.num_layers
+    with torch.inference_mode():
+        ref = hf_model("tiny-llama")(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_logprobs_match_hf(preset, model_dir, hf_greedy, prompts):
     """Sampled-token and top-n logprobs at every step (prefill and decode) equal HF's."""

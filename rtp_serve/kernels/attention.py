@@ -157,12 +157,13 @@ class CpuKernelAttention(TorchAttention):
     The compiled `paged_prefill` reads the blocks in place; the reference gathers them (or,
     for a prompt with nothing cached, runs SDPA's causal flash kernel on the new K/V). On
     AVX-512 (an EPYC with AVX512-BF16; bench/attention.py, 12 query and 4 kv heads) the
-    kernel ran at 1.75x the reference's speed for a new 200-token prompt (bf16 1.91x),
-    1.16x (1.28x) at 1,024 tokens, 1.00x (1.09x) at 2,048, and 1.06-1.20x for 256 tokens
+    kernel ran at 2.5x the reference's speed for a new 200-token prompt (bf16 2.8x),
+    1.46x (1.61x) at 1,024 tokens, 1.18x (1.40x) at 2,048, and 1.4-1.8x for 256 tokens
     after a cached prefix of 1,024 (float32, bf16 and int8 KV).
-    An older version measured 0.6-0.9x on an AVX2-only EPYC; the AVX2 build, not measured
-    on such a CPU since, keeps the reference (rtp_serve/kernels/backends.py turns the
-    kernel on from the AVX-512 level).
+    The AVX2 build ran at 0.73-1.06x of the reference on the same EPYC (RTP_SERVE_ISA=avx2,
+    12 heads; the reference's torch kept its AVX-512 code) and at 0.6-0.9x in an older
+    version on an AVX2-only EPYC: AVX2 keeps the reference (rtp_serve/kernels/backends.py
+    turns the kernel on from the AVX-512 level).
     """
 
     def __init__(self, scale: float, ops, compiled_prefill: bool = False) -> None:
