@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.pb import (
@@ -75,16 +76,16 @@ class Cluster(LaunchedCluster):
 
 
 @contextlib.contextmanager
-def launch(model: str, tmp: Path, *flags: str) -> Iterator[Cluster]:
+def launch(model: str, tmp: Path, *flags: str, stderr: IO[str] | None = None) -> Iterator[Cluster]:
     """The launcher with a 1 s heartbeat TTL, so expiry tests run fast, and 256 MiB of KV per
     worker unless `flags` say otherwise (the machine-sized default would take GiBs per test
     cluster; tests/test_memory.py covers it). PD clusters disaggregate every prompt unless
     `flags` set --max-local-prefill-tokens: the tests' prompts are short, and what they test
-    is the transfer."""
+    is the transfer. Every service logs to `stderr` (default: this process's)."""
     kv = () if "--kv-cache-mib" in flags else ("--kv-cache-mib", "256")
     if "--max-local-prefill-tokens" not in flags:
         kv += ("--max-local-prefill-tokens", "0")
-    with launch_cluster(model, tmp, "--ttl", "1", *kv, *flags) as c:
+    with launch_cluster(model, tmp, "--ttl", "1", *kv, *flags, stderr=stderr) as c:
         cluster = Cluster(c.url, c.info, c.proc)
         yield cluster
     cluster.left_running = c.left_running

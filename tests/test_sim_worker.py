@@ -358,7 +358,8 @@ async def _hundred(ns: str, master: str, model: str) -> None:
 def test_the_launcher_runs_a_simulated_cluster(model_dir, tmp_path):
     """`rtp-serve up --engine sim`: every service real, the workers simulated, their pools
     sized as a real worker's of the same --kv-cache-mib, served through the official client
-    with the second identical prompt reusing the first's blocks."""
+    with the second identical prompt reusing the first's blocks; stopped by SIGTERM with
+    every service deregistered from the name service, which stops last."""
     import openai
 
     from rtp_serve.core.model_config import ModelConfig
@@ -368,7 +369,11 @@ def test_the_launcher_runs_a_simulated_cluster(model_dir, tmp_path):
     model = str(model_dir("tiny-llama"))
     flags = ("--engine", "sim", "--fused", "1", "--kv-cache-mib", "3", "--no-cache",
              "--block-size", str(BLOCK))  # fmt: skip
-    with launch(model, tmp_path, *flags) as cluster:
+    log = tmp_path / "services.log"
+    with (
+        log.open("w") as services_log,
+        launch(model, tmp_path, *flags, stderr=services_log) as cluster,
+    ):
         stats = cluster.worker_stats()
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
         prompt = list(range(200, 300))  # 100 tokens: 6 full blocks
@@ -381,6 +386,11 @@ def test_the_launcher_runs_a_simulated_cluster(model_dir, tmp_path):
     assert first.usage.completion_tokens == second.usage.completion_tokens == 4
     assert first.choices[0].text == second.choices[0].text  # deterministic token ids
     assert second.usage.prompt_tokens_details.cached_tokens == 6 * BLOCK
+    # SIGTERM stopped it cleanly: every service deregistered before the name service went.
+    assert cluster.proc.returncode == 0
+    logged = log.read_text()
+    assert "could not deregister" not in logged, logged
+    assert logged.count("reason=deregistered") == 3  # master, worker, frontend
 
 
 def test_the_launcher_refuses_what_a_simulated_worker_lacks(model_dir):

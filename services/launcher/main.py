@@ -48,6 +48,8 @@ READY_TIMEOUT_S = 180.0
 STOP_SLACK_S = 1.2  # past the drain timeout: for processes to exit before they are killed
 # The rest stops once these are gone (the planner stops the workers it started, draining).
 DRAINING = ("frontend", "prefill", "decode", "fused", "sim-worker", "planner")
+# Stopped last, after every other service has deregistered from it.
+LAST = ("nameservice",)
 SUPERVISE_EVERY_S = 0.25  # how often exited children are noticed (and restarted)
 
 
@@ -237,11 +239,13 @@ class Cluster:
         return proc
 
     def stop(self) -> None:
-        """Drain the frontend and workers, then stop the rest; kill what outlives the drain."""
+        """Drain the frontend and workers, then stop the rest, the name service last; kill
+        what outlives the drain."""
         deadline = time.monotonic() + self.args.drain_timeout + STOP_SLACK_S
         first = [(n, p) for n, p in self.procs if n in DRAINING]
-        rest = [(n, p) for n, p in reversed(self.procs) if n not in DRAINING]
-        for group in (first, rest):
+        rest = [(n, p) for n, p in reversed(self.procs) if n not in DRAINING + LAST]
+        last = [(n, p) for n, p in self.procs if n in LAST]
+        for group in (first, rest, last):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
