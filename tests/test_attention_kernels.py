@@ -219,10 +219,10 @@ def test_paged_prefill_matches_dense(ctx_len, n, bs, d, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("heads", [(12, 12), (9, 3)])
 @pytest.mark.parametrize("ctx_len,n", [(0, 270), (100, 150), (63, 65), (64, 1)])
-def test_paged_prefill_long_prompts_over_tiles_and_key_steps(ctx_len, n, heads, kv_dtype):
-    """Prompts of hundreds of tokens, MHA and GQA: several query tiles per kv head, and
-    softmax steps of several blocks whose last one ends mid-step (ctx_len + n not a multiple
-    of 64), against dense attention."""
+def test_paged_prefill_long_prompts_over_tiles_and_key_chunks(ctx_len, n, heads, kv_dtype):
+    """Prompts of hundreds of tokens, MHA and GQA: several query tiles per kv head, and the
+    softmax over chunks of several blocks whose last one ends mid-chunk (ctx_len + n not a
+    multiple of 64), against dense attention."""
     torch.manual_seed(3)
     (hq, hkv), d, bs = heads, 64, 16
     k, v = torch.randn(ctx_len + n, hkv, d), torch.randn(ctx_len + n, hkv, d)

@@ -284,9 +284,9 @@ class LlamaModel:
         if slices <= 1 or lora is not None:
             return self._mlp_rows(i, layer, x, lora)
         out = torch.empty_like(x)
-        step = math.ceil(x.shape[0] / slices)
-        for s in range(0, x.shape[0], step):
-            out[s : s + step] = self._mlp_rows(i, layer, x[s : s + step], None)
+        rows = math.ceil(x.shape[0] / slices)
+        for s in range(0, x.shape[0], rows):
+            out[s : s + rows] = self._mlp_rows(i, layer, x[s : s + rows], None)
         return out
 
     def _mlp_rows(self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoraBatch | None):

@@ -37,9 +37,9 @@ constexpr int64_t kTileVectors = 128;
 // (kRows query vectors x a chunk of keys) and a query's accumulator row in registers.
 constexpr int64_t kRows = 4;
 // Keys per chunk, the online softmax's unit, with a fixed block size: whole blocks widened
-// together. Each chunk costs every query vector two reductions (max, sum), an exp of its correction and a
-// rescale of its accumulator; over 64 keys instead of one block of 16 that is a quarter as
-// often.
+// together. Each chunk costs every query vector two reductions (max, sum), an exp of its
+// correction and a rescale of its accumulator: over 64 keys instead of one block of 16, a
+// quarter as often.
 constexpr int64_t kChunkKeys = 64;
 
 template <int64_t kBs>
