@@ -195,6 +195,18 @@ def test_draws_are_keyed_by_seed_and_position_alone():
     assert len({draw(probs, seed, 3) for seed in range(40)}) > 10
 
 
+def test_draws_follow_the_distribution_and_never_take_a_zero():
+    """Inverse-CDF draws over seeds: the law of `probs` (chi-square), never a token of
+    probability zero (one inside the vocabulary, one at its end)."""
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.125, 0.0])
+    n = 4000
+    counts = Counter(draw(probs, seed, 11) for seed in range(n))
+    assert counts[1] == counts[5] == 0
+    nonzero = [0, 2, 3, 4]
+    chi2 = sum((counts[i] - n * float(probs[i])) ** 2 / (n * float(probs[i])) for i in nonzero)
+    assert chi2 < 16.3  # 3 degrees of freedom: p < 0.001 if the law were probs
+
+
 # -- the scheduler's accounting of drafts ------------------------------------------------
 def test_drafts_are_scheduled_then_rejected_ones_released_exactly():
     kv = KVCacheManager(BlockPool(8), 4)

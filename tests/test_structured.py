@@ -37,9 +37,9 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 # model closes a free-form object within MAX_TOKENS depends on the question: for most it
 # nests {"description": {"description": ... until the limit cuts it. It closes this one,
 # greedy and with these seeds (draws are keyed by seed and position,
-# engine/sampling_noise.py; with seed 1 or 3 it runs past MAX_TOKENS).
+# engine/sampling_noise.py; with seed 2 or 4 it runs past MAX_TOKENS).
 OBJECT_QUESTION = "A book's title and year, as JSON."
-OBJECT_SEEDS = (0, 2)
+OBJECT_SEEDS = (0, 1)
 PATTERNS = [
     (StructuredOutputs.regex(r"[A-Z][a-z]{2,8}"), "Name a city.", r"[A-Z][a-z]{2,8}"),
     (StructuredOutputs.regex(r"\d{3}-\d{4}"), "Give a phone number.", r"\d{3}-\d{4}"),
