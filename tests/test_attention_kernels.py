@@ -185,27 +185,34 @@ def _prefill_impls():
     return impls
 
 
+GQA_4 = (8, 2)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
-    "ctx_len,n,bs,d",
+    "ctx_len,n,bs,d,heads",
     [
-        (0, 7, 4, 16),
-        (16, 5, 4, 16),
-        (20, 33, 4, 16),
-        (3, 1, 4, 16),
+        (0, 7, 4, 16, GQA_4),
+        (16, 5, 4, 16, GQA_4),
+        (20, 33, 4, 16, GQA_4),
+        (3, 1, 4, 16, GQA_4),
         # block size 16 with head dim 64 or 128 take the kernel's fixed-size loops
-        (32, 40, 16, 64),
-        (45, 19, 16, 64),
-        (0, 50, 16, 64),
-        (17, 3, 16, 128),
-        (5, 21, 16, 32),
+        (32, 40, 16, 64, GQA_4),
+        (45, 19, 16, 64, GQA_4),
+        (0, 50, 16, 64, GQA_4),
+        (17, 3, 16, 128, GQA_4),
+        (5, 21, 16, 32, GQA_4),
+        # hundreds of tokens, MHA and GQA 3: several query tiles per kv head, and softmax
+        # chunks of 64 keys whose last one ends mid-chunk
+        *((c, n, 16, 64, h) for c, n in ((0, 270), (100, 150), (63, 65), (64, 1))
+          for h in ((12, 12), (9, 3))),
     ],
-)
-def test_paged_prefill_matches_dense(ctx_len, n, bs, d, kv_dtype):
+)  # fmt: skip
+def test_paged_prefill_matches_dense(ctx_len, n, bs, d, heads, kv_dtype):
     """New tokens after a cached prefix (block boundaries, chunks spanning several blocks and
     query tiles), read in place, against dense attention over what the cache holds."""
     torch.manual_seed(1)
-    hq, hkv = 8, 2
+    hq, hkv = heads
     k, v = torch.randn(ctx_len + n, hkv, d), torch.randn(ctx_len + n, hkv, d)
     cache, (table,) = scatter_cache([(k, v)], 64, bs, kv_dtype)
     q = torch.randn(n, hq, d)
@@ -213,24 +220,6 @@ def test_paged_prefill_matches_dense(ctx_len, n, bs, d, kv_dtype):
     for name, impl in _prefill_impls():
         out = impl(q, cache, torch.tensor(table), ctx_len, bs, d**-0.5)
         assert out.dtype == torch.float32
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=name)
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
-@pytest.mark.parametrize("heads", [(12, 12), (9, 3)])
-@pytest.mark.parametrize("ctx_len,n", [(0, 270), (100, 150), (63, 65), (64, 1)])
-def test_paged_prefill_long_prompts_over_tiles_and_key_chunks(ctx_len, n, heads, kv_dtype):
-    """Prompts of hundreds of tokens, MHA and GQA: several query tiles per kv head, and the
-    softmax over chunks of several blocks whose last one ends mid-chunk (ctx_len + n not a
-    multiple of 64), against dense attention."""
-    torch.manual_seed(3)
-    (hq, hkv), d, bs = heads, 64, 16
-    k, v = torch.randn(ctx_len + n, hkv, d), torch.randn(ctx_len + n, hkv, d)
-    cache, (table,) = scatter_cache([(k, v)], 32, bs, kv_dtype)
-    q = torch.randn(n, hq, d)
-    expected = dense(q, *stored(cache, table, ctx_len + n, bs), d**-0.5)
-    for name, impl in _prefill_impls():
-        out = impl(q, cache, torch.tensor(table), ctx_len, bs, d**-0.5)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=name)
 
 
@@ -321,7 +310,7 @@ def test_attention_kernels_at_any_thread_count(n_threads):
     torch.set_num_threads(n_threads)
     try:
         test_paged_decode_matches_dense(torch.float32, 1e-5, (8, 2), 16)
-        test_paged_prefill_matches_dense(20, 33, 4, 16, torch.float32)
-        test_paged_prefill_matches_dense(45, 19, 16, 64, torch.int8)
+        test_paged_prefill_matches_dense(20, 33, 4, 16, GQA_4, torch.float32)
+        test_paged_prefill_matches_dense(45, 19, 16, 64, GQA_4, torch.int8)
     finally:
         torch.set_num_threads(before)
