@@ -226,3 +226,43 @@ def test_held_events_count_when_nothing_else_comes():
 
     asyncio.run(asyncio.wait_for(main(), 30))
     view.check_integrity()
+
+
+def test_a_master_process_counts_a_lone_batch_under_a_cutoff(nats_server):
+    """The master as deployed (`rtp-serve master --event-cutoff-ms`), on real NATS: one KV
+    batch with nothing after it (no worker, report or route) reaches its index, by the cut's
+    timer alone."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from rtp_serve.services.common import subjects
+    from rtp_serve.services.common.bus import Bus
+    from rtp_serve.services.launcher.servers import free_port
+    from tests.procs import grpc_service
+    from tests.servers import eventually
+
+    namespace, metrics_port = "lone-batch", free_port()
+    flags = ("--nats-url", nats_server, "--namespace", namespace, "--event-cutoff-ms", "50",
+             "--metrics-port", str(metrics_port))  # fmt: skip
+
+    def held() -> float:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        line = 'rtp:index_blocks{worker="w-lone"} '
+        return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0)
+
+    async def counted() -> bool:
+        return await asyncio.to_thread(held) == 3
+
+    async def main() -> None:
+        bus = await Bus.connect(nats_server, "test-publisher")
+        try:
+            batch = kv("w-lone", stored=H[:3], published_unix_ns=time.time_ns())
+            await bus.publish(subjects.kv_events("w-lone", namespace), batch)
+            await eventually(counted, 30, "the batch counted")
+        finally:
+            await bus.close()
+
+    with grpc_service("master", *flags):  # serving once it has subscribed
+        asyncio.run(main())

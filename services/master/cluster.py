@@ -1,7 +1,8 @@
 """The master's view of the cluster: members by role, their latest load, and the prefix index.
 
-`ClusterView` itself is pure and synchronous (tests drive it with scripted events); `run`
-feeds it from the nameservice Watch stream and the NATS kv/load subjects.
+`ClusterView` itself is pure and synchronous (tests drive it with scripted events); `follow`
+feeds it the nameservice Watch stream, `subscribe` the NATS kv/load subjects, and
+`upkeep_forever` runs its timers (resyncs, audit, the event cutoff's cut).
 
 Membership follows the Watch stream. A Watch starts with one SNAPSHOT event per known
 member, and starts over after a reconnect; naming.NameClient then reports members that
@@ -33,7 +34,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 
@@ -91,12 +91,6 @@ _INGEST_GAP_S = 2e-4  # a break this long between two messages: the loop ran oth
 MAX_CONCURRENT_SNAPSHOTS = 64
 
 FetchSnapshot = Callable[[Member], Awaitable[worker_pb2.KVSnapshot]]
-
-
-class NameWatcher(Protocol):
-    """What `ClusterView.run` needs of services.common.naming.NameClient."""
-
-    def watch(self) -> AsyncIterator[MembershipEvent]: ...
 
 
 @dataclass(slots=True)
@@ -460,27 +454,15 @@ class ClusterView:
             await asyncio.sleep(max(interval_s, took / AUDIT_SHARE))
 
     # -- feeding ---------------------------------------------------------------------------
-    async def run(
-        self, name_client: NameWatcher, bus: Bus | None = None, namespace: str = "default"
-    ) -> None:
-        """Feed this view until cancelled: NATS kv/load events (if `bus`), the nameservice
-        Watch stream of `name_client` (a services.common.naming.NameClient), and the index
-        resyncs (over the workers' Snapshot RPC)."""
-        if bus is not None:
-            await self.subscribe(bus, namespace)
-        fetch = SnapshotClient()
-        tasks = [asyncio.create_task(self.resync_forever(fetch), name="index-resync")]
-        if self._cutoff_s:
-            tasks.append(asyncio.create_task(self.count_held_forever(), name="held-events"))
-        try:
-            await self.follow(name_client.watch())
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await fetch.close()
+    async def upkeep_forever(self, fetch: FetchSnapshot) -> None:
+        """The view's own work beside its feeds, until cancelled: the index resyncs (over
+        the workers' Snapshot RPC, `fetch`), the audit, and under an event cutoff the cut's
+        timer. One of them failing ends the others (and this)."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.resync_forever(fetch), name="index-resync")
+            tasks.create_task(self.audit_forever(), name="view-audit")
+            if self._cutoff_s:
+                tasks.create_task(self.count_held_forever(), name="held-events")
 
     async def count_held_forever(self) -> None:
         """Under an event cutoff, move the cut every cutoff to the wall clock less twice the

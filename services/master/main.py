@@ -87,8 +87,7 @@ async def serve(args: argparse.Namespace) -> None:
     feeder: asyncio.Task[None] | None = None
     fetch = SnapshotClient()
     # The index starts empty: every worker of the first membership snapshot gets resynced.
-    resync = asyncio.create_task(view.resync_forever(fetch), name="index-resync")
-    audit = asyncio.create_task(view.audit_forever(), name="view-audit")
+    upkeep = asyncio.create_task(view.upkeep_forever(fetch), name="view-upkeep")
     try:
         await server.start()
         if bus.enabled:
@@ -113,13 +112,15 @@ async def serve(args: argparse.Namespace) -> None:
         )
         if not block_ids.compiled():
             log.warning("prefix index in numpy: _block_table not compiled at install, or disabled")
-        if feeder is not None:
-            await feeder  # runs until cancelled; an error here is fatal for the master
-        else:
-            await asyncio.Event().wait()
+        # Both run until cancelled: either ending (an error) is fatal for the master.
+        running = {upkeep} if feeder is None else {upkeep, feeder}
+        done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        ended = done.pop()
+        ended.result()
+        raise RuntimeError(f"{ended.get_name()} ended")
     finally:
         await grpc_util.set_serving(health, SERVICE_NAME, False)
-        for task in (feeder, resync, audit):
+        for task in (feeder, upkeep):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
