@@ -110,12 +110,13 @@ def test_paged_decode_matches_dense(dtype, tol, heads, block_size):
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_reads_a_narrower_cache(q_dtype, kv_dtype):
+@pytest.mark.parametrize("bs", [16, 4])  # 4: a vector of tokens spans blocks (and scales)
+def test_paged_decode_reads_a_narrower_cache(q_dtype, kv_dtype, bs):
     """bf16/fp16/int8 KV under a float32 (or bf16) query: the kernel widens (and scales) as it
     reads, and matches dense attention over what the cache holds (tolerance: the query
     dtype's)."""
     torch.manual_seed(3)
-    hq, hkv, d, bs = 8, 2, 32, 16
+    hq, hkv, d = 8, 2, 32
     lens = [1, 17, 64, 90]
     contexts = [(torch.randn(n, hkv, d), torch.randn(n, hkv, d)) for n in lens]
     cache, tables = scatter_cache(contexts, 64, bs, kv_dtype)

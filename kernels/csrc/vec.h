@@ -78,6 +78,26 @@ RTP_INLINE VecF vloadw(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
+RTP_INLINE VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+// Lane i: the sum of v[i]'s lanes. The 16 vectors reduce together in a transposing tree (45
+// instructions in all, where 16 horizontal sums take about 8 each).
+RTP_INLINE VecF vsum_each(const VecF* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], that lane's part
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], kEven),
+                                  _mm512_shuffle_f32x4(y[0], y[1], kOdd));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], kEven),
+                                  _mm512_shuffle_f32x4(y[2], y[3], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, kEven), _mm512_shuffle_f32x4(s0, s1, kOdd));
+}
 #elif defined(RTP_AVX2)
 using VecF = __m256;
 constexpr int64_t kLanes = 8;
@@ -90,6 +110,22 @@ RTP_INLINE VecF vzero() { return _mm256_setzero_ps(); }
 RTP_INLINE float vsum(VecF v) { return hsum(v); }
 template <typename w_t>
 RTP_INLINE VecF vloadw(const w_t* p) { return load8(p); }
+RTP_INLINE VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+// Lane i: the sum of v[i]'s lanes (8 vectors reduced together in a transposing tree).
+RTP_INLINE VecF vsum_each(const VecF* v) {
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m256 y[2];
+  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: [a, b, c, d], that lane's part
+    const __m256d a = _mm256_castps_pd(x[2 * i]), b = _mm256_castps_pd(x[2 * i + 1]);
+    y[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20),
+                       _mm256_permute2f128_ps(y[0], y[1], 0x31));
+}
 #endif
 
 }  // namespace rtp
