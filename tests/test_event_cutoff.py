@@ -5,12 +5,21 @@ moments (each within the cutoff) choose the same workers."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 
+import httpx
+
+from rtp_serve.services.common import subjects
+from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import events_pb2, master_pb2
+from rtp_serve.services.launcher.servers import free_port
 from rtp_serve.services.master.cluster import ClusterView
 from rtp_serve.services.master.policy import CacheAware
+from tests.procs import grpc_service
+from tests.servers import eventually
 from tests.test_master import PD3, Ev, F, H, fitted, kv, member
 
 CUTOFF_S = 0.05
@@ -206,8 +215,6 @@ def test_a_request_stamped_far_ahead_of_the_masters_clock_does_not_stale_every_r
 def test_held_events_count_when_nothing_else_comes():
     """The view's feed moves the cut every cutoff: the last events of a burst count with no
     event or route after them."""
-    import asyncio
-
     a = Replica(CUTOFF_S)
     view = a.view
     view.apply_membership(Ev(kind=Ev.KIND_JOINED, member=member("w0", F)))
@@ -232,17 +239,6 @@ def test_a_master_process_counts_a_lone_batch_under_a_cutoff(nats_server):
     """The master as deployed (`rtp-serve master --event-cutoff-ms`), on real NATS: one KV
     batch with nothing after it (no worker, report or route) reaches its index, by the cut's
     timer alone."""
-    import asyncio
-    import time
-
-    import httpx
-
-    from rtp_serve.services.common import subjects
-    from rtp_serve.services.common.bus import Bus
-    from rtp_serve.services.launcher.servers import free_port
-    from tests.procs import grpc_service
-    from tests.servers import eventually
-
     namespace, metrics_port = "lone-batch", free_port()
     flags = ("--nats-url", nats_server, "--namespace", namespace, "--event-cutoff-ms", "50",
              "--metrics-port", str(metrics_port))  # fmt: skip
