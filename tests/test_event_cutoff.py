@@ -10,8 +10,6 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 from rtp_serve.services.common import subjects
 from rtp_serve.services.common.bus import Bus
 from rtp_serve.services.common.pb import events_pb2, master_pb2
@@ -21,6 +19,7 @@ from rtp_serve.services.master.policy import CacheAware
 from tests.procs import grpc_service
 from tests.servers import eventually
 from tests.test_master import PD3, Ev, F, H, fitted, kv, member
+from tests.test_metrics import scrape, total
 
 CUTOFF_S = 0.05
 T0 = 1_800_000_000.0  # unix s
@@ -243,13 +242,9 @@ def test_a_master_process_counts_a_lone_batch_under_a_cutoff(nats_server):
     flags = ("--nats-url", nats_server, "--namespace", namespace, "--event-cutoff-ms", "50",
              "--metrics-port", str(metrics_port))  # fmt: skip
 
-    def held() -> float:
-        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-        line = 'rtp:index_blocks{worker="w-lone"} '
-        return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0)
-
     async def counted() -> bool:
-        return await asyncio.to_thread(held) == 3
+        samples = await asyncio.to_thread(scrape, f"127.0.0.1:{metrics_port}")
+        return total(samples, "rtp:index_blocks", worker="w-lone") == 3
 
     async def main() -> None:
         bus = await Bus.connect(nats_server, "test-publisher")

@@ -44,11 +44,10 @@ constexpr int64_t kMinRunTokens = 64;
 using rtp::kLanes;
 using rtp::VecF;
 
-// Pass 1 with vectors, for a head dim that is a multiple of kLanes: the scores of kLanes
-// tokens at a time (`slot`: the run's slots, padded to whole groups), each query head's dot
-// products with them accumulated lane-wise and reduced together (rtp::vsum_each), where a
-// horizontal sum per (token, head) was most of the loop's work (a GQA model's small group
-// of kv heads serves several query heads for each row read). scores[h * ld + t].
+// Pass 1 with vectors, over an int8 cache (its K scales per block and kv head) whose head
+// dim is a multiple of kLanes: the scores of kLanes tokens at a time (`slot`: the run's
+// slots, padded to whole groups), each query head's dot products with them accumulated
+// lane-wise and reduced together (rtp::vsum_each). scores[h * ld + t].
 template <typename kv_t>
 void scores_vec(const float* qf, const kv_t* kp, const int64_t* slot, const int64_t* blk,
                 int64_t n_pad, int64_t num_kv_heads, int64_t group, int64_t head_dim,
@@ -59,8 +58,7 @@ void scores_vec(const float* qf, const kv_t* kp, const int64_t* slot, const int6
       const kv_t* rows[kLanes];
       for (int64_t i = 0; i < kLanes; ++i) rows[i] = kp + slot[t + i] * slot_stride + g * head_dim;
       float k_sc[kLanes];
-      if (k_scale)
-        for (int64_t i = 0; i < kLanes; ++i) k_sc[i] = k_scale[blk[t + i] * num_kv_heads + g];
+      for (int64_t i = 0; i < kLanes; ++i) k_sc[i] = k_scale[blk[t + i] * num_kv_heads + g];
       for (int64_t j = 0; j < group; ++j, ++h) {
         const float* qh = qf + h * head_dim;
         VecF acc[kLanes];
@@ -70,16 +68,15 @@ void scores_vec(const float* qf, const kv_t* kp, const int64_t* slot, const int6
 #pragma GCC unroll 16
           for (int64_t i = 0; i < kLanes; ++i) acc[i] = rtp::vfma(qv, rtp::vloadw(rows[i] + d), acc[i]);
         }
-        VecF sc = rtp::vsum_each(acc);
-        if (k_scale) sc = rtp::vmul(sc, rtp::vload(k_sc));
-        rtp::vstore(scores + h * ld + t, sc);
+        rtp::vstore(scores + h * ld + t, rtp::vmul(rtp::vsum_each(acc), rtp::vload(k_sc)));
       }
     }
   }
 }
 
-// Pass 2 with vectors: out[0 .. kVecs * kLanes) += sum over tokens [t0, t1) of e[t] * v_t,
-// the accumulator in registers (two sets, even and odd tokens, for independent chains).
+// Pass 2 with vectors: out[0 .. kVecs * kLanes) += sum over tokens [t0, t1) of e[t] * v_t
+// (scaled by its block's V scale), the accumulator in registers (two sets, even and odd
+// tokens, for independent chains).
 template <int kVecs, typename kv_t>
 RTP_INLINE void weighted_rows(const float* e, const kv_t* vp, const int64_t* slot,
                               const int64_t* blk, int64_t t0, int64_t t1, int64_t slot_stride,
@@ -88,7 +85,7 @@ RTP_INLINE void weighted_rows(const float* e, const kv_t* vp, const int64_t* slo
   VecF a[kVecs], b[kVecs];
   for (int k = 0; k < kVecs; ++k) a[k] = rtp::vload(out + k * kLanes), b[k] = rtp::vzero();
   const auto weight = [&](int64_t t) {
-    const float p = v_scale ? e[t] * v_scale[blk[t] * num_kv_heads + g] : e[t];
+    const float p = e[t] * v_scale[blk[t] * num_kv_heads + g];
     return rtp::vset1(&p);
   };
   int64_t t = t0;
