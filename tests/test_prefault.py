@@ -122,11 +122,11 @@ def test_workers_map_ahead_when_asked_by_flag_or_environment(model_dir, monkeypa
         tiny = str(model_dir("tiny-llama"))
         return engine_config(p.parse_args(["--model", tiny, "--kv-cache-mib", "64", *flags]))
 
-    assert config().prefault_kv  # a worker owns its pool from the start, as vLLM's does
-    assert not config("--no-prefault-kv").prefault_kv
-    monkeypatch.setenv("RTP_PREFAULT_KV", "no")
     assert not config().prefault_kv
     assert config("--prefault-kv").prefault_kv
+    monkeypatch.setenv("RTP_PREFAULT_KV", "yes")
+    assert config().prefault_kv
+    assert not config("--no-prefault-kv").prefault_kv
     monkeypatch.setenv("RTP_PREFAULT_KV", "maybe")
     with pytest.raises(ValueError, match="RTP_PREFAULT_KV='maybe'"):
         config()

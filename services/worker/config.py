@@ -117,11 +117,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefault-kv",
         action=argparse.BooleanOptionalAction,
-        default=env_flag("prefault_kv", True),
+        default=env_flag("prefault_kv", False),
         help="map the KV pool's pages in the background while the cores idle (lowest "
-        "priority), so that no request pays for first-touch page faults and the pool is "
-        "resident from the worker's first seconds (the default; --no-prefault-kv maps each "
-        "page on its first write instead)",
+        "priority), so that no request pays for first-touch page faults",
     )
     p.add_argument(
         "--thread-binding",
