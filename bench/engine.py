@@ -31,8 +31,8 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
     prompts, each idle while the other runs. The row against vLLM compares the medians, and
     each pair's ratio is printed: this host's speed drifts by more than 10% over minutes,
     which one run of each, minutes apart, took for the engines' difference.
-Our KV pool is mapped before the runs (engine/prefault.py), as a worker maps its own at start
-and as vLLM zeroes its own.
+Our KV pool is mapped before the runs (engine/prefault.py), as vLLM zeroes its own at start
+(a worker does so with --prefault-kv).
 Timings are wall-clock on a shared machine: compare within one run, not across runs.
 """
 
@@ -331,8 +331,8 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
             kv_cache_memory_bytes=3 << 30,
             max_num_seqs=max(64, args.batch),
         )
-        # Mapped before the runs, as a worker maps its pool at start (--prefault-kv) and as
-        # vLLM zeroes its own: page faults on first writes are a cost of each fresh process.
+        # Mapped before the runs, as vLLM zeroes its pool at start (a worker with
+        # --prefault-kv maps its own): first-write page faults are each fresh process's.
         prefault.fault_in(llm.engine.runner.kv_cache)
         cfg = llm.engine.model_config
         vocab = cfg.vocab_size
