@@ -36,6 +36,8 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             c10::optional<torch::Tensor> v_scale);
 void kv_write_int8(torch::Tensor cache, torch::Tensor scales, torch::Tensor x,
                    torch::Tensor slot_mapping, int64_t block_size);
+void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slot_mapping);
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
 void lora_rows(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, torch::Tensor a,
                torch::Tensor col_slot, torch::Tensor b, torch::Tensor b_off,
@@ -61,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("kv_write_int8", &kv_write_int8, nogil,
         "rows into the int8 KV cache, adapting block scales");
+  m.def("kv_write", &kv_write, nogil,
+        "K and V rows into a float32 / bf16 / fp16 KV cache at their slots");
   m.def("small_gemm", &small_gemm, nogil,
         "x @ w (+ bias) (+ residual) for a few rows (CPU, float32)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row, HF's rounding for every dtype");

@@ -92,8 +92,14 @@ def write_kv(
     slot_mapping: torch.Tensor,
     block_size: int,
     write_int8=kv_quant.write_int8,
+    write_float=None,
 ) -> None:
+    """k/v [T, Hkv, D] into the cache at `slot_mapping`. `write_float`: a kernel that writes
+    both into a float cache at once, as the compiled `kv_write` (else torch's index_copy_)."""
     if cache.k_scale is None or cache.v_scale is None:
+        if write_float is not None:
+            write_float(cache.k, cache.v, k, v, slot_mapping)
+            return
         cache.k.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
         cache.v.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
     else:
@@ -109,9 +115,12 @@ class TorchAttention:
         # A subclass swaps in kernels with these signatures.
         self._paged_decode = paged_decode
         self._write_int8 = kv_quant.write_int8
+        self._write_float = None
 
     def forward(self, q, k, v, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(cache, k, v, meta.slot_mapping, meta.block_size, self._write_int8)
+        write_kv(
+            cache, k, v, meta.slot_mapping, meta.block_size, self._write_int8, self._write_float
+        )
         out = torch.empty_like(q)
         b = meta.num_decodes
         if b:
@@ -151,7 +160,7 @@ class TorchAttention:
 
 
 class CpuKernelAttention(TorchAttention):
-    """Decode and int8 KV writes through the compiled CPU kernels (K/V read in place), and
+    """Decode and K/V writes through the compiled CPU kernels (K/V read in place), and
     prefill too where `compiled_prefill`.
 
     The compiled `paged_prefill` reads the blocks in place; the reference gathers them (or,
@@ -172,6 +181,7 @@ class CpuKernelAttention(TorchAttention):
         self.compiled_prefill = compiled_prefill
         self._paged_decode = ops.paged_decode
         self._write_int8 = ops.kv_write_int8
+        self._write_float = ops.kv_write
 
     def prefill(self, q, k, v, cache: LayerCache, chunk: PrefillChunk, block_size: int):
         if not self.compiled_prefill:

@@ -31,6 +31,7 @@ SOURCES = (
     "fma_peak.cpp",
     "rms_norm.cpp",
     "kv_quant.cpp",
+    "kv_write.cpp",
     "paged_prefill.cpp",
     "lora_rows.cpp",
     "int8_gemm.cpp",
