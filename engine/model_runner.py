@@ -203,13 +203,13 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 
-    # -- KV in and out (PD transfer, remote tiers) ------------------------------------------
     def close(self) -> None:
         """Stop mapping the pool ahead, so that an engine shut down in a process that goes on
         leaves no thread making its pool resident."""
         if self._prefault_stop is not None:
             self._prefault_stop.set()
 
+    # -- KV in and out (PD transfer, remote tiers) ------------------------------------------
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
         table = torch.tensor(block_ids, dtype=torch.int64)
