@@ -39,6 +39,7 @@ Timings are wall-clock on a shared machine: compare within one run, not across r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -248,7 +249,7 @@ class VllmOffline:
             self._proc = subprocess.Popen(
                 [str(vllm_python(venv)), str(_ROOT / "bench" / "vllm_offline.py"), str(job_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
         self._answer("READY")
 
@@ -268,13 +269,14 @@ class VllmOffline:
         return json.loads(self._answer("RESULT "))["tok_s"]
 
     def close(self) -> None:
+        """End of input, then its whole process group (vLLM's engine process too)."""
+        from bench.serve import stop_process
+
         if self._proc.stdin is not None and not self._proc.stdin.closed:
             self._proc.stdin.close()
-        try:
-            self._proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=60)  # it ends by itself at the end of its input
+        stop_process(self._proc)
         self._tmp.cleanup()
 
 

@@ -1,28 +1,16 @@
 """The compiled K/V write into a float cache (kernels/csrc/kv_write.cpp) against torch's
 index_copy_, which it replaces: the same bytes in every slot, for caches as wide as the
-model and narrower, from the strided column slices the model hands it."""
+model and narrower, from the strided column slices the model hands it (`ops`: the
+compiled kernels, tests/conftest.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from rtp_serve.kernels import cpu
 from rtp_serve.kernels.attention import LayerCache, write_kv
 
 HEADS, DIM, SLOTS = 3, 16, 512
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu.load()
-    if ops is None:
-        if os.environ.get("RTP_SERVE_CPU_KERNELS", "1") != "0":
-            pytest.fail("the CPU kernels did not build (RTP_SERVE_CPU_KERNELS=0 runs without)")
-        pytest.skip("no compiled kernels on this machine")
-    return ops
 
 
 def _rows(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
