@@ -14,7 +14,12 @@ Small row counts are timed over as many of the model's own weights of that shape
 STREAM_BYTES (more than a last-level cache), so they stream from memory as in a decode
 step; larger ones over one weight, where arithmetic dominates. A table is cached under
 $RTP_SERVE_CACHE/gemm (default ~/.cache/rtp-serve) by CPU, kernel build, threads and
-shape: a restart reads it instead of measuring again.
+shape: a restart reads it instead of measuring again. A table measured while other
+processes took a share of this process's CPUs (`BUSY_SHARE`: a package install, a sibling
+worker starting) is used but not cached: a contended measurement favours the paths that
+use fewer threads (one measured while pip ran beside it picked MKL's single-threaded GEMV
+for every decode step's QKV, at 2x the time of packed_gemm), and a cache would keep that
+choice for every later start.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ STREAM_BYTES = 48 << 20
 STREAM_BELOW = 64  # from this many rows one weight is timed: the step is compute-bound
 REPEATS = 3
 ROUND_BUDGET_S = 0.1  # a round of a bucket longer than this is measured once, not REPEATS times
+BUSY_SHARE = 0.25  # of this process's CPUs' time, taken by others: a measurement not cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,22 +104,65 @@ def tune(ops: Sequence[Tunable], cache: bool = True) -> dict[str, KernelTable]:
         groups.setdefault(op.shape_key(), []).append(op)
     tables = {}
     start = time.perf_counter()
-    measured = 0
+    others = OthersShare()
+    measured: list[tuple[Path | None, KernelTable]] = []  # (its cache file, the table)
     for key, members in groups.items():
         # The paths are in the key: a build that adds one measures again.
         file = _cache_file(f"{key} paths {','.join(members[0].paths())}") if cache else None
         table = _read(file)
         if table is None or set(table.kernel) - set(members[0].paths()):
             table = measure(members)
-            measured += 1
-            _write(file, table)
+            measured.append((file, table))
         for op in members:
             op.use(table)
         tables[key] = table
         log.info("GEMM table %s: %s", key, table.describe())
     if measured:
-        log.info("GEMM tables: %d measured in %.2fs", measured, time.perf_counter() - start)
+        busy = others.share()
+        log.info("GEMM tables: %d measured in %.2fs, other processes took %.0f%% of the CPUs",
+                 len(measured), time.perf_counter() - start, 100 * busy)  # fmt: skip
+        if busy > BUSY_SHARE:
+            log.warning("GEMM tables not cached: measured while other processes took %.0f%% "
+                        "of this process's CPUs; measured again at the next start",
+                        100 * busy)  # fmt: skip
+        else:
+            for file, table in measured:
+                _write(file, table)
     return tables
+
+
+class OthersShare:
+    """The share of this process's CPUs (its affinity) that other processes, or the
+    hypervisor (steal), took since construction, from /proc/stat less this process's own
+    time; 0.0 where /proc cannot tell."""
+
+    def __init__(self) -> None:
+        self._cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        self._start = self._read()
+
+    def _read(self) -> tuple[int, int, int] | None:
+        """(all ticks, busy ticks of our CPUs, this process's ticks)."""
+        try:
+            total = busy = 0
+            with open("/proc/stat") as f:
+                for line in f:
+                    name, *fields = line.split()
+                    if name in self._cpus:
+                        ticks = [int(v) for v in fields]
+                        total += sum(ticks[:8])  # user..steal; guest time is inside user
+                        busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # less idle, iowait
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+            return total, busy, int(own[11]) + int(own[12])  # utime, stime
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def share(self) -> float:
+        end = self._read()
+        if self._start is None or end is None or end[0] <= self._start[0]:
+            return 0.0
+        total, busy, own = (b - a for a, b in zip(self._start, end, strict=True))
+        return max(0.0, busy - own) / total
 
 
 def measure(members: Sequence[Tunable]) -> KernelTable:
