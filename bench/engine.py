@@ -62,7 +62,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from rtp_serve.engine import LLM, SamplingParams, prefault  # noqa: E402
 from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
-from rtp_serve.kernels.isa import cpu_isa  # noqa: E402
+from rtp_serve.kernels.isa import cpu_isa, library_caps  # noqa: E402
 from rtp_serve.kernels.linear import cpu_kernels, make_linear  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
@@ -446,7 +446,10 @@ def main() -> None:
     kernels = cpu_kernels(torch.device("cpu"))
     machine = measure_machine()
     print(f"model {model_dir}, threads {args.threads}, torch {torch.__version__}")
-    print(f"cpu: {isa.describe()}")
+    caps = " ".join(f"{k}={v}" for k, v in library_caps(isa).items())
+    print(
+        f"cpu: {isa.describe()}" + (f"; torch's libraries (and vLLM's) capped: {caps}" * bool(caps))
+    )
     print(f"kernels: compiled {'yes' if kernels.ops else 'no'}, oneDNN prepacked bf16 "
           f"{'yes' if kernels.prepack_bf16 else 'unavailable (needs AVX512-BF16 / AMX)'}")  # fmt: skip
     print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, GEMM peak fp32 "
@@ -460,7 +463,10 @@ def main() -> None:
               f"bf16 {again.bf16_peak / 1e9:.0f} GFLOPS (the fractions use the first)")  # fmt: skip
 
     print()
-    print(f"cpu: {isa.describe()}")
+    caps = " ".join(f"{k}={v}" for k, v in library_caps(isa).items())
+    print(
+        f"cpu: {isa.describe()}" + (f"; torch's libraries (and vLLM's) capped: {caps}" * bool(caps))
+    )
     print("ref: HF transformers, or vLLM-CPU where the row names it")
     print(f"{'config':10} {'metric':52} {'ours':>10} {'ref':>10} {'ours/ref':>8}")
     for row in rows:

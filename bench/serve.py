@@ -312,7 +312,11 @@ def vllm_python(venv: Path) -> Path:
 def vllm_env(venv: Path, kv_cache_gib: int) -> dict[str, str]:
     """vLLM-CPU's environment as its docs advise: tcmalloc and the venv's iomp preloaded,
     a fixed KV cache, OpenMP threads on every CPU this process may use. Variables already
-    set in this process's environment win."""
+    set in this process's environment win. Where RTP_SERVE_ISA caps the ISA level below
+    this CPU's, vLLM runs as on a CPU of that level, as ours does: its torch libraries are
+    capped alike and its own kernel choice sees that CPU (bench/isa_cap)."""
+    from rtp_serve.kernels.isa import cpu_isa, library_caps
+
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     preload = [TCMALLOC, str(venv / "lib" / "libiomp5.so")]
     for missing in [p for p in preload if not Path(p).is_file()]:
@@ -325,7 +329,13 @@ def vllm_env(venv: Path, kv_cache_gib: int) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
     }  # fmt: skip
-    return ours | dict(os.environ)
+    env = ours | dict(os.environ)
+    caps = library_caps(cpu_isa())
+    if caps:
+        env = caps | env
+        path = [str(_ROOT / "bench" / "isa_cap"), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    return env
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = VLLM_STOP_GRACE_S) -> None:

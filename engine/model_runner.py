@@ -94,13 +94,15 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = torch_dtype(config.resolved_kv_dtype)
+        # First: where the ISA level is forced below the CPU's, loading the kernels caps
+        # torch's libraries too, which must come before any torch op (isa.cap_libraries).
+        self.kernels = cpu_kernels(self.device)
         fuse = fused_groups(model_config)  # read (a device) back to back: fused without a copy
         tensors = load_tensors(
             config.model, device=str(self.device), fuse=fuse, load_format=config.load_format
         )
         if truncated:
             tensors = _first_layers(tensors, model_config.num_layers)
-        self.kernels = cpu_kernels(self.device)
         weights = load_llama_weights(
             tensors,
             model_config,

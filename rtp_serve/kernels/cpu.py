@@ -35,10 +35,13 @@ _CSRC = (
 
 def load() -> ModuleType | None:
     """The compiled kernels, or None where the ISA level (as the environment caps it now)
-    is `scalar` or they neither are installed nor build."""
-    from rtp_serve.kernels.isa import cpu_isa
+    is `scalar` or they neither are installed nor build. A level capped below the CPU's
+    caps torch's libraries too (isa.cap_libraries): call this before any torch op."""
+    from rtp_serve.kernels.isa import cap_libraries, cpu_isa
 
-    build = cpu_build.build_for(cpu_isa().level)
+    isa = cpu_isa()
+    cap_libraries(isa)
+    build = cpu_build.build_for(isa.level)
     return _load(build) if build else None
 
 

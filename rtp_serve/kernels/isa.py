@@ -11,7 +11,9 @@ bf16 dot products, VNNI and AMX tiles. The engine picks its kernels from `cpu_is
     scalar       -                                        torch reference ops only
 
 `RTP_SERVE_ISA=<level>` caps the level below what the CPU has, so every fallback can be
-forced and tested on a machine that has more (it never raises it above the hardware).
+forced and tested on a machine that has more (it never raises it above the hardware). A
+capped level caps torch's own libraries too (`cap_libraries`: ATen's vectorized ops, oneDNN,
+MKL), so that the process runs what a machine of that level would, GEMMs included.
 The compiled kernels are built at install time for each level's instruction sets
 (rtp_serve/kernels/cpu_build.py) and the module of the level in use is loaded; `RTP_SERVE_CPU_KERNELS=0`
 (or level `scalar`) turns them off.
@@ -20,9 +22,12 @@ The compiled kernels are built at install time for each level's instruction sets
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
 # Each level needs the one below it too: its kernels are built with both's instructions.
@@ -104,3 +109,59 @@ def resolve(flags: frozenset[str], cap: str | None) -> CpuIsa:
 def cpu_isa() -> CpuIsa:
     """This CPU's level, capped by the environment as it is now (so a test can force one)."""
     return resolve(cpu_flags(), os.environ.get("RTP_SERVE_ISA") or None)
+
+
+# What a level caps torch's libraries at: the variables each reads, once, at its first use in
+# a process. amx and scalar cap nothing (scalar is "no compiled kernels", not a CPU).
+_LIBRARY_CAPS = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+    "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
+
+
+def library_caps(isa: CpuIsa) -> dict[str, str]:
+    """The environment that stops torch's libraries at `isa.level`, where that level is
+    capped below the hardware's (empty where it is not)."""
+    if isa.level == isa.hardware:
+        return {}
+    return dict(_LIBRARY_CAPS.get(isa.level, {}))
+
+
+def cap_libraries(isa: CpuIsa) -> dict[str, str]:
+    """Caps torch's libraries at a level forced below the hardware's (`library_caps`), by
+    setting their variables where the environment does not set them already; returns what
+    this process's environment now says for them. Call it before the process's first torch
+    op: ATen fixes its capability at its first vectorized op (then this warns, once, and
+    ATen's ops run at the hardware's level)."""
+    for name, value in library_caps(isa).items():
+        os.environ.setdefault(name, value)
+    now = {name: os.environ[name] for name in library_caps(isa)}
+    if now:
+        _announce(tuple(sorted(now.items())))
+    return now
+
+
+@functools.cache
+def _announce(caps: tuple[tuple[str, str], ...]) -> None:
+    import torch
+
+    log.info("torch's libraries capped too: %s", " ".join(f"{k}={v}" for k, v in caps))
+    wanted = dict(caps).get("ATEN_CPU_CAPABILITY")
+    got = torch.backends.cpu.get_cpu_capability()
+    if wanted and got.lower() != wanted.lower():
+        log.warning(
+            "torch's vectorized ops stay at %s, not %s: torch ran before the cap was set "
+            "(start the process with ATEN_CPU_CAPABILITY=%s to cap them)",
+            got,
+            wanted,
+            wanted,
+        )
