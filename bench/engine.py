@@ -62,7 +62,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from rtp_serve.engine import LLM, SamplingParams, prefault  # noqa: E402
 from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
-from rtp_serve.kernels.isa import cpu_isa, library_caps  # noqa: E402
+from rtp_serve.kernels.isa import CpuIsa, cpu_isa, library_caps  # noqa: E402
 from rtp_serve.kernels.linear import cpu_kernels, make_linear  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
@@ -406,6 +406,13 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
     return rows
 
 
+def cpu_line(isa: CpuIsa) -> str:
+    """The header's CPU line: the level, and what capping it set for torch's libraries."""
+    caps = " ".join(f"{k}={v}" for k, v in library_caps(isa).items())
+    capped = f"; torch's libraries (and vLLM's) capped: {caps}" if caps else ""
+    return f"cpu: {isa.describe()}{capped}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -446,10 +453,7 @@ def main() -> None:
     kernels = cpu_kernels(torch.device("cpu"))
     machine = measure_machine()
     print(f"model {model_dir}, threads {args.threads}, torch {torch.__version__}")
-    caps = " ".join(f"{k}={v}" for k, v in library_caps(isa).items())
-    print(
-        f"cpu: {isa.describe()}" + (f"; torch's libraries (and vLLM's) capped: {caps}" * bool(caps))
-    )
+    print(cpu_line(isa))
     print(f"kernels: compiled {'yes' if kernels.ops else 'no'}, oneDNN prepacked bf16 "
           f"{'yes' if kernels.prepack_bf16 else 'unavailable (needs AVX512-BF16 / AMX)'}")  # fmt: skip
     print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, GEMM peak fp32 "
@@ -463,10 +467,7 @@ def main() -> None:
               f"bf16 {again.bf16_peak / 1e9:.0f} GFLOPS (the fractions use the first)")  # fmt: skip
 
     print()
-    caps = " ".join(f"{k}={v}" for k, v in library_caps(isa).items())
-    print(
-        f"cpu: {isa.describe()}" + (f"; torch's libraries (and vLLM's) capped: {caps}" * bool(caps))
-    )
+    print(cpu_line(isa))
     print("ref: HF transformers, or vLLM-CPU where the row names it")
     print(f"{'config':10} {'metric':52} {'ours':>10} {'ref':>10} {'ours/ref':>8}")
     for row in rows:
