@@ -3,7 +3,8 @@
 The engine loop runs on its own thread and owns all engine state. Callers talk to it only
 through a command queue (add, deliver KV, abort, call), and outputs come back to each
 caller's event loop with `call_soon_threadsafe`, so the model's matmuls never block an
-asyncio loop.
+asyncio loop. The one read from the caller's thread is `cached_prefix`: a queued command is
+answered only between steps, and a step of a burst's prefill takes seconds.
 
 This class is the whole interface between the workers and the engine: what a service needs
 (block size, KV layout, cache salt, KV events, tier lookups, stats and checks) is here, and
@@ -260,9 +261,12 @@ class AsyncLLM:
         assert loras is not None
         return loras
 
-    async def num_cached_prefix(self, block_hashes: list[BlockHash]) -> int:
-        """How many leading blocks of these keys the device pool holds now."""
-        return await self.call(lambda engine: engine.tiers.num_cached_prefix(block_hashes))
+    def cached_prefix(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks of these keys the device pool or the host tier holds, read
+        now from this thread (dict lookups, safe beside the engine thread), not between steps:
+        a request's tier lookup (services/worker/tiers.py) then ends, and it is released for
+        admission, within the step it arrived in instead of one or two steps later."""
+        return self.engine.tiers.peek_cached_prefix(block_hashes)
 
     async def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""

@@ -56,13 +56,16 @@ class KVTiers:
         if self.host is not None:
             self.copy_up_prefix(request)
 
-    def num_cached_prefix(self, block_hashes: list[bytes]) -> int:
-        """How many leading blocks of these keys the device pool holds right now (after
-        copying up what the host tier has)."""
-        self.copy_up(block_hashes)
+    def peek_cached_prefix(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of these keys the device pool or the host tier holds, each
+        block in either (the host's are copied up when the request is admitted). It only
+        reads their dicts, so any thread may ask while the engine thread steps: the answer
+        is a hint that evictions may overtake, as any answer given between steps is by the
+        next step."""
+        host = self.host
         n = 0
         for h in block_hashes:
-            if self.pool.get_cached(h) is None:
+            if self.pool.get_cached(h) is None and (host is None or h not in host):
                 break
             n += 1
         return n

@@ -66,19 +66,24 @@ def test_evicted_blocks_come_back_from_the_host_tier(model_dir, corpus_ids, hf_g
     assert tier.hits == 4 and tier.stored >= 4 and tier.used_bytes <= tier.capacity_bytes
 
 
-def test_a_lookup_copies_up_before_answering(model_dir, corpus_ids):
-    """num_cached_prefix (what a prefill worker asks before going to the remote tier)
-    counts blocks T1 holds, by copying them up."""
+def test_a_lookup_counts_what_t1_holds_and_admission_copies_it_up(model_dir, corpus_ids):
+    """peek_cached_prefix (what a worker asks before going to the remote tier, from its
+    own thread) counts blocks T1 holds without moving them; the request, admitted, gets
+    them copied up and hits every one."""
     from rtp_serve.core.block_hash import block_hash_keys
 
     llm = make_llm(model_dir("tiny-llama"), num_kv_blocks=6, host_kv_cache_bytes=8 << 20)
     engine = llm.engine
-    target = corpus_ids[:64]
-    llm.generate([target], GREEDY)
+    target = corpus_ids[:70]  # 4 full blocks before the last token
+    (first,) = llm.generate([target], GREEDY)
     llm.generate([corpus_ids[100:180]], GREEDY)  # 5 blocks + : evicts the target's
     keys = block_hash_keys(target, 16, engine.cache_salt)
     assert all(engine.pool.get_cached(h) is None for h in keys[:2])
-    assert engine.tiers.num_cached_prefix(keys) == 4
+    assert engine.tiers.peek_cached_prefix(keys) == 4
+    assert all(engine.pool.get_cached(h) is None for h in keys[:2])  # a read, no copy-up
+    assert engine.tiers.peek_cached_prefix(keys[:1] + [b"\0" * 16] + keys[2:]) == 1
+    (again,) = llm.generate([target], GREEDY)
+    assert again.num_cached_tokens == 64 and again.token_ids == first.token_ids
     engine.check_integrity()
     assert_pool_idle(engine)
 

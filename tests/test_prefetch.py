@@ -149,7 +149,7 @@ def test_device_hits_count_what_a_request_reused_when_admitted(model_dir, corpus
     async def main():
         async with engine_held(llm):
             runs = [asyncio.ensure_future(one(rid)) for rid in ("a", "b")]
-            await asyncio.sleep(0.05)  # (both sent, both lookups in the engine's inbox)
+            await asyncio.sleep(0.05)  # (both sent and looked up: nothing computed yet)
         return await asyncio.gather(*runs)
 
     try:
@@ -160,6 +160,40 @@ def test_device_hits_count_what_a_request_reused_when_admitted(model_dir, corpus
     labels = {"role": "fused", "model_name": "m", "tier": "device"}
     assert registry.get_sample_value("rtp:prefix_cache_hits_total", labels) == 4
     assert registry.get_sample_value("rtp:prefix_cache_queries_total", labels) == 8
+
+
+def test_a_lookup_is_answered_while_the_engine_is_mid_step(model_dir, corpus_ids):
+    """A request's tier lookup reads the pool from the worker's loop, not through the engine
+    thread: with the engine busy (as in a long prefill step of a burst), it still ends, so
+    the request is released for admission at the next step, not one or two steps later."""
+    from prometheus_client import CollectorRegistry
+
+    from rtp_serve.core.block_hash import block_hash_keys
+    from rtp_serve.services.worker.metrics import WorkerFamilies, WorkerMetrics
+    from rtp_serve.services.worker.tiers import Tiers
+
+    config = EngineConfig(model=str(model_dir("tiny-llama")), block_size=BS, num_kv_blocks=64)
+    llm = AsyncLLM(config)
+    metrics = WorkerMetrics(WorkerFamilies(CollectorRegistry()), "fused", "m")
+    tiers = Tiers(llm, None, metrics)
+    cached, fresh = corpus_ids[:70], corpus_ids[100:170]  # 4 full blocks before the last
+    salt = llm.engine.cache_salt
+
+    async def main():
+        async for _ in llm.generate(cached, GREEDY, "warm"):
+            pass
+        async with engine_held(llm):
+            hits = []
+            for prompt in (cached, fresh):
+                fetch = tiers.prefetch(prompt, block_hash_keys(prompt, BS, salt))
+                assert await asyncio.wait_for(fetch(), 5) is None  # nothing to import
+                hits.append(fetch.hits.device)
+        return hits
+
+    try:
+        assert asyncio.run(main()) == [4, 0]
+    finally:
+        llm.shutdown()
 
 
 def test_write_back_yields_while_requests_wait(model_dir, corpus_ids):

@@ -163,9 +163,9 @@ class Tiers:
         return Prefetch(self, prompt, hashes)
 
     async def lookup(self, usable: list[BlockHash]) -> tuple[TierHits, StagedKV | None]:
-        """What the device pool (after the host tier's copy-up) and then the remote tier hold
-        of these leading keys; the remote blocks come back to be imported."""
-        device = await self.llm.num_cached_prefix(usable)
+        """What the device pool or the host tier (copied up at admission) and then the remote
+        tier hold of these leading keys; the remote blocks come back to be imported."""
+        device = self.llm.cached_prefix(usable)
         if self.cache is None or device == len(usable):
             return TierHits(device, 0), None
         started = time.perf_counter()
