@@ -170,17 +170,21 @@ def test_tune_shares_a_table_per_shape_and_caches_it(tmp_path, monkeypatch):
     files = sorted((tmp_path / "gemm").glob("*.json"))
     assert len(files) == 2
     # A restart reads the cache: a table written there is used as it is, not re-measured.
+    cached = KernelTable(BUCKETS, ("fast_large",) * len(BUCKETS))
     for f in files:
-        f.write_text(json.dumps({"upto": [1], "kernel": ["fast_large"]}))
+        f.write_text(json.dumps({"upto": cached.upto, "kernel": cached.kernel}))
     d = _Timed(24)
     gemm_table.tune([d])
-    assert d.table == KernelTable((1,), ("fast_large",))
-    # A cached table naming a path this op lacks (another build) is measured again.
-    for f in files:
-        f.write_text(json.dumps({"upto": [1], "kernel": ["gone"]}))
-    e = _Timed(24)
-    gemm_table.tune([e])
-    assert set(e.table.kernel) == {"fast_small", "fast_large"}
+    assert d.table == cached
+    # A cached table naming a path this op lacks (another build), or measured at other row
+    # counts (another release), is measured again.
+    for stale in ({"upto": BUCKETS, "kernel": ["gone"] * len(BUCKETS)},
+                  {"upto": [1], "kernel": ["fast_large"]}):  # fmt: skip
+        for f in files:
+            f.write_text(json.dumps(stale))
+        e = _Timed(24)
+        gemm_table.tune([e])
+        assert set(e.table.kernel) == {"fast_small", "fast_large"}
 
 
 def test_a_table_measured_while_others_take_the_cpus_is_used_but_not_cached(
@@ -211,6 +215,29 @@ def test_a_table_measured_while_others_take_the_cpus_is_used_but_not_cached(
     assert quiet.share() < 0.8
 
 
+@pytest.mark.parametrize("shares,cached", [((0.5, 0.0), True), ((0.5, 0.3), False)])
+def test_a_shape_measured_while_contended_is_measured_again(tmp_path, monkeypatch, shares, cached):
+    """Others' share is taken per shape: a contended shape is measured again, cached where
+    the retry was quiet, used uncached where no try was. (The shares are scripted here; the
+    test above has /proc/stat witness real spinners.)"""
+    monkeypatch.setenv("RTP_SERVE_CACHE", str(tmp_path))
+    script = iter(shares)
+
+    class Scripted:
+        def share(self) -> float:
+            return next(script)
+
+    tries = []
+    monkeypatch.setattr(gemm_table, "OthersShare", Scripted)
+    monkeypatch.setattr(gemm_table, "measure", lambda members: tries.append(1) or KernelTable(
+        BUCKETS, ("fast_small",) * len(BUCKETS)))  # fmt: skip
+    table, busy = gemm_table.measure_quietly([_Timed(24)])
+    assert len(tries) == gemm_table.MEASURE_TRIES == 2 and busy == min(shares)
+    script = iter((*shares, 0.0))  # then tune's own share of the whole run, for its log
+    gemm_table.tune([_Timed(24)])
+    assert bool(list((tmp_path / "gemm").glob("*.json"))) == cached
+
+
 def test_tuned_op_drops_its_panels_where_unused(ops, tmp_path, monkeypatch):
     monkeypatch.setenv("RTP_SERVE_CACHE", str(tmp_path))
     kernels = Kernels(ops=ops, prepack_bf16=False)
@@ -228,23 +255,32 @@ def test_tuned_op_drops_its_panels_where_unused(ops, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_parts_run_as_one_packed_gemm(ops, dtype):
+@pytest.mark.parametrize("prepack", [False, True], ids=["no-onednn", "onednn"])
+def test_parts_run_as_one_packed_gemm(ops, dtype, prepack):
     """q, k and v apart in the checkpoint: every path of the PartsLinear gives the joined
-    projection, and its packed path is one GEMM over the parts packed together (sizes that
-    are not multiples of the panel width included)."""
-    from rtp_serve.kernels.linear import PartsLinear, make_linear
+    projection, and its packed paths are one GEMM over the parts packed together: its own
+    panels, and oneDNN's packing where oneDNN's prepacked linear runs in that dtype here
+    (sizes that are not multiples of the panel width included)."""
+    from rtp_serve.kernels.linear import PartsLinear, make_linear, prepack_works
 
+    if prepack and not prepack_works(dtype):
+        pytest.skip(f"oneDNN's prepacked {dtype} linear does not run here")
     x, w, bias, residual = linear_case(9, 64, 40 + 24 + 20)
-    kernels = Kernels(ops=ops, prepack_bf16=False)
+    kernels = Kernels(
+        ops=ops,
+        prepack_bf16=prepack and dtype == torch.bfloat16,
+        prepack_fp32=prepack and dtype == torch.float32,
+    )
     sizes = [40, 24, 20]
     parts = [make_linear(p.to(dtype), dtype, "auto", kernels) for p in w.split(sizes)]
+    names = list(parts[0].paths())
     op = PartsLinear(parts, sizes)
     assert op.panels is not None and all(p.panels is None for p in parts)
-    assert list(op.paths()) == [
-        *list(parts[0].paths())[:1],
-        "packed_gemm",
-        *list(parts[0].paths())[1:],
-    ]
+    assert list(op.paths()) == names  # the parts' paths, in their order
+    assert ("onednn" in names) == prepack
+    if prepack:  # one oneDNN packing of the joined weight, the parts' own dropped
+        assert op._prepacked is not None and all(p._prepacked is None for p in parts)
+        assert all("onednn" not in p.paths() for p in parts)
     xd, bd, rd = x.to(dtype), bias.to(dtype), residual.to(dtype)
     expected = F.linear(xd.float(), w.to(dtype).float(), bd.float()) + rd.float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2

@@ -245,8 +245,9 @@ class PartsLinear(TunedLinear):
     """One projection made of several (a layer's q, k and v where the checkpoint does not
     hold their weights back to back). The unpacked paths run each part on its own weight,
     where the loader left it, and concatenate the outputs, instead of copying the weights
-    together; packed_gemm, which copies them anyway, packs them as one weight and runs once
-    (one GEMM for q, k and v, no concatenation)."""
+    together; packed_gemm and onednn, which copy them anyway, pack them as one weight and
+    run once (one GEMM for q, k and v, no concatenation: a prefill chunk's output is copied
+    once less)."""
 
     def __init__(self, parts: list[TunedLinear], sizes: list[int]) -> None:
         self.parts, self.sizes = parts, sizes
@@ -258,9 +259,22 @@ class PartsLinear(TunedLinear):
         for name in first.paths():  # the parts' order
             if name == "packed_gemm":
                 self._paths[name] = self._packed_path(parts)
+            elif name == "onednn" and self._join_prepacked(parts):
+                self._paths[name] = self._onednn
             else:
                 self._paths[name] = functools.partial(self._each, [p._paths[name] for p in parts])
         self.table = first.table
+
+    def _join_prepacked(self, parts: list[TunedLinear]) -> bool:
+        """oneDNN's packing of the parts as one weight, in place of theirs; False (each part
+        keeps its own) where oneDNN refuses the joined shape."""
+        self._prepacked = _prepack(torch.cat([p.w for p in parts]))  # in the parts' dtype
+        if self._prepacked is None:
+            return False
+        for p in parts:
+            p._prepacked = None
+            del p._paths["onednn"]
+        return True
 
     def _packed_path(self, parts: list[TunedLinear]) -> Callable[..., torch.Tensor]:
         gemm, n = parts[0].packed_gemm, sum(self.sizes)
