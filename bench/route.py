@@ -57,7 +57,7 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench.serve import cpu_info, openai_stream, run_load, summarize  # noqa: E402
+from bench.serve import cpu_info, medians, openai_stream, run_load, summarize  # noqa: E402
 from bench.workload import SampleRequest, mooncake_requests, random_requests  # noqa: E402
 
 TRACE = _ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -303,17 +303,13 @@ def run_one(run: Run, model: str, requests, warm, args, lead: int = 0) -> dict:
 
 def median_of(reps: Sequence[dict]) -> dict:
     """One row from several runs of the same configuration: the median of each number
-    (per tier and per process for the nested ones); failures are summed."""
-
-    def med(values):
-        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
-        return statistics.median(values) if values else math.nan
-
-    out = {k: med([r[k] for r in reps]) for k in reps[0] if isinstance(reps[0][k], int | float)}
-    out["failed"] = sum(r["failed"] for r in reps)
+    (bench/serve.py's medians), per tier and per process for the nested ones, where a
+    repetition without a tier or process counts 0 for it; failures are summed."""
+    out = medians(reps)
     for nested in ("hits", "cpu_s", "terms"):
         keys = {k for r in reps for k in r.get(nested, {})}
-        out[nested] = {k: med([r.get(nested, {}).get(k, 0.0) for r in reps]) for k in keys}
+        out[nested] = {k: statistics.median([r.get(nested, {}).get(k, 0.0) for r in reps])
+                       for k in keys}  # fmt: skip
     return out
 
 

@@ -20,6 +20,12 @@ TPOT excludes the first token: (latency - ttft) / (output tokens - 1). Prints th
 and one table (a row per target), then for each of our clusters its mean TTFT split by hop
 (HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py);
 `--save-result` writes one JSON object per target, a line each, to `--result-file`.
+
+`--rounds N` runs the whole comparison N times, each round starting every target afresh,
+the first target of round i being the i-th (so no target always runs first or last while
+the host drifts). The table then gives each number's median over the rounds, and each row
+its ratios to the first target's same load round by round, which pair runs made minutes
+apart instead of comparing single runs: this host's speed drifts by 10-20% over minutes.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -534,6 +541,51 @@ async def bench_targets(
     return out
 
 
+def medians(reps: Sequence[dict]) -> dict:
+    """One row from several runs of the same load: the median of each number (NaNs left
+    out) and of each number in a nested dict of numbers (the TTFT hops); failures summed,
+    error kinds pooled."""
+
+    def med(values: list) -> float:
+        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
+        return statistics.median(values) if values else math.nan
+
+    first = reps[0]
+    out: dict = {k: med([r[k] for r in reps]) for k, v in first.items()
+                 if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    for k, v in first.items():
+        if isinstance(v, dict) and all(isinstance(x, int | float) for x in v.values()):
+            out[k] = {key: med([r.get(k, {}).get(key, math.nan) for r in reps]) for key in v}
+    out["failed"] = sum(r.get("failed", 0) for r in reps)
+    out["error_kinds"] = sorted({e for r in reps for e in r.get("error_kinds", [])})[:5]
+    return out
+
+
+RATIOS = (("out tok/s", "output_throughput"), ("TTFT p50", "median_ttft_ms"),
+          ("TTFT p95", "p95_ttft_ms"))  # fmt: skip
+
+
+def by_round(rounds: Sequence[dict[str, dict]], first: str) -> list[str]:
+    """Each row's ratio to the first target's same load, round by round, and their median:
+    `fused:1 c=16 / vllm c=16: out tok/s 1.21 1.25 1.19 (median 1.21) ...`."""
+    lines = []
+    for row in rounds[0]:
+        base = f"{first} {_point(row)}".strip()
+        if row == base:
+            continue
+        cells = []
+        for label, key in RATIOS:
+            values = [r[row][key] / r[base][key] for r in rounds
+                      if row in r and base in r and r[base][key]]  # fmt: skip
+            values = [v for v in values if math.isfinite(v)]  # a load with no TTFT: out
+            if values:
+                each = " ".join(f"{v:.2f}" for v in values)
+                cells.append(f"{label} {each} (median {statistics.median(values):.2f})")
+        if cells:
+            lines.append(f"# {row} / {base}: " + "; ".join(cells))
+    return lines
+
+
 def table(results: dict[str, dict], percentiles: Sequence[float]) -> str:
     """A row per target; `x first` is output throughput over the first target's."""
     tail = _pct_word(max(percentiles))
@@ -620,6 +672,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="e.g. 1,4,16,64: one load per value against each target started once, "
                         "each with its own prompts (max(--num-prompts, 2 x value) of them)")  # fmt: skip
     a.add_argument("--num-warmups", type=int, default=2)
+    a.add_argument("--rounds", type=int, default=1,
+                   help="run the whole comparison this many times, the targets' order rotated "
+                        "each round: medians, and ratios paired round by round")  # fmt: skip
     o = ap.add_argument_group("output")
     o.add_argument("--metric-percentiles", default="50,90,95,99",
                    type=lambda s: [float(p) for p in s.split(",")])  # fmt: skip
@@ -631,6 +686,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.url and not args.compare:
         ap.error("give --url (one or more) or --compare")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     return args
 
 
@@ -657,8 +714,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     print(f"# CPU ISA: {cpu['describe']}")
     print(f"# dataset {args.dataset_name} {dataset_args(args)}: {loads}; rate {rate}, "
           f"burstiness {args.burstiness}; model {model or 'the server'}")  # fmt: skip
-    results = asyncio.run(bench_targets(targets, points, vocab, args))
+    names = list(targets)
+    rounds = []
+    for i in range(args.rounds):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        if args.rounds > 1:
+            print(f"# round {i + 1} of {args.rounds}: {', '.join(order)}", file=sys.stderr)
+        got = asyncio.run(bench_targets({n: targets[n] for n in order}, points, vocab, args))
+        rows = [f"{n} {p.label}".strip() for n in names for p in points]
+        rounds.append({row: got[row] for row in rows if row in got})  # the targets' order
+    results = rounds[0]
+    if len(rounds) > 1:
+        rows = dict.fromkeys(row for r in rounds for row in r)
+        results = {row: medians([r[row] for r in rounds if row in r]) for row in rows}
+        print(f"# medians over {len(rounds)} rounds")
     print(table(results, args.metric_percentiles))
+    if len(rounds) > 1:
+        print("\n".join(by_round(rounds, names[0])))
     for name, r in results.items():
         if "ttft_hops_ms" in r:
             print(f"# {name}: {hops.describe(r['ttft_hops_ms'])}")
@@ -670,15 +742,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         path = Path(args.result_dir) / (
             args.result_file or f"rtp-serve-{args.dataset_name}-{stamp}.json"
         )
-        with open(path, "w") as f:  # a JSON object a line, one per target
-            for name, r in results.items():
-                head = {"date": stamp, "backend": "rtp-serve", "target": name,
-                        "model_id": model, "dataset_name": args.dataset_name,
-                        "dataset_args": dataset_args(args),
-                        "num_prompts": sum(len(p.requests) for p in points),
-                        "request_rate": rate, "burstiness": args.burstiness,
-                        "max_concurrency": args.max_concurrency, "cpu_isa": cpu}  # fmt: skip
-                f.write(json.dumps(head | r) + "\n")
+        # A JSON object a line, one per target (and per round, then the medians, "round"
+        # saying which, where there were several).
+        saved = [(None, results)] if len(rounds) == 1 else [*enumerate(rounds, 1),
+                                                               ("median", results)]  # fmt: skip
+        with open(path, "w") as f:
+            for which, rows in saved:
+                for name, r in rows.items():
+                    head = {"date": stamp, "backend": "rtp-serve", "target": name,
+                            "model_id": model, "dataset_name": args.dataset_name,
+                            "dataset_args": dataset_args(args),
+                            "num_prompts": sum(len(p.requests) for p in points),
+                            "request_rate": rate, "burstiness": args.burstiness,
+                            "max_concurrency": args.max_concurrency, "cpu_isa": cpu}  # fmt: skip
+                    if which is not None:
+                        head["round"] = which
+                    f.write(json.dumps(head | r) + "\n")
         print(f"# results: {path}")
     return results
 

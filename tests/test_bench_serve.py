@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 from bench import hops, workload
-from bench.serve import RequestResult, load_points, main, metric_stats, parse_args, summarize
+from bench.serve import (
+    RequestResult,
+    by_round,
+    load_points,
+    main,
+    medians,
+    metric_stats,
+    parse_args,
+    summarize,
+)
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -215,6 +224,46 @@ def test_concurrency_sweep_runs_each_load_with_prompts_of_its_own(
     assert results["engine c=3"]["max_concurrency"] == 3
     out = capsys.readouterr().out
     assert "c=1 2 requests, c=3 6 requests" in out
+
+
+def test_rounds_give_medians_and_ratios_paired_round_by_round():
+    """Scripted rounds: each number's median (NaNs left out, hops per hop, failures summed),
+    and each row against the first target's same load in the same round."""
+
+    def row(tok, p50, p95, failed=0, hop=10.0):
+        return {"output_throughput": tok, "median_ttft_ms": p50, "p95_ttft_ms": p95,
+                "failed": failed, "error_kinds": ["timeout"] if failed else [],
+                "ttft_hops_ms": {"worker queue": hop}}  # fmt: skip
+
+    rounds = [
+        {"vllm c=4": row(100, 10, 20), "fused:1 c=4": row(120, 9, 22, failed=1, hop=4.0)},
+        {"vllm c=4": row(80, 12, 30), "fused:1 c=4": row(100, 12, 27, hop=6.0)},
+        {"vllm c=4": row(90, math.nan, 25), "fused:1 c=4": row(99, 11, 30, hop=8.0)},
+    ]
+    m = medians([r["fused:1 c=4"] for r in rounds])
+    assert (m["output_throughput"], m["median_ttft_ms"], m["p95_ttft_ms"]) == (100, 11, 27)
+    assert m["ttft_hops_ms"] == {"worker queue": 6.0}
+    assert m["failed"] == 1 and m["error_kinds"] == ["timeout"]
+    assert medians([r["vllm c=4"] for r in rounds])["median_ttft_ms"] == 11  # NaN left out
+    (line,) = by_round(rounds, "vllm")
+    assert line.startswith("# fused:1 c=4 / vllm c=4: out tok/s 1.20 1.25 1.10 (median 1.20)")
+    assert "TTFT p95 1.10 0.90 1.20 (median 1.10)" in line
+    assert "TTFT p50 0.90 1.00 (median 0.95)" in line  # the round with no baseline p50 is out
+
+
+def test_rounds_against_the_in_process_engine_save_each_round_and_the_medians(
+    model_dir: Callable[[str], Path], tmp_path: Path, capsys
+):
+    model = model_dir("tiny-llama")
+    results = main(["--compare", "--topologies", "engine", "--model", str(model),
+                    "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
+                    "--rounds", "2", "--disable-tqdm", "--num-warmups", "1", "--save-result",
+                    "--result-dir", str(tmp_path), "--result-file", "r.json"])  # fmt: skip
+    assert results["engine"]["completed"] == 2 and results["engine"]["failed"] == 0
+    assert "# medians over 2 rounds" in capsys.readouterr().out
+    saved = [json.loads(line) for line in (tmp_path / "r.json").read_text().splitlines()]
+    assert [s["round"] for s in saved] == [1, 2, "median"]
+    assert all(s["target"] == "engine" for s in saved)
 
 
 def test_ttft_hops_add_up_to_the_clients_ttft():
