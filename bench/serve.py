@@ -21,8 +21,8 @@ and one table (a row per target), then for each of our clusters its mean TTFT sp
 (HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py);
 `--save-result` writes one JSON object per target, a line each, to `--result-file`.
 
-`--rounds N` runs the whole comparison N times, each round starting every target afresh,
-the first target of round i being the i-th (so no target always runs first or last while
+`--rounds N` runs the whole comparison N times, each round launching every `--compare`
+target afresh, the first target of round i being the i-th (so no target always runs first or last while
 the host drifts). The table then gives each number's median over the rounds, and each row
 its ratios to the first target's same load round by round, which pair runs made minutes
 apart instead of comparing single runs: this host's speed drifts by 10-20% over minutes.
@@ -715,18 +715,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     print(f"# dataset {args.dataset_name} {dataset_args(args)}: {loads}; rate {rate}, "
           f"burstiness {args.burstiness}; model {model or 'the server'}")  # fmt: skip
     names = list(targets)
-    rounds = []
+    rows = [f"{n} {p.label}".strip() for n in names for p in points]  # the targets' order
+    rounds: list[dict[str, dict]] = []
     for i in range(args.rounds):
         order = names[i % len(names) :] + names[: i % len(names)]
         if args.rounds > 1:
             print(f"# round {i + 1} of {args.rounds}: {', '.join(order)}", file=sys.stderr)
         got = asyncio.run(bench_targets({n: targets[n] for n in order}, points, vocab, args))
-        rows = [f"{n} {p.label}".strip() for n in names for p in points]
-        rounds.append({row: got[row] for row in rows if row in got})  # the targets' order
+        rounds.append({row: got[row] for row in rows if row in got})
     results = rounds[0]
     if len(rounds) > 1:
-        rows = dict.fromkeys(row for r in rounds for row in r)
-        results = {row: medians([r[row] for r in rounds if row in r]) for row in rows}
+        results = {row: medians([r[row] for r in rounds if row in r])
+                   for row in rows if any(row in r for r in rounds)}  # fmt: skip
         print(f"# medians over {len(rounds)} rounds")
     print(table(results, args.metric_percentiles))
     if len(rounds) > 1:
@@ -747,8 +747,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         saved = [(None, results)] if len(rounds) == 1 else [*enumerate(rounds, 1),
                                                                ("median", results)]  # fmt: skip
         with open(path, "w") as f:
-            for which, rows in saved:
-                for name, r in rows.items():
+            for which, by_target in saved:
+                for name, r in by_target.items():
                     head = {"date": stamp, "backend": "rtp-serve", "target": name,
                             "model_id": model, "dataset_name": args.dataset_name,
                             "dataset_args": dataset_args(args),
