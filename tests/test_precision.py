@@ -211,16 +211,18 @@ def test_a_worker_reports_its_numerics_and_cpu(model_dir):
         s = asyncio.run(stats(address))
     assert (s.dtype, s.weight_dtype, s.kv_dtype) == ("float32", "int8", "bfloat16")
     assert s.cpu_isa == cpu_isa().describe()
-    # INT8 projections run on the compiled kernels at every row count the table measured
-    # ("1-2 rows_gemm, 3+ packed_gemm": which one where is this CPU's, gemm_table.py).
+    # INT8 projections run on the compiled kernels up to 128 rows ("1-2 rows_gemm, 3+
+    # packed_gemm": which one where is this CPU's, gemm_table.py); past them (the buckets of
+    # 256 and 1,024 rows) a prefill chunk may go to torch's GEMM over the dequantized weight
+    # where the table measured it faster (tiny-llama's small shapes, some runs).
     # (An AVX512-BF16 CPU adds " + oneDNN prepacked bf16": what bf16 projections could use.)
     table = s.linear_kernels.removesuffix(" + oneDNN prepacked bf16")
     runs = [run.rsplit(" ", 1) for run in table.split(", ")]
-    assert runs[0][0].startswith("1") and {k for _, k in runs} <= {
-        "rows_gemm",
-        "packed_gemm",
-        "widen",
-    }
+    compiled = {"rows_gemm", "packed_gemm", "widen"}
+    assert runs[0][0].startswith("1") and {k for _, k in runs} <= compiled | {"torch"}
+    for rows, kernel in runs:
+        if int(rows.split("-")[0].rstrip("+")) <= 128:
+            assert kernel in compiled, table
     assert {"rows_gemm", "packed_gemm"} & {k for _, k in runs}
     # rtp_serve/kernels/backends.py, on a CPU that builds them
     assert s.attention_backend == "cpu-kernels"
