@@ -18,7 +18,9 @@ Arrivals: `--request-rate` (default inf: all at once) with gamma gaps of shape
 `--burstiness` (1: Poisson), capped by `--max-concurrency`; a trace replays its own times.
 TPOT excludes the first token: (latency - ttft) / (output tokens - 1). Prints the CPU's ISA
 and one table (a row per target), then for each of our clusters its mean TTFT split by hop
-(HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py);
+(HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py), and for
+each launched target the CPU each of its processes spent per output token, the engine's
+threads apart (the serving tax: bench/cpu_use.py);
 `--save-result` writes one JSON object per target, a line each, to `--result-file`.
 
 `--rounds N` runs the whole comparison N times, each round launching every `--compare`
@@ -58,7 +60,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench import hops  # noqa: E402
+from bench import cpu_use, hops  # noqa: E402
 from bench.workload import (  # noqa: E402
     SampleRequest,
     arrival_times,
@@ -282,7 +284,10 @@ def engine_target(model: str, engine_args: list[str]) -> Target:
         add_worker_arguments(p)
         llm = build_llm(p.parse_args(["--model", model, *engine_args]))
         try:
-            yield engine_stream(llm)
+            stream = engine_stream(llm)
+            # bench/cpu_use.py reads it: the engine's threads are named apart in here.
+            stream.processes = {"client": [os.getpid()]}  # type: ignore[attr-defined]
+            yield stream
         finally:
             llm.shutdown()
 
@@ -296,6 +301,10 @@ def cluster_target(model: str, flags: list[str]) -> Target:
 
         with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *flags) as cluster:
             async with url_target(cluster.url)() as stream:
+                processes = {"launcher": [cluster.proc.pid], "client": [os.getpid()]}
+                for p in cluster.info["pids"]:
+                    processes.setdefault(p["name"], []).append(p["pid"])
+                stream.processes = processes  # type: ignore[attr-defined]  # bench/cpu_use.py
                 yield stream
 
     return open_
@@ -386,6 +395,9 @@ def vllm_target(model: str, venv: Path, kv_cache_gib: int, vllm_args: list[str])
         try:
             await wait_healthy(url, proc, VLLM_UP_TIMEOUT_S, log_path)
             async with url_target(url)() as stream:
+                # Its API server and engine core (a process of its own) with all under them.
+                processes = {"vllm": cpu_use.descendants(proc.pid), "client": [os.getpid()]}
+                stream.processes = processes  # type: ignore[attr-defined]  # bench/cpu_use.py
                 yield stream
         finally:
             await asyncio.to_thread(stop_process, proc)
@@ -520,18 +532,25 @@ async def bench_targets(
             async with target() as stream:
                 await run_load(stream, warm, [0.0] * len(warm))
                 url = getattr(stream, "metrics_url", None)
+                processes = getattr(stream, "processes", None)
                 for point in points:
                     row = f"{name} {point.label}".strip()
                     before = await hops.scrape(url) if url else None
+                    cpu_before = cpu_use.snapshot(processes) if processes else None
                     results, duration = await run_load(
                         stream, point.requests, point.arrivals, point.max_concurrency,
                         args.disable_tqdm,
                     )  # fmt: skip
+                    cpu_after = cpu_use.snapshot(processes) if processes else None
                     after = await hops.scrape(url) if before else None
                     r = summarize(results, duration, args.metric_percentiles, args.save_detailed)
                     r["max_concurrency"] = point.max_concurrency
                     if before and after and r["completed"]:
                         r["ttft_hops_ms"] = hops.split(before, after, r["mean_ttft_ms"])
+                    if cpu_before is not None and r["total_output_tokens"]:
+                        r["cpu_us_per_token"] = cpu_use.per_token(
+                            cpu_before, cpu_after, r["total_output_tokens"]
+                        )
                     out[row] = r
         except Exception as exc:  # one target that cannot start does not cost the others
             print(f"# {name}: skipped, {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -734,6 +753,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     for name, r in results.items():
         if "ttft_hops_ms" in r:
             print(f"# {name}: {hops.describe(r['ttft_hops_ms'])}")
+    for name, r in results.items():
+        if r.get("cpu_us_per_token"):
+            print(f"# {name}: {cpu_use.describe(r['cpu_us_per_token'])}")
     for name, r in results.items():
         for err in r["error_kinds"]:
             print(f"# {name}: failed: {err}", file=sys.stderr)

@@ -321,6 +321,9 @@ class AsyncLLM:
 
     # -- engine thread ---------------------------------------------------------------------
     def _build_and_run(self, config: EngineConfig, record_kv_events: bool) -> None:
+        # Named before the build's first parallel region starts the OpenMP team, which
+        # takes the name: the model's threads, told apart from the caller's (top -H).
+        affinity.name_thread(affinity.ENGINE_THREAD)
         try:
             self.bound_cpus = _bind_threads(config)
             engine = LLMEngine(config, record_kv_events=record_kv_events)

@@ -14,7 +14,7 @@ import pytest
 
 from rtp_serve.engine.config import EngineConfig
 from rtp_serve.kernels import cpu
-from rtp_serve.kernels.affinity import cpus_to_bind, parse_cpus
+from rtp_serve.kernels.affinity import ENGINE_THREAD, cpus_to_bind, parse_cpus
 
 
 def test_auto_binds_only_a_process_that_owns_as_many_cpus_as_threads():
@@ -65,9 +65,13 @@ async def generate():  # the bound engine serves
 
 asyncio.run(generate())
 masks = {tid: mask(tid) for tid in os.listdir("/proc/self/task")}
+names = {tid: open(f"/proc/self/task/{tid}/comm").read().strip() for tid in masks}
+main = str(threading.get_native_id())
 print(json.dumps({"bound": llm.bound_cpus, "engine": masks[str(engine_tid)],
-                  "main": masks[str(threading.get_native_id())],
-                  "masks": sorted(masks.values())}))
+                  "main": masks[main], "masks": sorted(masks.values()),
+                  "engine_name": names[str(engine_tid)], "main_name": names[main],
+                  "names_on": {m: sorted(names[t] for t in masks if masks[t] == m)
+                               for m in set(masks.values())}}))
 llm.shutdown()
 """
 
@@ -76,7 +80,8 @@ llm.shutdown()
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_an_engine_binds_its_own_threads_and_nothing_else(model_dir):
     """thread_binding "a,b": the engine thread on a, its helper on b, and the process's main
-    thread (whose mask its later threads and children would inherit) as it was."""
+    thread (whose mask its later threads and children would inherit) as it was. The engine
+    thread and its OpenMP helper carry the engine's name for the OS; the main thread not."""
     a, b = sorted(os.sched_getaffinity(0))[:2]
     status = Path("/proc/self/status").read_text()
     before = status.split("Cpus_allowed_list:")[1].split()[0]
@@ -90,3 +95,5 @@ def test_an_engine_binds_its_own_threads_and_nothing_else(model_dir):
     assert got["engine"] == str(a)
     assert str(b) in got["masks"]  # the OpenMP helper thread
     assert got["main"] == before
+    assert got["engine_name"] == ENGINE_THREAD and got["main_name"] != ENGINE_THREAD
+    assert got["names_on"][str(b)] == [ENGINE_THREAD]  # the helper took the name

@@ -198,6 +198,9 @@ def test_smoke_against_the_in_process_engine(
     assert r["total_input_tokens"] == 64 and r["mean_tpot_ms"] > 0
     out = capsys.readouterr().out
     assert "CPU ISA:" in out and "x first" in out and "\nengine " in out
+    # Its engine threads (named rtp-engine) apart from the rest of this process.
+    assert set(r["cpu_us_per_token"]) == {"engine", "client"}
+    assert "# engine: CPU per output token: engine " in out
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["target"] == "engine" and saved["cpu_isa"]["level"]
     assert saved["request_rate"] == 50.0 and saved["p99_itl_ms"] > 0

@@ -1,4 +1,10 @@
-"""Binding the engine's threads to CPUs of their own (`EngineConfig.thread_binding`).
+"""The engine's threads: their name for the OS, and binding them to CPUs of their own
+(`EngineConfig.thread_binding`).
+
+Named: the engine thread calls itself `ENGINE_THREAD` before its first parallel region, and
+the OpenMP team it then starts inherits the name, so `top -H`, `ps -L` and /proc tell the
+model's threads from a worker's asyncio loop and gRPC threads (bench/cpu_use.py counts the
+CPU each spends per output token).
 
 The engine thread and its OpenMP helpers run the model's parallel regions. Left to the OS, a
 thread moves between cores and leaves its caches behind; bound, thread i to CPU i, a lone
@@ -23,10 +29,22 @@ impose on them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+ENGINE_THREAD = "rtp-engine"  # at most 15 bytes: the kernel's limit on a thread's name
+
+
+def name_thread(name: str) -> None:
+    """Names the calling thread for the OS (/proc/<pid>/task/<tid>/comm): the threads it
+    starts from now on carry the name too. A no-op where /proc/thread-self is missing."""
+    with contextlib.suppress(OSError):
+        Path("/proc/thread-self/comm").write_text(name[:15])
+
 
 MODES = ("auto", "off")
 
