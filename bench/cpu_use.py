@@ -19,6 +19,7 @@ of them waits for its core the rest of the team waits for it at the next barrier
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from rtp_serve.kernels.affinity import ENGINE_THREAD
@@ -54,9 +55,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def snapshot(processes: dict[str, list[int]]) -> Seconds:
+def of_cluster(pids: Sequence[dict]) -> dict[str, list[int]]:
+    """A launched cluster's processes by service name, from its info file's `pids`."""
+    out: dict[str, list[int]] = {}
+    for p in pids:
+        out.setdefault(p["name"], []).append(p["pid"])
+    return out
+
+
+def snapshot(processes: dict[str, list[int]], engine_apart: bool = True) -> Seconds:
     """CPU seconds so far per group: each named group's processes (their exited threads
-    included), less their engine threads, which count as `engine`."""
+    included), less their engine threads, which count as `engine` (with `engine_apart`;
+    else each process whole)."""
     hz = os.sysconf("SC_CLK_TCK")
     out: Seconds = {}
     for name, pids in processes.items():
@@ -68,7 +78,7 @@ def snapshot(processes: dict[str, list[int]]) -> Seconds:
                 continue  # gone: what it used since the last snapshot is lost with it
             engine = 0
             try:
-                tasks = list((proc / "task").iterdir())
+                tasks = list((proc / "task").iterdir()) if engine_apart else []
             except OSError:
                 tasks = []
             for task in tasks:

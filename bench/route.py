@@ -40,7 +40,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -57,6 +56,7 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench import cpu_use  # noqa: E402
 from bench.serve import cpu_info, medians, openai_stream, run_load, summarize  # noqa: E402
 from bench.workload import SampleRequest, mooncake_requests, random_requests  # noqa: E402
 
@@ -147,20 +147,6 @@ def count_tier_hits(texts: Iterable[str]) -> dict[str, int]:
 
 def _scrape(address: str) -> str:
     return httpx.get(f"http://{address}/metrics", timeout=10).text
-
-
-def cpu_seconds(pids: Sequence[dict]) -> dict[str, float]:
-    """User + system CPU seconds each launched process has used so far, summed by its name
-    (fused, prefill, decode, cache, master, frontend, nats, redis, ...)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for p in pids:
-        try:  # /proc/PID/stat: utime and stime are the 14th and 15th fields
-            fields = Path(f"/proc/{p['pid']}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[p["name"]] = out.get(p["name"], 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def _metrics_addresses(nameservice: str) -> list[str]:
@@ -274,7 +260,9 @@ def run_one(run: Run, model: str, requests, warm, args, lead: int = 0) -> dict:
             def counters() -> tuple[dict[str, float], dict[str, int], float]:
                 """The counters, and the seconds their scrape took."""
                 started = time.perf_counter()
-                cpu, hits = cpu_seconds(c.info["pids"]), tier_hits(addresses)
+                processes = cpu_use.of_cluster(c.info["pids"])
+                cpu = cpu_use.snapshot(processes, engine_apart=False)  # each process whole
+                hits = tier_hits(addresses)
                 return cpu, hits, time.perf_counter() - started
 
             replay = _replay(c.url, requests, warm, lead, counters)

@@ -24,10 +24,11 @@ threads apart (the serving tax: bench/cpu_use.py);
 `--save-result` writes one JSON object per target, a line each, to `--result-file`.
 
 `--rounds N` runs the whole comparison N times, each round launching every `--compare`
-target afresh, the first target of round i being the i-th (so no target always runs first or last while
-the host drifts). The table then gives each number's median over the rounds, and each row
-its ratios to the first target's same load round by round, which pair runs made minutes
-apart instead of comparing single runs: this host's speed drifts by 10-20% over minutes.
+target afresh, the first target of round i being the i-th (so no target always runs first
+or last while the host drifts). The table then gives each number's median over the rounds,
+and each row its ratios to the first target's same load round by round, which pair runs
+made minutes apart instead of comparing single runs: this host's speed drifts by 10-20%
+over minutes.
 """
 
 from __future__ import annotations
@@ -285,8 +286,8 @@ def engine_target(model: str, engine_args: list[str]) -> Target:
         llm = build_llm(p.parse_args(["--model", model, *engine_args]))
         try:
             stream = engine_stream(llm)
-            # bench/cpu_use.py reads it: the engine's threads are named apart in here.
-            stream.processes = {"client": [os.getpid()]}  # type: ignore[attr-defined]
+            # None beside this one, where its threads are named apart (bench/cpu_use.py).
+            stream.processes = {}  # type: ignore[attr-defined]
             yield stream
         finally:
             llm.shutdown()
@@ -301,9 +302,10 @@ def cluster_target(model: str, flags: list[str]) -> Target:
 
         with tempfile.TemporaryDirectory() as tmp, launch(model, Path(tmp), *flags) as cluster:
             async with url_target(cluster.url)() as stream:
-                processes = {"launcher": [cluster.proc.pid], "client": [os.getpid()]}
-                for p in cluster.info["pids"]:
-                    processes.setdefault(p["name"], []).append(p["pid"])
+                processes = {
+                    "launcher": [cluster.proc.pid],
+                    **cpu_use.of_cluster(cluster.info["pids"]),
+                }
                 stream.processes = processes  # type: ignore[attr-defined]  # bench/cpu_use.py
                 yield stream
 
@@ -396,7 +398,7 @@ def vllm_target(model: str, venv: Path, kv_cache_gib: int, vllm_args: list[str])
             await wait_healthy(url, proc, VLLM_UP_TIMEOUT_S, log_path)
             async with url_target(url)() as stream:
                 # Its API server and engine core (a process of its own) with all under them.
-                processes = {"vllm": cpu_use.descendants(proc.pid), "client": [os.getpid()]}
+                processes = {"vllm": cpu_use.descendants(proc.pid)}
                 stream.processes = processes  # type: ignore[attr-defined]  # bench/cpu_use.py
                 yield stream
         finally:
@@ -532,7 +534,10 @@ async def bench_targets(
             async with target() as stream:
                 await run_load(stream, warm, [0.0] * len(warm))
                 url = getattr(stream, "metrics_url", None)
+                # A launched target's processes, and this one (the client).
                 processes = getattr(stream, "processes", None)
+                if processes is not None:
+                    processes = {**processes, "client": [os.getpid()]}
                 for point in points:
                     row = f"{name} {point.label}".strip()
                     before = await hops.scrape(url) if url else None

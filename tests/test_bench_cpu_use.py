@@ -40,6 +40,7 @@ def test_a_named_thread_counts_as_the_engine_and_the_rest_as_its_process():
     while not (engine and other):
         time.sleep(0.01)
     after = cpu_use.snapshot(procs)
+    whole = cpu_use.snapshot(procs, engine_apart=False)  # as bench/route.py counts
     hold.set()
     for t in threads:
         t.join()
@@ -48,6 +49,14 @@ def test_a_named_thread_counts_as_the_engine_and_the_rest_as_its_process():
     assert used["engine"] == pytest.approx(engine[0], abs=3 * tick)
     assert used["client"] >= other[0] - 3 * tick  # the unnamed spinner, and the test itself
     assert used["client"] < other[0] + engine[0] / 2  # not the named one's time
+    assert set(whole) == {"client"}
+    assert whole["client"] == pytest.approx(after["client"] + after["engine"], abs=3 * tick)
+
+
+def test_a_clusters_processes_by_service_name():
+    pids = [{"name": "fused", "pid": 11}, {"name": "frontend", "pid": 12},
+            {"name": "fused", "pid": 13}]  # fmt: skip
+    assert cpu_use.of_cluster(pids) == {"fused": [11, 13], "frontend": [12]}
 
 
 def test_descendants_take_in_a_child_process():

@@ -21,9 +21,9 @@ used but not cached: a contended measurement favours whichever path ran while th
 paused (one measured while pip ran beside it picked MKL's single-threaded GEMV for every
 decode step's QKV, at 2x the time of packed_gemm; another, as pip finished, kept
 packed_gemm for q, k and v at every row count, where from 270 rows oneDNN is 3-9% faster),
-and a cache would keep that choice for every later start. The share is taken per shape, not over the
-whole tuning: a burst of a few hundred milliseconds skews the shape it falls on and
-barely moves a 5-second average.
+and a cache would keep that choice for every later start. The share is taken per shape,
+not over the whole tuning: a burst of a few hundred milliseconds skews the shape it falls
+on and barely moves a 5-second average.
 """
 
 from __future__ import annotations
