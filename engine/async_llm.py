@@ -268,6 +268,12 @@ class AsyncLLM:
         admission, within the step it arrived in instead of one or two steps later."""
         return self.engine.tiers.peek_cached_prefix(block_hashes)
 
+    def kv_events_pending(self) -> bool:
+        """Whether take_kv_events would return events, read now from this thread without
+        waking the engine (lists' truth, safe beside it). An event recorded just after the
+        read is seen by the next one: a caller that polls takes only when this says so."""
+        return self.engine.tiers.has_events()
+
     async def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
         return await self.call(lambda engine: engine.tiers.take_events())

@@ -145,6 +145,10 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    def has_events(self) -> bool:
+        """Whether events wait to be taken (a list's truth, safe to read from any thread)."""
+        return bool(self._events)
+
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]

@@ -70,6 +70,10 @@ class HostTier:
         events, self._events = self._events, []
         return events
 
+    def has_events(self) -> bool:
+        """Whether events wait to be taken (a list's truth, safe to read from any thread)."""
+        return bool(self._events)
+
     def _event(self, kind: KVEventKind, block_hash: BlockHash) -> None:
         if self._record_events:
             self._events.append(KVEvent(kind, block_hash, KVTier.HOST))

@@ -167,6 +167,10 @@ class KVTiers:
         host = self.host.take_events() if self.host is not None else []
         return self.pool.take_events() + host
 
+    def has_events(self) -> bool:
+        """Whether take_events would return any (safe to read beside the engine thread)."""
+        return self.pool.has_events() or (self.host is not None and self.host.has_events())
+
     def cached_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """Every hash the device pool's prefix cache holds, and every one the host tier does."""
         return self.pool.cached_hashes(), self.host.hashes() if self.host is not None else []

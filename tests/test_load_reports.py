@@ -1,6 +1,7 @@
 """A worker's load reports on NATS: an idle worker repeats an unchanged report only every
 LOAD_KEEPALIVE_S (a thousand idle workers' reports were most of the master's idle CPU), a
-change goes out at the next report interval, and the master counts both.
+change goes out at the next report interval, and the master counts both. An idle worker's
+KV event feed looks without taking from the engine.
 
 Real parts: a nats-server process, a real engine (tiny-llama) behind AsyncLLM with its
 event feed, and the master's ClusterView subscribed on NATS.
@@ -88,6 +89,63 @@ def test_idle_reports_are_keepalives_and_a_change_is_reported(model_dir, nats_se
             await asyncio.gather(publisher, return_exceptions=True)
             await worker_bus.close()
             await master_bus.close()
+            await asyncio.to_thread(llm.shutdown)
+
+    asyncio.run(main())
+
+
+def test_an_idle_feed_takes_nothing_from_the_engine(model_dir, nats_server):
+    # The feed looks 20 times a second; an idle look must not stop the engine for a take
+    # (a call on the engine thread, then a wakeup of the caller's loop, for nothing).
+    async def main() -> None:
+        llm = await asyncio.to_thread(
+            AsyncLLM, EngineConfig(model=str(model_dir("tiny-llama")), num_kv_blocks=32), True
+        )
+        bus = await Bus.connect(nats_server, WORKER)
+        batches: list[events_pb2.KVEvents] = []
+
+        async def seen(msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
+            batches.append(msg)
+
+        listener = await Bus.connect(nats_server, "master")
+        await listener.subscribe(subjects.kv_events(WORKER), events_pb2.KVEvents, seen)
+        await listener.flush()
+        feed = KVEventFeed(llm, bus, WORKER)
+        takes = 0
+        take = llm.take_kv_events
+
+        async def counted() -> list:
+            nonlocal takes
+            takes += 1
+            return await take()
+
+        llm.take_kv_events = counted  # type: ignore[method-assign]
+        try:
+            assert not llm.kv_events_pending()
+            for _ in range(3):
+                await feed.flush()
+            assert takes == 0 and feed.seq == 0
+
+            # A request's prompt fills two blocks: their stored events wait, and one flush
+            # takes and publishes them.
+            params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            async for _ in llm.generate(list(range(1, 40)), params, "r1"):
+                pass
+            await eventually(llm.kv_events_pending)
+            await feed.flush()
+            assert takes == 1 and feed.seq == 1
+            await eventually(lambda: len(batches) == 1)
+            assert len(batches[0].stored) >= 2
+            assert not llm.kv_events_pending()
+            await feed.flush()
+            assert takes == 1 and feed.seq == 1
+
+            # A snapshot still takes whatever is pending, in the same engine call.
+            snap = await feed.snapshot()
+            assert set(snap.block_hashes) == set(batches[0].stored)
+        finally:
+            await bus.close()
+            await listener.close()
             await asyncio.to_thread(llm.shutdown)
 
     asyncio.run(main())

@@ -45,6 +45,11 @@ class CacheEventFeed(KVFeed):
     async def _take(self) -> Changes:
         return self._drain()
 
+    def _pending(self) -> bool:
+        return self.lru.has_events() or (
+            self.redis_keys is not None and self.redis_keys.has_events()
+        )
+
     async def _held(self) -> Held:
         # Taken together, with no await between: nothing changes either set meanwhile.
         changes = self._drain()

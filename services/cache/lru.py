@@ -48,6 +48,10 @@ class ByteLRU:
         events, self._events = self._events, []
         return events
 
+    def has_events(self) -> bool:
+        """Whether take_events would return any."""
+        return bool(self._events)
+
     def _record(self, key: bytes, stored: bool) -> None:
         if self._events is not None:
             self._events.append((key, stored))

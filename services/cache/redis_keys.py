@@ -41,6 +41,10 @@ class RedisKeys:
         events, self._events = self._events, []
         return events
 
+    def has_events(self) -> bool:
+        """Whether take_events would return any."""
+        return bool(self._events)
+
     def __len__(self) -> int:
         return len(self._expires)
 

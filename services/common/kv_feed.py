@@ -15,7 +15,11 @@ A member has two tiers in the message: the upper one (`stored`, `removed`, `bloc
 and the lower one (`host_stored`, `host_removed`, `host_block_hashes`). What they are is
 the member's own: a worker's device pool and host tier (services/worker/kv_events.py), a
 cache instance's memory and Redis (services/cache/kv_feed.py); a subclass says how to take
-its changes (`_take`) and what it holds (`_held`).
+its changes (`_take`), whether any wait (`_pending`), and what it holds (`_held`).
+
+`run` looks every EVENT_INTERVAL_S but takes only when `_pending` says changes wait: an idle
+member's look is a list's truth, not a take (for a worker, a call on the engine thread that
+woke it and then the caller's loop, 20 times a second, for nothing).
 """
 
 from __future__ import annotations
@@ -77,12 +81,19 @@ class KVFeed:
         """The changes since the previous call."""
         raise NotImplementedError
 
+    def _pending(self) -> bool:
+        """Whether `_take` would find changes: cheap, and allowed to miss one that lands as
+        it reads (the next flush takes it)."""
+        raise NotImplementedError
+
     async def _held(self) -> Held:
         """The pending changes and everything held after them, in one step."""
         raise NotImplementedError
 
     async def flush(self) -> None:
         """Publish the changes since the last batch as the next one (none: nothing)."""
+        if not self._pending():
+            return
         async with self._lock:
             await self._publish(await self._take())
 

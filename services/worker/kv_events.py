@@ -67,6 +67,9 @@ class KVEventFeed(KVFeed):
     async def _take(self) -> Changes:
         return _changes(await self.llm.take_kv_events())
 
+    def _pending(self) -> bool:
+        return self.llm.kv_events_pending()
+
     async def _held(self) -> Held:
         events, (device, host) = await self.llm.kv_snapshot()
         return Held(_changes(events), device, host)
