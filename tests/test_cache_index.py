@@ -17,9 +17,15 @@ from rtp_serve.services.cache.lru import ByteLRU
 from rtp_serve.services.cache.redis_keys import RedisKeys
 from rtp_serve.services.cache.redis_tier import RedisTier
 from rtp_serve.services.cache.servicer import CacheServicer
-from rtp_serve.services.common import grpc_util
+from rtp_serve.services.common import grpc_util, subjects
 from rtp_serve.services.common.bus import Bus
-from rtp_serve.services.common.pb import cache_pb2, cache_pb2_grpc, common_pb2, worker_pb2
+from rtp_serve.services.common.pb import (
+    cache_pb2,
+    cache_pb2_grpc,
+    common_pb2,
+    events_pb2,
+    worker_pb2,
+)
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
 from rtp_serve.services.master.cluster import ClusterView, SnapshotClient
 from tests.servers import eventually
@@ -175,6 +181,55 @@ def test_the_index_follows_what_redis_still_holds_of_the_writes(nats_server, red
             await bus.close()
             await cache.stop()
             await redis.close()
+
+    asyncio.run(main())
+
+
+def test_an_idle_feed_sleeps_and_a_change_wakes_it(nats_server):
+    # An idle cache instance's feed does not look 20 times a second: it waits for the LRU
+    # to say it changed, then publishes at once; evictions recorded by a later put come in
+    # the next batch, after at most one interval.
+    async def main() -> None:
+        lru = ByteLRU(CAPACITY, record_events=True)
+        bus = await Bus.connect(nats_server, "cache-1")
+        listener = await Bus.connect(nats_server, "master")
+        batches: list = []
+
+        async def seen(msg, headers) -> None:
+            batches.append(msg)
+
+        await listener.subscribe(subjects.kv_events("cache-1"), events_pb2.KVEvents, seen)
+        await listener.flush()
+        feed = CacheEventFeed(lru, bus, "cache-1")
+        looks = 0
+        pending = feed._pending
+
+        def counted() -> bool:
+            nonlocal looks
+            looks += 1
+            return pending()
+
+        feed._pending = counted  # type: ignore[method-assign]
+        running = asyncio.create_task(feed.run(interval_s=0.05))
+        try:
+            await asyncio.sleep(0.3)
+            assert looks == 0 and feed.seq == 0
+            lru.put(key(1), b"x" * VALUE_BYTES)
+            await eventually(lambda: len(batches) == 1, 5.0, "the first change published")
+            assert list(batches[0].stored) == [key(1)] and looks == 1
+            for i in range(2, 11):  # two more than fit: key(1) and key(2) are evicted
+                lru.put(key(i), b"x" * VALUE_BYTES)
+            await eventually(lambda: feed.seq == 2, 5.0, "the next batch")
+            await eventually(lambda: len(batches) == 2, 5.0, "the next batch delivered")
+            assert set(batches[1].removed) == {key(1), key(2)}
+            assert set(batches[1].stored) == {key(i) for i in range(3, 11)}
+            await asyncio.sleep(0.3)
+            assert looks == 2 and feed.seq == 2
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await bus.close()
+            await listener.close()
 
     asyncio.run(main())
 

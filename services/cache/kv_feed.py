@@ -33,6 +33,9 @@ class CacheEventFeed(KVFeed):
         super().__init__(bus, cache_id, namespace, incarnation)
         self.lru = lru
         self.redis_keys = redis_keys
+        lru.on_event = self.notify
+        if redis_keys is not None:
+            redis_keys.on_event = self.notify
 
     @property
     def cache_id(self) -> str:

@@ -12,6 +12,7 @@ by `extra` in the key), so the capacity is counted in bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -40,6 +41,8 @@ class ByteLRU:
         self.stats = LRUStats()
         self._items: OrderedDict[bytes, bytes] = OrderedDict()
         self._events: list[tuple[bytes, bool]] | None = [] if record_events else None
+        # Called when an event is recorded with none waiting (the first since the last take).
+        self.on_event: Callable[[], None] | None = None
 
     def take_events(self) -> list[tuple[bytes, bool]]:
         """(key, stored) for every change since the last call, in order (False: removed)."""
@@ -54,6 +57,8 @@ class ByteLRU:
 
     def _record(self, key: bytes, stored: bool) -> None:
         if self._events is not None:
+            if not self._events and self.on_event is not None:
+                self.on_event()
             self._events.append((key, stored))
 
     def __len__(self) -> int:

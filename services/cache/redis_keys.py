@@ -35,6 +35,8 @@ class RedisKeys:
         self._clock = clock
         self._expires: dict[bytes, float] = {}
         self._events: list[tuple[bytes, bool]] = []
+        # Called when an event is recorded with none waiting (the first since the last take).
+        self.on_event: Callable[[], None] | None = None
 
     def take_events(self) -> list[tuple[bytes, bool]]:
         """(key, stored) for every key that entered or left the set since the last call."""
@@ -56,7 +58,7 @@ class RedisKeys:
         expires = self._clock() + self.redis.ttl_s
         for key in keys:
             if key not in self._expires:
-                self._events.append((key, True))
+                self._record(key, True)
             self._expires[key] = expires
 
     def expire(self) -> None:
@@ -89,4 +91,9 @@ class RedisKeys:
 
     def _drop(self, key: bytes) -> None:
         del self._expires[key]
-        self._events.append((key, False))
+        self._record(key, False)
+
+    def _record(self, key: bytes, stored: bool) -> None:
+        if not self._events and self.on_event is not None:
+            self.on_event()
+        self._events.append((key, stored))

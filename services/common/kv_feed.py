@@ -17,9 +17,11 @@ the member's own: a worker's device pool and host tier (services/worker/kv_event
 cache instance's memory and Redis (services/cache/kv_feed.py); a subclass says how to take
 its changes (`_take`), whether any wait (`_pending`), and what it holds (`_held`).
 
-`run` looks every EVENT_INTERVAL_S but takes only when `_pending` says changes wait: an idle
-member's look is a list's truth, not a take (for a worker, a call on the engine thread that
-woke it and then the caller's loop, 20 times a second, for nothing).
+A flush takes only when `_pending` says changes wait: an idle member's look is a list's
+truth, not a take (for a worker, whose loop looks every EVENT_INTERVAL_S, a take was a call
+on the engine thread that woke it and then the worker's loop, 20 times a second, for
+nothing). A member whose changes happen on its own event loop says so (`notify`) and `run`s
+the feed, which then sleeps while nothing changes instead of looking 20 times a second.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class KVFeed:
         self.seq = 0  # the last batch numbered (published or dropped)
         self._subject = subjects.kv_events(member_id, namespace)
         self._lock = asyncio.Lock()  # one batch numbered at a time
+        self._changed = asyncio.Event()  # set by notify: changes may wait
 
     async def _take(self) -> Changes:
         """The changes since the previous call."""
@@ -110,11 +113,18 @@ class KVFeed:
                 host_block_hashes=held.lower,
             )
 
+    def notify(self) -> None:
+        """Changes were recorded (from the event loop's thread): `run` flushes them."""
+        self._changed.set()
+
     async def run(self, interval_s: float = EVENT_INTERVAL_S) -> None:
-        """Flush every `interval_s` until cancelled."""
+        """Flush what `notify` announces, at once after a quiet spell and then at most once
+        every `interval_s`, until cancelled."""
         while True:
-            await asyncio.sleep(interval_s)
+            await self._changed.wait()
+            self._changed.clear()
             await self.flush()  # NATS down: the batch is dropped, its number spent (a gap)
+            await asyncio.sleep(interval_s)
 
     async def _publish(self, changes: Changes) -> None:
         if not changes.upper and not changes.lower:
