@@ -249,6 +249,9 @@ class SimLLM:
             n += 1
         return n
 
+    def kv_events_pending(self) -> bool:
+        return self.pool.has_events()
+
     async def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
