@@ -48,6 +48,11 @@ class EngineConfig:
     # (QueueFullError), so a caller can go elsewhere instead of queueing without bound.
     max_num_waiting: int = 256
     max_num_batched_tokens: int = 2048
+    # While requests decode, a step computes no more prompt tokens than keep its predicted
+    # time (the step cost fitted from this engine's steps) within this many milliseconds,
+    # and no fewer than its GEMMs need to run efficiently (engine/llm_engine.py: ITL
+    # target); 0: off, the token budget alone.
+    itl_target_ms: float = 0.0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # torch intra-op threads; None leaves torch's default. Workers sharing a machine set it.
@@ -89,6 +94,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.itl_target_ms >= 0 or self.itl_target_ms == float("inf"):
+            raise ValueError(f"itl_target_ms must be >= 0 and finite, got {self.itl_target_ms}")
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

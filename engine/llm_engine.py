@@ -44,6 +44,11 @@ from rtp_serve.engine.stats import EngineCheck, EngineStats
 
 log = logging.getLogger(__name__)
 
+# The ITL target's smallest chunk where no efficiency curve was measured (a GPU, the fixed
+# GEMM split): on the CPUs measured, from 128 rows a step's projections ran within 10% of
+# their best per row (bench/gemm.py).
+DEFAULT_EFFICIENT_ROWS = 128
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
@@ -56,6 +61,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, self.limits)
         # Fitted step and fetch times: the wait estimate here, the master's predictions.
         self.costs = CostModel(config.max_num_batched_tokens)
+        if config.itl_target_ms:
+            log.info(
+                "ITL target %g ms: while requests decode, a step's prompt chunk fits it, "
+                "down to %d rows",
+                config.itl_target_ms,
+                self.runner.efficient_rows or DEFAULT_EFFICIENT_ROWS,
+            )
         # The device pool and the tiers around it: host tier, imported and remote KV.
         self.tiers = KVTiers(
             self.limits.num_kv_blocks,
@@ -211,7 +223,7 @@ class LLMEngine:
         started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.costs.step())
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._prompt_cap())
         outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
             return outputs
@@ -243,6 +255,27 @@ class LLMEngine:
         outputs += [_delta(r, tokens, exports.get(r.request_id)) for r, tokens in advanced]
         self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
+
+    def _prompt_cap(self) -> int | None:
+        """Prompt tokens the next step may compute under the ITL target (None: no cap).
+
+        Only while requests decode: their next token waits for the whole step, so the step
+        takes as many prompt tokens as its predicted time (fixed + token_s * tokens + row_s
+        * rows, fitted from this engine's steps) leaves room for under the target, but no
+        fewer than fill the rows from which its GEMMs run near their best per row (the
+        efficiency curve measured at load, gemm_table.efficient_rows) less the decode rows
+        that ride along: a smaller chunk would cost more per token than the ITL it saves.
+        With nobody decoding, or nothing fitted yet, the token budget alone applies."""
+        target_s = self.config.itl_target_ms / 1e3
+        if not target_s:
+            return None
+        rows = self.scheduler.num_decoding()
+        cost = self.costs.step()
+        if not rows or cost.token_s <= 0:
+            return None
+        fits = int((target_s - cost.fixed_s - cost.row_s * rows) / cost.token_s)
+        efficient = self.runner.efficient_rows or DEFAULT_EFFICIENT_ROWS
+        return max(fits, efficient - rows, 1)
 
     def _export(self, request: Request, block_ids: list[int]) -> PromptKV | None:
         # The blocks were released by this very step, but nothing can reuse them before the

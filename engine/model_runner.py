@@ -34,7 +34,7 @@ from rtp_serve.engine.sampler import Sampler
 from rtp_serve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from rtp_serve.engine.spec_decode.rejection import DraftRow, accept, rows_of
 from rtp_serve.engine.weights import load_tensors
-from rtp_serve.kernels import backends
+from rtp_serve.kernels import backends, gemm_table
 from rtp_serve.kernels.attention import AttentionMetadata, LayerCache, PrefillChunk
 from rtp_serve.kernels.linear import cpu_kernels, tune_linears
 
@@ -112,6 +112,13 @@ class ModelRunner:
             threads=torch.get_num_threads(),
         )
         tune_linears(weights.projections())  # each shape's kernel per row count, measured
+        # From how many rows a step's projections run near their best per row (None: not
+        # measured); the scheduler's prompt chunks under an ITL target go no smaller.
+        self.efficient_rows = gemm_table.efficient_rows(
+            getattr(op, "table", None)
+            for layer in weights.layers
+            for op in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         choice = backends.choose(self.device, self.dtype, self.kv_dtype, config.block_size)
         self.attention_backend = choice.describe()
         attention = backends.build(choice, model_config.head_dim**-0.5, self.device)
@@ -189,7 +196,7 @@ class ModelRunner:
         )
         log.info(
             "model loaded: %s, %d layers, %s (weights %s, %.0f MiB read per step), "
-            "cpu: %s; linear kernels: %s; attention: %s; "
+            "cpu: %s; linear kernels: %s (near their best per row from %s rows); attention: %s; "
             "kv cache %s, %d blocks = %d tokens (%.1f MiB)",
             model_config.architecture,
             model_config.num_layers,
@@ -198,6 +205,7 @@ class ModelRunner:
             weights.nbytes_per_token / 2**20,
             self.cpu_isa,
             self.linear_kernels,
+            self.efficient_rows or "?",
             self.attention_backend,
             config.resolved_kv_dtype,
             limits.num_kv_blocks,

@@ -185,9 +185,21 @@ class Scheduler:
         return request
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def num_decoding(self) -> int:
+        """Running requests that compute one token next step (drafts aside): decode rows."""
+        return sum(
+            1
+            for r in self.running
+            if r.status == RequestStatus.RUNNING and len(r.token_ids) - r.num_computed_tokens <= 1
+        )
+
+    def schedule(self, prompt_cap: int | None = None) -> SchedulerOutput:
+        """The next step. `prompt_cap`: at most this many tokens (at least 1) of requests
+        catching up (a prompt, or a preempted request's recompute) within the token budget;
+        decode rows do not count against it (the engine's ITL target)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        catch_up = budget if prompt_cap is None else max(1, prompt_cap)
         scheduled: dict[str, ScheduledRequest] = {}
 
         for request in list(self.running):
@@ -196,8 +208,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop, or waiting for remote KV
             uncomputed = len(request.token_ids) - request.num_computed_tokens
+            limit = budget if uncomputed <= 1 else min(budget, catch_up)
+            if limit == 0:
+                continue  # the cap is spent: it catches up next step, decodes go on
             drafts, request.spec_token_ids = request.spec_token_ids, []
-            num_new = min(uncomputed + len(drafts), budget)
+            num_new = min(uncomputed + len(drafts), limit)
             drafts = drafts[: max(0, num_new - uncomputed)]
             if drafts and not self.kv.allocate_slots(request, num_new):
                 # No room for the drafts: run without them rather than preempt anyone.
@@ -210,6 +225,8 @@ class Scheduler:
             else:
                 self._schedule(scheduled, ScheduledRequest(request, num_new, drafts))
                 budget -= num_new
+                if uncomputed > 1:
+                    catch_up -= num_new
 
         # Blocks ran out for the running requests: admit nobody (they would be preempted
         # next). Otherwise a head that cannot start may displace over-served tenants'
@@ -218,9 +235,14 @@ class Scheduler:
         displaced: set[str] = set()
         while not short and self._waiting and budget > 0:
             request = self._waiting.pop()
+            if catch_up == 0 and not request.remote_prefill:
+                self._waiting.push(request)  # the step's prompt tokens are spent: next step
+                break
             taken = None
             if request.request_id not in displaced and not self._lora_blocked(request):
-                while (taken := self._try_admit(request, budget, scheduled, out)) is None:
+                while (
+                    taken := self._try_admit(request, min(budget, catch_up), scheduled, out)
+                ) is None:
                     victim = self._waiting.displaced_by(request, self.running)
                     if victim is None:
                         break
@@ -230,6 +252,7 @@ class Scheduler:
                 self._waiting.push(request)  # back in its place
                 break
             budget -= taken
+            catch_up -= taken
 
         out.scheduled = list(scheduled.values())
         self._stalled = not out.scheduled and not out.waiting_for_kv

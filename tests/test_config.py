@@ -108,3 +108,12 @@ def test_auto_dtype_serves_the_checkpoints_own(tmp_path, model_dir, saved, serve
     assert LLM(str(path), num_kv_blocks=4).engine.config.dtype == served
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("int4", path)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_an_itl_target_is_a_finite_non_negative_number(bad):
+    from rtp_serve.engine import EngineConfig
+
+    assert EngineConfig(model="m", itl_target_ms=150).itl_target_ms == 150
+    with pytest.raises(ValueError, match="itl_target_ms must be >= 0 and finite"):
+        EngineConfig(model="m", itl_target_ms=bad)

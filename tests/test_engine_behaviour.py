@@ -318,6 +318,38 @@ def test_uninitialised_kv_memory_is_harmless(backend, llama_dir, prompts, greedy
 
 
 # -- AsyncLLM ------------------------------------------------------------------------------
+def test_an_itl_target_chunks_a_prompt_while_another_decodes(llm, llama_dir, prompts, greedy_ref):
+    # A target so small that no prompt token fits under it: every chunk is the efficient
+    # floor less the decode row. The decoding request gets its token every step, the prompt
+    # comes in chunks, and both give the tokens they give without a target.
+    engine = make_llm(llama_dir, itl_target_ms=1e-3).engine
+    engine.runner.efficient_rows = 24  # the floor, as if measured so here
+    for p in range(1, 65):  # a step cost known to be positive in every term
+        engine.costs.observe_step(0.002 + 1e-4 * p + 5e-5 * (p % 7), p, p % 7)
+    long = prompts[7] + prompts[6]  # 128 tokens
+    [long_ref] = [out.token_ids for out in llm.generate([long], GREEDY)]
+    a = engine.make_request("a", prompts[0], GREEDY)
+    engine.add_request(a)
+    assert engine._prompt_cap() is None  # nobody decodes: the budget alone
+    step_checked(engine)
+    assert a.num_output_tokens == 1
+    b = engine.make_request("b", long, GREEDY)
+    engine.add_request(b)
+    steps = 0
+    while b.num_output_tokens == 0:
+        cap = engine._prompt_cap()
+        assert cap == 24 - 1
+        made, computed = a.num_output_tokens, b.num_computed_tokens
+        step_checked(engine)
+        assert a.num_output_tokens == made + 1
+        assert b.num_computed_tokens - computed <= cap
+        steps += 1
+    assert steps == -(-len(long) // 23)
+    drive(engine, {})
+    assert a.output_token_ids == greedy_ref[0] and b.output_token_ids == long_ref
+    assert_pool_idle(engine)
+
+
 def _async_llm(llama_dir: Path, **engine_args) -> AsyncLLM:
     args = {"block_size": 16, "num_kv_blocks": 64} | engine_args
     llm = AsyncLLM(EngineConfig(model=str(llama_dir), **args))

@@ -170,16 +170,19 @@ def test_tune_shares_a_table_per_shape_and_caches_it(tmp_path, monkeypatch):
     files = sorted((tmp_path / "gemm").glob("*.json"))
     assert len(files) == 2
     # A restart reads the cache: a table written there is used as it is, not re-measured.
-    cached = KernelTable(BUCKETS, ("fast_large",) * len(BUCKETS))
+    seconds = tuple(1e-3 * r for r in BUCKETS)
+    cached = KernelTable(BUCKETS, ("fast_large",) * len(BUCKETS), seconds)
     for f in files:
-        f.write_text(json.dumps({"upto": cached.upto, "kernel": cached.kernel}))
+        f.write_text(json.dumps({"upto": cached.upto, "kernel": cached.kernel, "seconds": seconds}))
     d = _Timed(24)
     gemm_table.tune([d])
     assert d.table == cached
-    # A cached table naming a path this op lacks (another build), or measured at other row
-    # counts (another release), is measured again.
-    for stale in ({"upto": BUCKETS, "kernel": ["gone"] * len(BUCKETS)},
-                  {"upto": [1], "kernel": ["fast_large"]}):  # fmt: skip
+    # A cached table naming a path this op lacks (another build), measured at other row
+    # counts (another release), or without its times (written before tables kept them), is
+    # measured again.
+    for stale in ({"upto": BUCKETS, "kernel": ["gone"] * len(BUCKETS), "seconds": seconds},
+                  {"upto": [1], "kernel": ["fast_large"], "seconds": [1e-3]},
+                  {"upto": BUCKETS, "kernel": ["fast_large"] * len(BUCKETS)}):  # fmt: skip
         for f in files:
             f.write_text(json.dumps(stale))
         e = _Timed(24)
@@ -252,6 +255,32 @@ def test_tuned_op_drops_its_panels_where_unused(ops, tmp_path, monkeypatch):
     tune_linears(ops2)
     assert ops2[0].table is ops2[1].table and ops2[0].table.upto == BUCKETS
     assert set(ops2[0].table.kernel) <= {"rows_gemm", "packed_gemm", "mkl"}
+    # ... with each bucket's time on its chosen path: the efficiency curve
+    assert len(ops2[0].table.seconds) == len(BUCKETS) and min(ops2[0].table.seconds) > 0
+    assert gemm_table.efficient_rows(op.table for op in ops2) in BUCKETS
+
+
+def test_efficient_rows_is_where_the_curve_reaches_its_plateau():
+    # Time per row falls with the row count (a fixed cost amortized, wider tiles) to a
+    # plateau: the first bucket within EFFICIENT_WITHIN of the least is the efficient one,
+    # taken over the projections together.
+    per_row = (10.0, 5.0, 3.0, 2.0, 1.5, 1.2, 1.15, 1.05, 1.0, 1.0)
+    a = KernelTable(
+        BUCKETS,
+        ("mkl",) * len(BUCKETS),
+        tuple(r * c for r, c in zip(BUCKETS, per_row, strict=True)),
+    )
+    assert gemm_table.efficient_rows([a]) == 128
+    # A second projection whose curve flattens later moves the sum's plateau out.
+    late = (10.0, 8.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.05, 1.0)
+    b = KernelTable(
+        BUCKETS, ("mkl",) * len(BUCKETS), tuple(r * c for r, c in zip(BUCKETS, late, strict=True))
+    )
+    assert gemm_table.efficient_rows([a, b]) == 256
+    # Not measured (the fixed split, a GPU's ops): unknown.
+    assert gemm_table.efficient_rows([a, KernelTable.split("rows_gemm", 8, "mkl")]) is None
+    assert gemm_table.efficient_rows([a, None]) is None
+    assert gemm_table.efficient_rows([]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -38,10 +38,11 @@ class Step(NamedTuple):
     finished: list[str]
 
 
-def step(s: Scheduler, tokens: dict[str, int] | None = None) -> Step:
-    """One engine step. A request samples `tokens[id]`, or by default 1000 + its length."""
+def step(s: Scheduler, tokens: dict[str, int] | None = None, cap: int | None = None) -> Step:
+    """One engine step (`cap`: its prompt_cap). A request samples `tokens[id]`, or by default
+    1000 + its length."""
     tokens = tokens or {}
-    out = s.schedule()
+    out = s.schedule(cap)
     sampled = {}
     for item in out.scheduled:
         r = item.request
@@ -323,3 +324,25 @@ def test_prepare_runs_right_before_each_admission():
     step(s)
     step(s)
     assert seen == ["a", "b"]
+
+
+def test_a_prompt_cap_chunks_prompts_and_leaves_decodes_alone():
+    # The engine's ITL target: a step computes at most `cap` prompt tokens, however much
+    # budget is left, and every decoding request still gets its token each step.
+    s = make(budget=64, max_model_len=64)
+    s.add_request(req("a", 3, max_tokens=20))
+    assert step(s).scheduled == [("a", 3)]
+    assert s.num_decoding() == 1
+    s.add_request(req("b", 17, first=10, max_tokens=2))
+    assert step(s, cap=5).scheduled == [("a", 1), ("b", 5)]
+    assert s.num_decoding() == 1  # b is catching up
+    assert step(s, cap=5).scheduled == [("a", 1), ("b", 5)]
+    # a waiting prompt gets nothing while the cap is spent; the decodes go on
+    s.add_request(req("c", 4, first=40, max_tokens=1))
+    assert step(s, cap=5).scheduled == [("a", 1), ("b", 5)]
+    assert step(s, cap=5).scheduled == [("a", 1), ("b", 2), ("c", 3)]
+    done = step(s, cap=5)
+    assert done.scheduled == [("a", 1), ("b", 1), ("c", 1)] and done.finished == ["b", "c"]
+    # no cap: the budget alone, as before
+    s.add_request(req("d", 30, first=50, max_tokens=1))
+    assert step(s).scheduled == [("a", 1), ("d", 30)]

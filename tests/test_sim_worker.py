@@ -398,11 +398,14 @@ def test_the_launcher_refuses_what_a_simulated_worker_lacks(model_dir):
 
     run = subprocess.run(
         [*CLI, "up", "--engine", "sim", "--model", str(model_dir("tiny-llama")), "--port", "0",
-         "--speculative", "ngram", "--threads", "2"],
+         "--speculative", "ngram", "--threads", "2", "--itl-target-ms", "100"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode != 0
-    assert "--engine sim: simulated workers have no --threads, --speculative" in run.stderr
+    assert (
+        "--engine sim: simulated workers have no --threads, --speculative, --itl-target-ms"
+        in run.stderr
+    )
     run = subprocess.run(
         [*CLI, "up", "--model", str(model_dir("tiny-llama")), "--port", "0", "--sim-cost", "x"],
         capture_output=True, text=True, timeout=120,

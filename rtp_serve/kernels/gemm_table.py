@@ -36,7 +36,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -55,14 +55,20 @@ REPEATS = 3
 ROUND_BUDGET_S = 0.1  # a round of a bucket longer than this is measured once, not REPEATS times
 BUSY_SHARE = 0.10  # of this process's CPUs' time, taken by others: a measurement not trusted
 MEASURE_TRIES = 2  # a shape measured while contended is measured again, this many times in all
+# A step's rows are efficient from the first bucket whose projections cost at most this
+# times their least time per row (efficient_rows).
+EFFICIENT_WITHIN = 1.10
 
 
 @dataclass(frozen=True, slots=True)
 class KernelTable:
-    """kernel[i] serves row counts in (upto[i-1], upto[i]]; the last serves every larger."""
+    """kernel[i] serves row counts in (upto[i-1], upto[i]]; the last serves every larger.
+    A measured table also has `seconds[i]`: one op of its shape at upto[i] rows, on that
+    bucket's kernel (the efficiency curve `efficient_rows` reads)."""
 
     upto: tuple[int, ...]
     kernel: tuple[str, ...]
+    seconds: tuple[float, ...] = ()
 
     def pick(self, rows: int) -> str:
         return self.kernel[min(bisect.bisect_left(self.upto, rows), len(self.kernel) - 1)]
@@ -118,7 +124,12 @@ def tune(ops: Sequence[Tunable], cache: bool = True) -> dict[str, KernelTable]:
         # The paths are in the key: a build that adds one measures again.
         file = _cache_file(f"{key} paths {','.join(members[0].paths())}") if cache else None
         table = _read(file)
-        if table is None or table.upto != BUCKETS or set(table.kernel) - set(members[0].paths()):
+        if (
+            table is None
+            or table.upto != BUCKETS
+            or len(table.seconds) != len(BUCKETS)  # written before tables kept their times
+            or set(table.kernel) - set(members[0].paths())
+        ):
             table, busy = measure_quietly(members)
             measured += 1
             if busy <= BUSY_SHARE:
@@ -135,6 +146,21 @@ def tune(ops: Sequence[Tunable], cache: bool = True) -> dict[str, KernelTable]:
         log.info("GEMM tables: %d measured in %.2fs, other processes took %.0f%% of the CPUs",
                  measured, time.perf_counter() - start, 100 * others.share())  # fmt: skip
     return tables
+
+
+def efficient_rows(tables: Iterable[KernelTable | None]) -> int | None:
+    """The fewest rows (of BUCKETS) at which these projections together, a table per op,
+    cost at most EFFICIENT_WITHIN times their least time per row: where a step's GEMMs
+    reach the plateau of this machine's efficiency curve. None where a table is missing or
+    was not measured (the fixed split, a GPU)."""
+    tables = list(tables)
+    if not tables or any(t is None or len(t.seconds) != len(BUCKETS) for t in tables):
+        return None
+    per_row = [sum(t.seconds[i] for t in tables) / rows for i, rows in enumerate(BUCKETS)]
+    least = min(per_row)
+    return next(
+        rows for rows, c in zip(BUCKETS, per_row, strict=True) if c <= EFFICIENT_WITHIN * least
+    )
 
 
 def measure_quietly(members: Sequence[Tunable]) -> tuple[KernelTable, float]:
@@ -200,6 +226,7 @@ def measure(members: Sequence[Tunable]) -> KernelTable:
     streamed = members[: max(1, min(len(members), math.ceil(STREAM_BYTES / first.nbytes)))]
     g = torch.Generator().manual_seed(0)
     rel: list[list[float]] = []  # [bucket][path]: time / the bucket's best time
+    per_op: list[list[float]] = []  # [bucket][path]: seconds for one op
     for rows in BUCKETS:
         use = streamed if rows < STREAM_BELOW else members[:1]
         x = torch.randn(rows, first.in_features(), generator=g).to(first.act_dtype())
@@ -211,7 +238,10 @@ def measure(members: Sequence[Tunable]) -> KernelTable:
         rounds = [_round(runs, x) for _ in range(repeats)]
         best = [min(r[i] for r in rounds) for i in range(len(names))]
         rel.append([b / min(best) for b in best])
-    return KernelTable(BUCKETS, fit_runs(rel, names))
+        per_op.append([b / len(use) for b in best])
+    kernel = fit_runs(rel, names)
+    seconds = tuple(per_op[i][names.index(k)] for i, k in enumerate(kernel))
+    return KernelTable(BUCKETS, kernel, seconds)
 
 
 def _round(runs: list[list[Path_]], x: torch.Tensor) -> list[float]:
@@ -283,7 +313,9 @@ def _read(file: Path | None) -> KernelTable | None:
         return None
     try:
         data = json.loads(file.read_text())
-        return KernelTable(tuple(data["upto"]), tuple(data["kernel"]))
+        return KernelTable(
+            tuple(data["upto"]), tuple(data["kernel"]), tuple(data.get("seconds", ()))
+        )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring GEMM table cache %s: %s", file, exc)
         return None
@@ -295,7 +327,9 @@ def _write(file: Path | None, table: KernelTable) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"upto": table.upto, "kernel": table.kernel}))
+        tmp.write_text(
+            json.dumps({"upto": table.upto, "kernel": table.kernel, "seconds": table.seconds})
+        )
         tmp.replace(file)  # atomic: a concurrent reader sees the old file or the new
     except OSError as exc:  # a read-only home: measured again next start
         log.warning("GEMM table not cached (%s)", exc)

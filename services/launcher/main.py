@@ -149,6 +149,13 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--max-num-waiting", type=int, default=None, help="per worker (default: the worker's)"
     )
+    p.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=None,
+        help="per worker: cap a step's prompt tokens while requests decode (default: the "
+        "worker's, off)",
+    )
     add_lora_flags(p)  # passed to every worker and the frontend
     add_drain_flag(p, "the frontend and the workers finish what is in flight")
     p.add_argument("--ttl", type=float, default=3.0, help="nameservice heartbeat TTL (s)")
@@ -409,8 +416,8 @@ def _worker_flags(args: argparse.Namespace, model: str) -> list[str]:
         from rtp_serve.models.make_model import resolve_model
 
         flags += ["--draft-model", str(resolve_model(args.draft_model))]
-    flags += _limits(args, "max_num_seqs", "max_num_waiting", "num_speculative_tokens",
-                     "draft_layers")  # fmt: skip
+    flags += _limits(args, "max_num_seqs", "max_num_waiting", "itl_target_ms",
+                     "num_speculative_tokens", "draft_layers")  # fmt: skip
     loras = [f"--lora={name}={path}" for name, path in args.loras]
     return [*flags, *loras, "--max-loras", str(args.max_loras)]
 
@@ -422,6 +429,7 @@ _NOT_SIMULATED = {
     "--speculative": lambda a: a.speculative != "none",
     "--draft-model": lambda a: a.draft_model is not None,
     "--lora": lambda a: bool(a.loras),
+    "--itl-target-ms": lambda a: a.itl_target_ms is not None,
 }
 
 

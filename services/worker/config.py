@@ -102,6 +102,14 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", "2048"))
     )
     p.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=float(env("itl_target_ms", "0")),
+        help="while requests decode, cap a step's prompt tokens so that its predicted time "
+        "(fitted from this worker's steps) stays within this, down to the chunk its GEMMs "
+        "need to run efficiently; 0: off, the token budget alone",
+    )
+    p.add_argument(
         "--scheduling",
         choices=("fair", "fcfs"),
         default=env("scheduling", "fair"),
@@ -215,6 +223,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        itl_target_ms=args.itl_target_ms,
         fair_scheduling=args.scheduling == "fair",
         num_threads=args.threads or None,
         thread_binding=args.thread_binding,
