@@ -2,9 +2,10 @@
 server (grpc_util.create_server installs this).
 
 grpc answers a request it cannot deserialize with UNKNOWN ("Unexpected DecodeError"),
-which reads as a server bug. This interceptor makes each unary-request method's
-deserializer hand a `Malformed` marker to a wrapper that refuses it with the parse error
-instead of calling the servicer.
+which reads as a server bug. This interceptor makes each method's deserializer hand a
+`Malformed` marker to a wrapper that refuses it with the parse error: before calling the
+servicer for a unary request, or as the servicer reads it from a request stream (a
+bidirectional call then ends INVALID_ARGUMENT at its first bad message).
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def _guard_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _guard_requests(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """A stream-stream handler whose request messages are checked as it reads them."""
+
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def checked() -> Any:
+            async for request in requests:
+                if isinstance(request, Malformed):
+                    await _refuse(request, context)
+                yield request
+
+        async for message in behavior(checked(), context):
+            yield message
+
+    return call
+
+
 class MalformedRequests(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
@@ -67,9 +84,15 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         safe = _safe(handler.request_deserializer)
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            return handler._replace(
+                request_deserializer=safe, stream_stream=_guard_requests(handler.stream_stream)
+            )
+        if handler.request_streaming:
+            return handler
         if handler.unary_unary is not None:
             return handler._replace(
                 request_deserializer=safe, unary_unary=_guard_unary(handler.unary_unary)

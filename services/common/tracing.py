@@ -223,10 +223,7 @@ class _ClientTracing:
     context in the call's metadata. Runs in a task that copied the caller's context."""
 
     def __init__(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self._peer: dict[str, Any] = {"server.address": host or address}
-        if port.isdigit():
-            self._peer["server.port"] = int(port)
+        self._peer = _peer(address)
 
     async def _intercept(self, continuation, details, request):
         if not trace.get_current_span().get_span_context().is_valid:
@@ -267,6 +264,45 @@ class _StreamUnary(_ClientTracing, grpc.aio.StreamUnaryClientInterceptor):
 class _StreamStream(_ClientTracing, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await self._intercept(continuation, client_call_details, request_iterator)
+
+
+def _peer(address: str) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    peer: dict[str, Any] = {"server.address": host or address}
+    if port.isdigit():
+        peer["server.port"] = int(port)
+    return peer
+
+
+# -- requests sharing one call (services/worker/streams.py) ----------------------------------
+def client_span(method: str, address: str, carrier: dict[str, str]) -> Span | None:
+    """A CLIENT span for one request sent on a call that many share, as the client
+    interceptor makes one per call, its context put in `carrier` (the request's own
+    metadata): None outside a trace."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    name, attributes = _rpc_attributes(method)
+    span = tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes | _peer(address))
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return span
+
+
+def end_client_span(span: Span, code: grpc.StatusCode, details: str) -> None:
+    """End a `client_span` with the request's status."""
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+    span.end()
+
+
+def traced_stream(behavior, method: str, carrier: Mapping[str, str]):
+    """`behavior`, a server-streaming handler, inside a SERVER span child of the context in
+    `carrier`, as the server interceptor runs a call's: for one request of a call that
+    many share. `behavior` itself where the carrier holds no trace."""
+    if TRACEPARENT not in carrier:
+        return behavior
+    name, attributes = _rpc_attributes(f"/{method}")
+    return _traced_stream(behavior, name, propagate.extract(carrier), attributes)
 
 
 def _end_when_known(span: Span, call: grpc.aio.Call) -> None:

@@ -35,7 +35,7 @@ from rtp_serve.services.common.kv_block_size import payload_nbytes
 from rtp_serve.services.common.metrics import RECEIVED
 from rtp_serve.services.common.naming import NameClient
 from rtp_serve.services.common.pb import nameservice_pb2, worker_pb2, worker_pb2_grpc
-from rtp_serve.services.worker import metrics
+from rtp_serve.services.worker import metrics, streams
 from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import join_blocks
 from rtp_serve.services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
@@ -64,6 +64,8 @@ def _response(out: RequestOutput) -> worker_pb2.GenerateResponse:
 
 
 class DecodeServicer(WorkerServicer):
+    serves_streams = True
+
     def __init__(
         self,
         llm: AsyncLLM,
@@ -107,6 +109,11 @@ class DecodeServicer(WorkerServicer):
                 yield msg
         except (ValueError, LookupError, RuntimeError) as exc:
             await abort(context, exc)
+
+    async def Streams(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Generate for many requests of one caller, each step's messages as one reply."""
+        async for reply in streams.serve(self.Generate, request_iterator, context):
+            yield reply
 
     def _prompt_keys(self, prompt: list[int], given: list[BlockHash], lora: str) -> list[BlockHash]:
         """The frontend's keys (hashed there once, from the namespace the workers

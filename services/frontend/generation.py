@@ -39,7 +39,7 @@ from rtp_serve.core.block_hash import BlockHash
 from rtp_serve.core.tokenizer import Tokenizer
 from rtp_serve.services.common import grpc_util, tracing
 from rtp_serve.services.common.convert import tenant_to_pb
-from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
+from rtp_serve.services.common.pb import common_pb2, master_pb2, worker_pb2
 from rtp_serve.services.frontend import metrics
 from rtp_serve.services.frontend.adapters import Adapters, not_found
 from rtp_serve.services.frontend.client_streams import ClientStreams
@@ -276,17 +276,16 @@ class Generator:
                 lora_name=inp.lora,
                 tenant=tenant_to_pb(inp.tenant.share) if inp.tenant else None,
             )
-            stub = worker_pb2_grpc.WorkerStub(self.router.channel(route.decode.address))
             left = inp.remaining()
             if _passed(left):
                 yield self._deadline_passed(inp, produced)
                 return
             timer.started()
-            call = stub.Generate(request, timeout=left)
+            stream = self.router.streams.generate(route.decode, request, left)
             who = f"worker {route.decode.id or route.decode.address}"
             failed_peer = ""  # the worker's peer that failed, where the worker says so
             try:
-                async for msg in grpc_util.responses(call):
+                async for msg in stream:
                     first = timer.last_token is None
                     timer.tokens(len(msg.token_ids))
                     if inp.tenant is not None:
@@ -307,7 +306,7 @@ class Generator:
                 if exc.code() not in RETRYABLE:
                     raise last_error from exc
             finally:
-                grpc_util.cancel(call)  # no-op when done; else the worker aborts, frees the blocks
+                await stream.aclose()  # no-op when done; else the worker aborts, frees the blocks
             log.warning(
                 "request %s: %s (attempt %d, %d tokens so far)",
                 inp.request_id,

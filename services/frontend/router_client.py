@@ -32,6 +32,7 @@ from rtp_serve.services.common.pb import master_pb2, master_pb2_grpc
 from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.frontend.errors import ErrorKind, FrontendError, from_rpc_error
 from rtp_serve.services.frontend.route_batcher import RouteBatcher
+from rtp_serve.services.frontend.worker_streams import WorkerStreams
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class Router:
         self._watch = watch
         self._route_timeout = route_timeout
         self._channels = grpc_util.ChannelCache()
+        self.streams = WorkerStreams(self.channel)  # the requests sent to each worker
         self._master_down_until: dict[str, float] = {}  # address -> monotonic time
         self._leased: dict[str, set[str]] = {}  # request id -> masters holding its lease
         self._batchers: dict[str, RouteBatcher] = {}  # master address -> its routes
@@ -149,6 +151,7 @@ class Router:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
+        await self.streams.close()
         await self._channels.close()
 
     async def flush(self, timeout: float) -> None:

@@ -66,6 +66,7 @@ async def serve_worker(
         member_id=args.worker_id,
         kv=await asyncio.to_thread(kv_namespace, llm),
     )
+    member.streams = servicer.serves_streams  # callers then send our requests over one call
     bus = await Bus.connect(args.nats_url, member.id, args.nats_token)
     feed = KVEventFeed(llm, bus, member.id, args.namespace)
     servicer.serve_snapshots(feed)

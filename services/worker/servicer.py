@@ -38,6 +38,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     master's index resync, once `serve_snapshots` gave it the event feed); a role adds its
     RPCs (the others answer UNIMPLEMENTED)."""
 
+    serves_streams = False  # Worker.Streams (a role with Generate has it: Member.streams)
+
     def __init__(self, llm: AsyncLLM) -> None:
         self.llm = llm
         self.drain = Drain()  # a role's streaming RPCs go through drain.guard

@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11nameservice.proto\x12\x06rtp.v1\"\xca\x01\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x04role\x18\x02 \x01(\x0e\x32\x0c.rtp.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x10\n\x08model_id\x18\t \x01(\t\x12\x13\n\x0bkv_numerics\x18\n \x01(\t\"\x1f\n\rRegisterReply\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"\x1e\n\x10HeartbeatRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x1f\n\x11\x44\x65registerRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x11\n\x0f\x44\x65registerReply\")\n\x0bListRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.rtp.v1.Role\"-\n\nMemberList\x12\x1f\n\x07members\x18\x01 \x03(\x0b\x32\x0e.rtp.v1.Member\"\x0e\n\x0cWatchRequest\"\xbe\x01\n\x0fMembershipEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.rtp.v1.MembershipEvent.Kind\x12\x1e\n\x06member\x18\x02 \x01(\x0b\x32\x0e.rtp.v1.Member\x12\x0e\n\x06reason\x18\x03 \x01(\t\"O\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_JOINED\x10\x01\x12\r\n\tKIND_LEFT\x10\x02\x12\x11\n\rKIND_SNAPSHOT\x10\x03*\x83\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_FRONTEND\x10\x01\x12\x0f\n\x0bROLE_MASTER\x10\x02\x12\x10\n\x0cROLE_PREFILL\x10\x03\x12\x0f\n\x0bROLE_DECODE\x10\x04\x12\x0e\n\nROLE_FUSED\x10\x05\x12\x0e\n\nROLE_CACHE\x10\x06\x32\xac\x02\n\x0bNameService\x12\x31\n\x08Register\x12\x0e.rtp.v1.Member\x1a\x15.rtp.v1.RegisterReply\x12=\n\tHeartbeat\x12\x18.rtp.v1.HeartbeatRequest\x1a\x16.rtp.v1.HeartbeatReply\x12@\n\nDeregister\x12\x19.rtp.v1.DeregisterRequest\x1a\x17.rtp.v1.DeregisterReply\x12/\n\x04List\x12\x13.rtp.v1.ListRequest\x1a\x12.rtp.v1.MemberList\x12\x38\n\x05Watch\x12\x14.rtp.v1.WatchRequest\x1a\x17.rtp.v1.MembershipEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11nameservice.proto\x12\x06rtp.v1\"\xdb\x01\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x04role\x18\x02 \x01(\x0e\x32\x0c.rtp.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x10\n\x08model_id\x18\t \x01(\t\x12\x13\n\x0bkv_numerics\x18\n \x01(\t\x12\x0f\n\x07streams\x18\x0b \x01(\x08\"\x1f\n\rRegisterReply\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"\x1e\n\x10HeartbeatRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x1f\n\x11\x44\x65registerRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x11\n\x0f\x44\x65registerReply\")\n\x0bListRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.rtp.v1.Role\"-\n\nMemberList\x12\x1f\n\x07members\x18\x01 \x03(\x0b\x32\x0e.rtp.v1.Member\"\x0e\n\x0cWatchRequest\"\xbe\x01\n\x0fMembershipEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.rtp.v1.MembershipEvent.Kind\x12\x1e\n\x06member\x18\x02 \x01(\x0b\x32\x0e.rtp.v1.Member\x12\x0e\n\x06reason\x18\x03 \x01(\t\"O\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_JOINED\x10\x01\x12\r\n\tKIND_LEFT\x10\x02\x12\x11\n\rKIND_SNAPSHOT\x10\x03*\x83\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_FRONTEND\x10\x01\x12\x0f\n\x0bROLE_MASTER\x10\x02\x12\x10\n\x0cROLE_PREFILL\x10\x03\x12\x0f\n\x0bROLE_DECODE\x10\x04\x12\x0e\n\nROLE_FUSED\x10\x05\x12\x0e\n\nROLE_CACHE\x10\x06\x32\xac\x02\n\x0bNameService\x12\x31\n\x08Register\x12\x0e.rtp.v1.Member\x1a\x15.rtp.v1.RegisterReply\x12=\n\tHeartbeat\x12\x18.rtp.v1.HeartbeatRequest\x1a\x16.rtp.v1.HeartbeatReply\x12@\n\nDeregister\x12\x19.rtp.v1.DeregisterRequest\x1a\x17.rtp.v1.DeregisterReply\x12/\n\x04List\x12\x13.rtp.v1.ListRequest\x1a\x12.rtp.v1.MemberList\x12\x38\n\x05Watch\x12\x14.rtp.v1.WatchRequest\x1a\x17.rtp.v1.MembershipEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nameservice_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=684
-  _globals['_ROLE']._serialized_end=815
+  _globals['_ROLE']._serialized_start=701
+  _globals['_ROLE']._serialized_end=832
   _globals['_MEMBER']._serialized_start=30
-  _globals['_MEMBER']._serialized_end=232
-  _globals['_REGISTERREPLY']._serialized_start=234
-  _globals['_REGISTERREPLY']._serialized_end=265
-  _globals['_HEARTBEATREQUEST']._serialized_start=267
-  _globals['_HEARTBEATREQUEST']._serialized_end=297
-  _globals['_HEARTBEATREPLY']._serialized_start=299
-  _globals['_HEARTBEATREPLY']._serialized_end=330
-  _globals['_DEREGISTERREQUEST']._serialized_start=332
-  _globals['_DEREGISTERREQUEST']._serialized_end=363
-  _globals['_DEREGISTERREPLY']._serialized_start=365
-  _globals['_DEREGISTERREPLY']._serialized_end=382
-  _globals['_LISTREQUEST']._serialized_start=384
-  _globals['_LISTREQUEST']._serialized_end=425
-  _globals['_MEMBERLIST']._serialized_start=427
-  _globals['_MEMBERLIST']._serialized_end=472
-  _globals['_WATCHREQUEST']._serialized_start=474
-  _globals['_WATCHREQUEST']._serialized_end=488
-  _globals['_MEMBERSHIPEVENT']._serialized_start=491
-  _globals['_MEMBERSHIPEVENT']._serialized_end=681
-  _globals['_MEMBERSHIPEVENT_KIND']._serialized_start=602
-  _globals['_MEMBERSHIPEVENT_KIND']._serialized_end=681
-  _globals['_NAMESERVICE']._serialized_start=818
-  _globals['_NAMESERVICE']._serialized_end=1118
+  _globals['_MEMBER']._serialized_end=249
+  _globals['_REGISTERREPLY']._serialized_start=251
+  _globals['_REGISTERREPLY']._serialized_end=282
+  _globals['_HEARTBEATREQUEST']._serialized_start=284
+  _globals['_HEARTBEATREQUEST']._serialized_end=314
+  _globals['_HEARTBEATREPLY']._serialized_start=316
+  _globals['_HEARTBEATREPLY']._serialized_end=347
+  _globals['_DEREGISTERREQUEST']._serialized_start=349
+  _globals['_DEREGISTERREQUEST']._serialized_end=380
+  _globals['_DEREGISTERREPLY']._serialized_start=382
+  _globals['_DEREGISTERREPLY']._serialized_end=399
+  _globals['_LISTREQUEST']._serialized_start=401
+  _globals['_LISTREQUEST']._serialized_end=442
+  _globals['_MEMBERLIST']._serialized_start=444
+  _globals['_MEMBERLIST']._serialized_end=489
+  _globals['_WATCHREQUEST']._serialized_start=491
+  _globals['_WATCHREQUEST']._serialized_end=505
+  _globals['_MEMBERSHIPEVENT']._serialized_start=508
+  _globals['_MEMBERSHIPEVENT']._serialized_end=698
+  _globals['_MEMBERSHIPEVENT_KIND']._serialized_start=619
+  _globals['_MEMBERSHIPEVENT_KIND']._serialized_end=698
+  _globals['_NAMESERVICE']._serialized_start=835
+  _globals['_NAMESERVICE']._serialized_end=1135
 # @@protoc_insertion_point(module_scope)

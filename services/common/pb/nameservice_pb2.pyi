@@ -25,7 +25,7 @@ ROLE_FUSED: Role
 ROLE_CACHE: Role
 
 class Member(_message.Message):
-    __slots__ = ("id", "role", "address", "model", "capacity", "metrics_address", "block_size", "cache_salt", "model_id", "kv_numerics")
+    __slots__ = ("id", "role", "address", "model", "capacity", "metrics_address", "block_size", "cache_salt", "model_id", "kv_numerics", "streams")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class Member(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     KV_NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -46,7 +47,8 @@ class Member(_message.Message):
     cache_salt: bytes
     model_id: str
     kv_numerics: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., model_id: _Optional[str] = ..., kv_numerics: _Optional[str] = ...) -> None: ...
+    streams: bool
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., model_id: _Optional[str] = ..., kv_numerics: _Optional[str] = ..., streams: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("ttl_ms",)

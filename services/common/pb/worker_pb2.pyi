@@ -200,3 +200,42 @@ class LoraReply(_message.Message):
     LORAS_FIELD_NUMBER: _ClassVar[int]
     loras: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, loras: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamsRequest(_message.Message):
+    __slots__ = ("open", "cancel", "timeout_s", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    open: GenerateRequest
+    cancel: str
+    timeout_s: float
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, open: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., timeout_s: _Optional[float] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamsReply(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[StreamOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[StreamOutput, _Mapping]]] = ...) -> None: ...
+
+class StreamOutput(_message.Message):
+    __slots__ = ("request_id", "response", "code", "details", "failed_peer")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PEER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    code: int
+    details: str
+    failed_peer: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., failed_peer: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Streams = channel.stream_stream(
+                '/rtp.v1.Worker/Streams',
+                request_serializer=worker__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=worker__pb2.StreamsReply.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_stream(
                 '/rtp.v1.Worker/Prefill',
                 request_serializer=worker__pb2.PrefillRequest.SerializeToString,
@@ -71,6 +76,13 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Streams(self, request_iterator, context):
+        """Generate for many requests of one caller (a worker that has it says so: Member.streams).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -115,6 +127,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=worker__pb2.GenerateRequest.FromString,
                     response_serializer=worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Streams': grpc.stream_stream_rpc_method_handler(
+                    servicer.Streams,
+                    request_deserializer=worker__pb2.StreamsRequest.FromString,
+                    response_serializer=worker__pb2.StreamsReply.SerializeToString,
             ),
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
@@ -169,6 +186,33 @@ class Worker:
             '/rtp.v1.Worker/Generate',
             worker__pb2.GenerateRequest.SerializeToString,
             worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Streams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rtp.v1.Worker/Streams',
+            worker__pb2.StreamsRequest.SerializeToString,
+            worker__pb2.StreamsReply.FromString,
             options,
             channel_credentials,
             insecure,
