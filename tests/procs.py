@@ -16,6 +16,8 @@ from rtp_serve.services.common.tls import TlsConfig
 from rtp_serve.services.launcher.servers import free_port
 
 START_TIMEOUT_S = 60.0
+# A small worker: one thread, a 16 MiB KV pool.
+SMALL_WORKER = ("--threads", "1", "--kv-cache-mib", "16")
 
 
 def spawn(name: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -48,6 +50,19 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+@contextlib.contextmanager
+def worker_roles(model: str) -> Iterator[dict[str, str]]:
+    """A small fused, prefill and decode worker of `model` (no nameservice): their
+    addresses by role."""
+    flags = ("--model", model, *SMALL_WORKER)
+    with (
+        grpc_service("fused", *flags) as (fused, _),
+        grpc_service("prefill", *flags) as (prefill, _),
+        grpc_service("decode", *flags) as (decode, _),
+    ):
+        yield {"fused": fused, "prefill": prefill, "decode": decode}
 
 
 @contextlib.contextmanager

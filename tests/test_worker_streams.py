@@ -20,23 +20,16 @@ from rtp_serve.services.common.pb import nameservice_pb2 as ns_pb2
 from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
 from rtp_serve.services.frontend.worker_streams import WorkerStreams
 from tests.frontend_fakes import FakeWorker
-from tests.procs import grpc_service
+from tests.procs import SMALL_WORKER, grpc_service, worker_roles
 from tests.servers import eventually
 
-WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "16")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def workers(model_dir):
-    model = str(model_dir("tiny-llama"))
-    flags = ("--model", model, *WORKER_FLAGS)
-    with (
-        grpc_service("fused", *flags) as (fused, _),
-        grpc_service("prefill", *flags) as (prefill, _),
-        grpc_service("decode", *flags) as (decode, _),
-    ):
-        yield {"fused": fused, "prefill": prefill, "decode": decode}
+    with worker_roles(str(model_dir("tiny-llama"))) as addresses:
+        yield addresses
 
 
 def _request(rid: str, prompt, params=GREEDY, prefill: str = "") -> worker_pb2.GenerateRequest:
@@ -180,13 +173,14 @@ def test_a_call_that_ends_ends_its_requests_unavailable(model_dir, prompts):
             with pytest.raises(grpc.aio.AioRpcError) as died:
                 async for _ in messages:
                     pass
+            assert not streams._calls  # the ended call left; the next request opens another
             return died.value
         finally:
             await streams.close()
             await channels.close()
 
     model = str(model_dir("tiny-llama"))
-    with grpc_service("fused", "--model", model, *WORKER_FLAGS) as (address, proc):
+    with grpc_service("fused", "--model", model, *SMALL_WORKER) as (address, proc):
         error = asyncio.run(main(address, proc))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
 

@@ -13,22 +13,16 @@ from rtp_serve.engine import SamplingParams
 from rtp_serve.services.common import grpc_util
 from rtp_serve.services.common.convert import params_to_pb
 from rtp_serve.services.common.pb import worker_pb2, worker_pb2_grpc
-from tests.procs import grpc_service
+from tests.procs import SMALL_WORKER, grpc_service, worker_roles
 
-WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "16")
+WORKER_FLAGS = SMALL_WORKER
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def workers(model_dir):
-    model = str(model_dir("tiny-llama"))
-    flags = ("--model", model, *WORKER_FLAGS)
-    with (
-        grpc_service("fused", *flags) as (fused, _),
-        grpc_service("prefill", *flags) as (prefill, _),
-        grpc_service("decode", *flags) as (decode, _),
-    ):
-        yield {"fused": fused, "prefill": prefill, "decode": decode}
+    with worker_roles(str(model_dir("tiny-llama"))) as addresses:
+        yield addresses
 
 
 async def _generate(

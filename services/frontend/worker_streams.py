@@ -45,9 +45,15 @@ def rpc_error(code: grpc.StatusCode, details: str, failed_peer: str = "") -> grp
 class _Call:
     """One Streams call to a worker, and the requests on it."""
 
-    def __init__(self, address: str, stub: worker_pb2_grpc.WorkerStub) -> None:
+    def __init__(
+        self,
+        address: str,
+        stub: worker_pb2_grpc.WorkerStub,
+        on_closed: Callable[[_Call], None],
+    ) -> None:
         self.address = address
         self.closed = False
+        self._on_closed = on_closed
         self._outgoing: asyncio.Queue[worker_pb2.StreamsRequest | None] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         # Opened outside any request's trace: the call is no request's, each request's own
@@ -81,6 +87,7 @@ class _Call:
             for queue in self._streams.values():
                 queue.put_nowait(error)
             self._streams.clear()
+            self._on_closed(self)
 
     def open(
         self, request: worker_pb2.GenerateRequest, timeout: float | None, trace: dict[str, str]
@@ -135,7 +142,7 @@ class WorkerStreams:
         call = self._calls.get(address)
         if call is None or call.closed:
             stub = worker_pb2_grpc.WorkerStub(self._channel(address))
-            call = self._calls[address] = _Call(address, stub)
+            call = self._calls[address] = _Call(address, stub, self._forget)
         trace: dict[str, str] = {}
         span = tracing.client_span(GENERATE, address, trace)
         queue = call.open(request, timeout, trace)
@@ -175,6 +182,11 @@ class WorkerStreams:
                 call.cancel(request.request_id)  # the worker aborts it and frees its blocks
             if span is not None:
                 tracing.end_client_span(span, code, details)
+
+    def _forget(self, call: _Call) -> None:
+        """A call that ended leaves the table (a worker that went away leaves nothing)."""
+        if self._calls.get(call.address) is call:
+            del self._calls[call.address]
 
     async def close(self) -> None:
         calls, self._calls = list(self._calls.values()), {}
