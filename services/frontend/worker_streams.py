@@ -16,6 +16,7 @@ UNAVAILABLE, which the caller migrates; the next request opens a new call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -126,12 +127,14 @@ class WorkerStreams:
         (errors included); closing the iteration early cancels it there. Over the worker's
         Streams call where it has one (Member.streams), else on a Generate call."""
         if worker.streams:
-            async for msg in self._shared(worker.address, request, timeout):
+            messages = self._shared(worker.address, request, timeout)
+        else:
+            stub = worker_pb2_grpc.WorkerStub(self._channel(worker.address))
+            messages = grpc_util.responses(stub.Generate(request, timeout=timeout))
+        # Closed here, not when collected: closing this stream early cancels the request now.
+        async with contextlib.aclosing(messages) as inner:
+            async for msg in inner:
                 yield msg
-            return
-        stub = worker_pb2_grpc.WorkerStub(self._channel(worker.address))
-        async for msg in grpc_util.responses(stub.Generate(request, timeout=timeout)):
-            yield msg
 
     async def _shared(
         self,
