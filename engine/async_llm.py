@@ -59,10 +59,15 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """On a caller's loop: one step's outputs into their streams' queues, in step order."""
+def _deliver(
+    items: list[tuple[asyncio.Queue, RequestOutput]], then: Callable[[], None] | None = None
+) -> None:
+    """On a caller's loop: one step's outputs into their streams' queues, in step order;
+    then `then` (a KV-event watcher told in the same wake-up)."""
     for q, item in items:
         q.put_nowait(item)
+    if then is not None:
+        then()
 
 
 @dataclass(slots=True)
@@ -109,6 +114,10 @@ class AsyncLLM:
         )
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        # Who to tell that KV events wait (watch_kv_events), and whether it was told since
+        # they were last taken (the engine thread's alone).
+        self._kv_watch: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
+        self._kv_told = False
         # Requests (and their prompt tokens) given to the engine thread that it has not
         # taken yet: it takes commands between steps, so what arrives during a step waits
         # for it to end. Each counter has one writer (sent: the callers' loop, taken: the
@@ -274,9 +283,21 @@ class AsyncLLM:
         read is seen by the next one: a caller that polls takes only when this says so."""
         return self.engine.tiers.has_events()
 
+    def watch_kv_events(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on this event loop when the engine has recorded KV events, once
+        until take_kv_events (or kv_snapshot) takes them: a feed then sleeps until there is
+        something to publish instead of looking 20 times a second. The call rides in the
+        wake-up that brings the step's outputs to this loop when there is one."""
+        self._kv_watch = (asyncio.get_running_loop(), callback)
+        self._inbox.put(_Call(lambda engine: self._hand_out(engine, {}), Future()))  # any waiting
+
     async def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache stored/removed events since the previous call (record_kv_events)."""
-        return await self.call(lambda engine: engine.tiers.take_events())
+        return await self.call(self._take_kv_events)
+
+    def _take_kv_events(self, engine: LLMEngine) -> list[KVEvent]:
+        self._kv_told = False  # on the engine thread, as every step's telling
+        return engine.tiers.take_events()
 
     async def kv_snapshot(
         self,
@@ -285,7 +306,7 @@ class AsyncLLM:
         host tier hold after them, taken together between steps: the hashes are exactly
         what applying all events taken so far gives."""
         return await self.call(
-            lambda engine: (engine.tiers.take_events(), engine.tiers.cached_hashes())
+            lambda engine: (self._take_kv_events(engine), engine.tiers.cached_hashes())
         )
 
     async def check(self) -> EngineCheck:
@@ -353,6 +374,7 @@ class AsyncLLM:
             except queue.Empty:
                 pass
             if not engine.has_schedulable_requests():
+                self._hand_out(engine, {})  # a command's events (a KV delivery, an abort)
                 continue
             try:
                 outputs = engine.step()
@@ -370,10 +392,26 @@ class AsyncLLM:
                     batches.setdefault(stream.loop, []).append((stream.queue, out))
                     if out.finished:
                         del self._streams[out.request_id]
-            for loop, items in batches.items():
-                with contextlib.suppress(RuntimeError):  # a closed caller loop: nobody listens
-                    loop.call_soon_threadsafe(_deliver, items)
+            self._hand_out(engine, batches)
             self._stats = engine.stats()
+
+    def _hand_out(
+        self,
+        engine: LLMEngine,
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]],
+    ) -> None:
+        """Hand each caller loop its outputs, and the KV-event watcher its news if events
+        wait and it was not told yet: with its loop's outputs where it has some."""
+        watch = self._kv_watch
+        tell = watch is not None and not self._kv_told and engine.tiers.has_events()
+        if tell:
+            assert watch is not None
+            self._kv_told = True
+            batches.setdefault(watch[0], [])
+        for loop, items in batches.items():
+            then = watch[1] if tell and watch is not None and loop is watch[0] else None
+            with contextlib.suppress(RuntimeError):  # a closed caller loop: nobody listens
+                loop.call_soon_threadsafe(_deliver, items, then)
 
     def _handle(self, cmd: _Add | _Release | _DeliverKV | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):

@@ -1,7 +1,7 @@
 """A worker's load reports on NATS: an idle worker repeats an unchanged report only every
 LOAD_KEEPALIVE_S (a thousand idle workers' reports were most of the master's idle CPU), a
-change goes out at the next report interval, and the master counts both. An idle worker's
-KV event feed looks without taking from the engine.
+change goes out at the next report interval, and the master counts both. The engine tells
+the KV event feed when events wait; an idle feed neither looks nor takes.
 
 Real parts: a nats-server process, a real engine (tiny-llama) behind AsyncLLM with its
 event feed, and the master's ClusterView subscribed on NATS.
@@ -20,7 +20,6 @@ from rtp_serve.services.common.pb import events_pb2
 from rtp_serve.services.common.pb import nameservice_pb2 as ns
 from rtp_serve.services.master.cluster import LOAD_TTL_S, ClusterView
 from rtp_serve.services.worker.kv_events import (
-    EVENT_INTERVAL_S,
     LOAD_INTERVAL_S,
     LOAD_KEEPALIVE_S,
     KVEventFeed,
@@ -32,10 +31,10 @@ WORKER = "fused-0"
 
 
 def test_keepalive_is_shorter_than_the_masters_ttl():
-    # A keepalive lost: the next comes two keepalives and up to a tick after the last one
-    # counted, within the TTL, so the worker stays known.
+    # A keepalive lost: the next comes two keepalives after the last one counted (the
+    # publisher sleeps until each is due), within the TTL, so the worker stays known.
     assert LOAD_INTERVAL_S < LOAD_KEEPALIVE_S
-    assert 2 * LOAD_KEEPALIVE_S + EVENT_INTERVAL_S < LOAD_TTL_S
+    assert 2 * LOAD_KEEPALIVE_S + 0.1 < LOAD_TTL_S
 
 
 def test_idle_reports_are_keepalives_and_a_change_is_reported(model_dir, nats_server):
@@ -95,8 +94,8 @@ def test_idle_reports_are_keepalives_and_a_change_is_reported(model_dir, nats_se
 
 
 def test_an_idle_feed_takes_nothing_from_the_engine(model_dir, nats_server):
-    # The feed looks 20 times a second; an idle look must not stop the engine for a take
-    # (a call on the engine thread, then a wakeup of the caller's loop, for nothing).
+    # A flush with nothing pending must not stop the engine for a take (a call on the
+    # engine thread, then a wakeup of the caller's loop, for nothing).
     async def main() -> None:
         llm = await asyncio.to_thread(
             AsyncLLM, EngineConfig(model=str(model_dir("tiny-llama")), num_kv_blocks=32), True
@@ -146,6 +145,75 @@ def test_an_idle_feed_takes_nothing_from_the_engine(model_dir, nats_server):
         finally:
             await bus.close()
             await listener.close()
+            await asyncio.to_thread(llm.shutdown)
+
+    asyncio.run(main())
+
+
+def test_the_engine_tells_the_feed_and_an_idle_feed_never_looks(model_dir, nats_server):
+    # The engine tells its watcher that KV events wait, once until they are taken; the
+    # publisher's feed then publishes them, and while nothing happens it does not look.
+    async def main() -> None:
+        llm = await asyncio.to_thread(
+            AsyncLLM, EngineConfig(model=str(model_dir("tiny-llama")), num_kv_blocks=32), True
+        )
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        told = 0
+
+        def tell() -> None:
+            nonlocal told
+            told += 1
+
+        try:
+            # Events recorded before the watch are told at once.
+            async for _ in llm.generate(list(range(1, 40)), params, "r0"):
+                pass
+            llm.watch_kv_events(tell)
+            await eventually(lambda: told == 1)
+            async for _ in llm.generate(list(range(40, 80)), params, "r1"):
+                pass
+            await asyncio.sleep(0.1)
+            assert told == 1, "told again before the events were taken"
+            assert await llm.take_kv_events()
+            async for _ in llm.generate(list(range(80, 120)), params, "r2"):
+                pass
+            await eventually(lambda: told == 2)
+            await llm.take_kv_events()
+
+            bus = await Bus.connect(nats_server, WORKER)
+            batches: list[events_pb2.KVEvents] = []
+
+            async def seen(msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
+                batches.append(msg)
+
+            listener = await Bus.connect(nats_server, "master")
+            await listener.subscribe(subjects.kv_events(WORKER), events_pb2.KVEvents, seen)
+            await listener.flush()
+            looks = 0
+            pending = llm.kv_events_pending
+
+            def counted() -> bool:
+                nonlocal looks
+                looks += 1
+                return pending()
+
+            llm.kv_events_pending = counted  # type: ignore[method-assign]
+            publisher = asyncio.create_task(
+                publish_events(KVEventFeed(llm, bus, WORKER), "default")
+            )
+            try:
+                await asyncio.sleep(1.0)  # idle: no look (it was 20 a second)
+                assert looks == 0 and not batches
+                async for _ in llm.generate(list(range(120, 160)), params, "r3"):
+                    pass
+                await eventually(lambda: len(batches) == 1)
+                assert len(batches[0].stored) >= 2 and looks == 1
+            finally:
+                publisher.cancel()
+                await asyncio.gather(publisher, return_exceptions=True)
+                await bus.close()
+                await listener.close()
+        finally:
             await asyncio.to_thread(llm.shutdown)
 
     asyncio.run(main())

@@ -111,6 +111,7 @@ class SimLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._kv_watch: Callable[[], None] | None = None  # watch_kv_events
         self._stopped = False
         self._ids = 0
 
@@ -239,6 +240,7 @@ class SimLLM:
                 self.pool.cache_block(block, key)
             self.pool.free(reversed(held))  # tail first, as a finished request's
             cached += n
+        self._tell_kv_watch()
         return cached
 
     async def num_cached_prefix(self, block_hashes: list[BlockHash]) -> int:
@@ -251,6 +253,14 @@ class SimLLM:
 
     def kv_events_pending(self) -> bool:
         return self.pool.has_events()
+
+    def watch_kv_events(self, callback: Callable[[], None]) -> None:
+        self._kv_watch = callback
+        self._tell_kv_watch()
+
+    def _tell_kv_watch(self) -> None:
+        if self._kv_watch is not None and self.pool.has_events():
+            self._kv_watch()
 
     async def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -362,6 +372,7 @@ class SimLLM:
         return self.cost.step_s(prompt_tokens, ctx, rows, decode_ctx), prompt_tokens, rows
 
     def _flush(self) -> None:
+        self._tell_kv_watch()
         outbox, self.scheduler.outbox = self.scheduler.outbox, []
         for out in outbox:
             stream = self._streams.get(out.request_id)

@@ -17,17 +17,19 @@ the member's own: a worker's device pool and host tier (services/worker/kv_event
 cache instance's memory and Redis (services/cache/kv_feed.py); a subclass says how to take
 its changes (`_take`), whether any wait (`_pending`), and what it holds (`_held`).
 
-A flush takes only when `_pending` says changes wait: an idle member's look is a list's
-truth, not a take (for a worker, whose loop looks every EVENT_INTERVAL_S, a take was a call
-on the engine thread that woke it and then the worker's loop, 20 times a second, for
-nothing). A member whose changes happen on its own event loop says so (`notify`) and `run`s
-the feed, which then sleeps while nothing changes instead of looking 20 times a second.
+A flush takes only when `_pending` says changes wait: a look is a list's truth, not a take
+(for a worker a take is a call on the engine thread, which wakes it and then the worker's
+loop). A member is told of its changes (`notify`: a cache instance by its LRU and Redis
+keys, a worker by its engine, AsyncLLM.watch_kv_events) and `run`s the feed, which sleeps
+while nothing changes instead of looking 20 times a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from rtp_serve.services.common import subjects
@@ -112,6 +114,13 @@ class KVFeed:
                 block_hashes=held.upper,
                 host_block_hashes=held.lower,
             )
+
+    @contextlib.asynccontextmanager
+    async def numbering(self) -> AsyncIterator[int]:
+        """Hold the batch numbering: inside, `seq` names the latest batch published, and
+        what is published there goes after it."""
+        async with self._lock:
+            yield self.seq
 
     def notify(self) -> None:
         """Changes were recorded (from the event loop's thread): `run` flushes them."""
