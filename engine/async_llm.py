@@ -326,8 +326,15 @@ class AsyncLLM:
         )
 
     def step_cost(self) -> StepCost:
-        """The step-time model fitted over the recent steps (an immutable snapshot)."""
-        return self.engine.costs.step()
+        """The step-time model fitted over the recent steps (an immutable snapshot). Under
+        an ITL target its token budget is the prompt chunk a step takes beside the requests
+        running now: what a wait predicted from it (here, in Stats and load reports, and
+        by the master from the report) has to be chunked by."""
+        cost = self.engine.costs.step()
+        cap = self.engine.prompt_cap(self._stats.num_running)
+        if cap is not None and (not cost.token_budget or cap < cost.token_budget):
+            cost = dataclasses.replace(cost, token_budget=cap)
+        return cost
 
     @property
     def kv_block_bytes(self) -> int:

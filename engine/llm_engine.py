@@ -223,7 +223,7 @@ class LLMEngine:
         started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.costs.step())
-        sched = self.scheduler.schedule(self._prompt_cap())
+        sched = self.scheduler.schedule(self.prompt_cap())
         outputs = [_delta(r, waiting_for_kv=True) for r in sched.waiting_for_kv]
         if not sched.scheduled:
             return outputs
@@ -256,7 +256,7 @@ class LLMEngine:
         self.costs.observe_step(time.perf_counter() - started, prompt, decode)
         return outputs
 
-    def _prompt_cap(self) -> int | None:
+    def prompt_cap(self, decode_rows: int | None = None) -> int | None:
         """Prompt tokens the next step may compute under the ITL target (None: no cap).
 
         Only while requests decode: their next token waits for the whole step, so the step
@@ -265,11 +265,13 @@ class LLMEngine:
         fewer than fill the rows from which its GEMMs run near their best per row (the
         efficiency curve measured at load, gemm_table.efficient_rows) less the decode rows
         that ride along: a smaller chunk would cost more per token than the ITL it saves.
-        With nobody decoding, or nothing fitted yet, the token budget alone applies."""
+        With nobody decoding, or nothing fitted yet, the token budget alone applies.
+        `decode_rows`: the rows decoding (default: the scheduler's, on the engine thread;
+        another thread passes its own count, and reads nothing else that a step changes)."""
         target_s = self.config.itl_target_ms / 1e3
         if not target_s:
             return None
-        rows = self.scheduler.num_decoding()
+        rows = self.scheduler.num_decoding() if decode_rows is None else decode_rows
         cost = self.costs.step()
         if not rows or cost.token_s <= 0:
             return None

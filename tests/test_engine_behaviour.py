@@ -330,14 +330,14 @@ def test_an_itl_target_chunks_a_prompt_while_another_decodes(llm, llama_dir, pro
     [long_ref] = [out.token_ids for out in llm.generate([long], GREEDY)]
     a = engine.make_request("a", prompts[0], GREEDY)
     engine.add_request(a)
-    assert engine._prompt_cap() is None  # nobody decodes: the budget alone
+    assert engine.prompt_cap() is None  # nobody decodes: the budget alone
     step_checked(engine)
     assert a.num_output_tokens == 1
     b = engine.make_request("b", long, GREEDY)
     engine.add_request(b)
     steps = 0
     while b.num_output_tokens == 0:
-        cap = engine._prompt_cap()
+        cap = engine.prompt_cap()
         assert cap == 24 - 1
         made, computed = a.num_output_tokens, b.num_computed_tokens
         step_checked(engine)
@@ -348,6 +348,34 @@ def test_an_itl_target_chunks_a_prompt_while_another_decodes(llm, llama_dir, pro
     drive(engine, {})
     assert a.output_token_ids == greedy_ref[0] and b.output_token_ids == long_ref
     assert_pool_idle(engine)
+
+
+def test_an_itl_target_chunks_the_wait_a_worker_predicts(llama_dir, prompts):
+    # Under the target, the step cost a worker reports (Stats, load reports: the master
+    # predicts waits from it) has the chunk a step takes beside the requests running now
+    # as its token budget, so that a queued prompt's wait is counted in those chunks.
+    llm = _async_llm(llama_dir, itl_target_ms=1e-3, max_num_batched_tokens=256)
+    llm.engine.runner.efficient_rows = 24  # the floor, as if measured so here
+    for p in range(1, 65):  # a step cost known to be positive in every term
+        llm.engine.costs.observe_step(0.002 + 1e-4 * p + 5e-5 * (p % 7), p, p % 7)
+    try:
+        idle = llm.step_cost()
+        assert idle.token_budget == 256  # nobody runs: the budget alone
+
+        async def main() -> list[int]:
+            budgets = []
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            async for out in llm.generate(prompts[0], params):
+                # From the second output on, the running count read includes this request
+                # (the stats after its first step are set before its second step runs).
+                if out.num_output_tokens >= 2 and not out.finished:
+                    budgets.append(llm.step_cost().token_budget)
+            return budgets
+
+        running = asyncio.run(main())
+        assert running and all(b == 24 - 1 for b in running), running
+    finally:
+        llm.shutdown()
 
 
 def _async_llm(llama_dir: Path, **engine_args) -> AsyncLLM:
