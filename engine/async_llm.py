@@ -409,14 +409,13 @@ class AsyncLLM:
     ) -> None:
         """Hand each caller loop its outputs, and the KV-event watcher its news if events
         wait and it was not told yet: with its loop's outputs where it has some."""
+        told = None
         watch = self._kv_watch
-        tell = watch is not None and not self._kv_told and engine.tiers.has_events()
-        if tell:
-            assert watch is not None
-            self._kv_told = True
+        if watch is not None and not self._kv_told and engine.tiers.has_events():
+            self._kv_told, told = True, watch
             batches.setdefault(watch[0], [])
         for loop, items in batches.items():
-            then = watch[1] if tell and watch is not None and loop is watch[0] else None
+            then = told[1] if told is not None and loop is told[0] else None
             with contextlib.suppress(RuntimeError):  # a closed caller loop: nobody listens
                 loop.call_soon_threadsafe(_deliver, items, then)
 
