@@ -100,15 +100,7 @@ def test_an_idle_feed_takes_nothing_from_the_engine(model_dir, nats_server):
         llm = await asyncio.to_thread(
             AsyncLLM, EngineConfig(model=str(model_dir("tiny-llama")), num_kv_blocks=32), True
         )
-        bus = await Bus.connect(nats_server, WORKER)
-        batches: list[events_pb2.KVEvents] = []
-
-        async def seen(msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
-            batches.append(msg)
-
-        listener = await Bus.connect(nats_server, "master")
-        await listener.subscribe(subjects.kv_events(WORKER), events_pb2.KVEvents, seen)
-        await listener.flush()
+        bus, listener, batches = await _worker_and_listener(nats_server)
         feed = KVEventFeed(llm, bus, WORKER)
         takes = 0
         take = llm.take_kv_events
@@ -180,15 +172,7 @@ def test_the_engine_tells_the_feed_and_an_idle_feed_never_looks(model_dir, nats_
             await eventually(lambda: told == 2)
             await llm.take_kv_events()
 
-            bus = await Bus.connect(nats_server, WORKER)
-            batches: list[events_pb2.KVEvents] = []
-
-            async def seen(msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
-                batches.append(msg)
-
-            listener = await Bus.connect(nats_server, "master")
-            await listener.subscribe(subjects.kv_events(WORKER), events_pb2.KVEvents, seen)
-            await listener.flush()
+            bus, listener, batches = await _worker_and_listener(nats_server)
             looks = 0
             pending = llm.kv_events_pending
 
@@ -217,6 +201,20 @@ def test_the_engine_tells_the_feed_and_an_idle_feed_never_looks(model_dir, nats_
             await asyncio.to_thread(llm.shutdown)
 
     asyncio.run(main())
+
+
+async def _worker_and_listener(nats_server: str) -> tuple[Bus, Bus, list[events_pb2.KVEvents]]:
+    """The worker's bus, and a listener's with the KV event batches it has seen so far."""
+    bus = await Bus.connect(nats_server, WORKER)
+    batches: list[events_pb2.KVEvents] = []
+
+    async def seen(msg: events_pb2.KVEvents, headers: dict[str, str]) -> None:
+        batches.append(msg)
+
+    listener = await Bus.connect(nats_server, "master")
+    await listener.subscribe(subjects.kv_events(WORKER), events_pb2.KVEvents, seen)
+    await listener.flush()
+    return bus, listener, batches
 
 
 def _unstamped(reports: list[events_pb2.LoadReport]) -> list[events_pb2.LoadReport]:
