@@ -33,9 +33,9 @@ class CacheEventFeed(KVFeed):
         super().__init__(bus, cache_id, namespace, incarnation)
         self.lru = lru
         self.redis_keys = redis_keys
-        lru.on_event = self.notify
-        if redis_keys is not None:
-            redis_keys.on_event = self.notify
+        for changes in (lru.changes, redis_keys.changes if redis_keys is not None else None):
+            if changes is not None:
+                changes.on_change = self.notify
 
     @property
     def cache_id(self) -> str:

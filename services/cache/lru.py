@@ -12,8 +12,9 @@ by `extra` in the key), so the capacity is counted in bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
+
+from rtp_serve.services.cache.change_log import ChangeLog
 
 
 @dataclass(slots=True)
@@ -40,26 +41,19 @@ class ByteLRU:
         self.bytes_used = 0
         self.stats = LRUStats()
         self._items: OrderedDict[bytes, bytes] = OrderedDict()
-        self._events: list[tuple[bytes, bool]] | None = [] if record_events else None
-        # Called when an event is recorded with none waiting (the first since the last take).
-        self.on_event: Callable[[], None] | None = None
+        self.changes: ChangeLog | None = ChangeLog() if record_events else None
 
     def take_events(self) -> list[tuple[bytes, bool]]:
         """(key, stored) for every change since the last call, in order (False: removed)."""
-        if self._events is None:
-            return []
-        events, self._events = self._events, []
-        return events
+        return self.changes.take() if self.changes is not None else []
 
     def has_events(self) -> bool:
         """Whether take_events would return any."""
-        return bool(self._events)
+        return bool(self.changes)
 
     def _record(self, key: bytes, stored: bool) -> None:
-        if self._events is not None:
-            if not self._events and self.on_event is not None:
-                self.on_event()
-            self._events.append((key, stored))
+        if self.changes is not None:
+            self.changes.record(key, stored)
 
     def __len__(self) -> int:
         return len(self._items)

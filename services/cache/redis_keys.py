@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from rtp_serve.services.cache.change_log import ChangeLog
 from rtp_serve.services.cache.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
@@ -34,18 +35,15 @@ class RedisKeys:
         self.redis = redis
         self._clock = clock
         self._expires: dict[bytes, float] = {}
-        self._events: list[tuple[bytes, bool]] = []
-        # Called when an event is recorded with none waiting (the first since the last take).
-        self.on_event: Callable[[], None] | None = None
+        self.changes = ChangeLog()
 
     def take_events(self) -> list[tuple[bytes, bool]]:
         """(key, stored) for every key that entered or left the set since the last call."""
-        events, self._events = self._events, []
-        return events
+        return self.changes.take()
 
     def has_events(self) -> bool:
         """Whether take_events would return any."""
-        return bool(self._events)
+        return bool(self.changes)
 
     def __len__(self) -> int:
         return len(self._expires)
@@ -58,7 +56,7 @@ class RedisKeys:
         expires = self._clock() + self.redis.ttl_s
         for key in keys:
             if key not in self._expires:
-                self._record(key, True)
+                self.changes.record(key, True)
             self._expires[key] = expires
 
     def expire(self) -> None:
@@ -91,9 +89,4 @@ class RedisKeys:
 
     def _drop(self, key: bytes) -> None:
         del self._expires[key]
-        self._record(key, False)
-
-    def _record(self, key: bytes, stored: bool) -> None:
-        if not self._events and self.on_event is not None:
-            self.on_event()
-        self._events.append((key, stored))
+        self.changes.record(key, False)
