@@ -71,7 +71,7 @@ RTP_INLINE void tile(const float* __restrict x, int64_t K, const w_t* __restrict
                           hi6 = lo0, hi7 = lo0, hi8 = lo0, hi9 = lo0, hi10 = lo0, hi11 = lo0;
     for (int64_t k = k0; k < k1; ++k) {
       for (int64_t j = 0; j < kNR; j += line)  // unrolled: a panel row is 1 or 2 lines
-        _mm_prefetch(reinterpret_cast<const char*>(b + kNR * (k + ahead) + j), _MM_HINT_T1);
+        rtp::prefetch_l2(b + kNR * (k + ahead) + j);
       const VecF b0 = rtp::vloadw(b + kNR * k), b1 = rtp::vloadw(b + kNR * k + kLanes);
       RTP_ROW(0) RTP_ROW(1) RTP_ROW(2) RTP_ROW(3) RTP_ROW(4) RTP_ROW(5)
       RTP_ROW(6) RTP_ROW(7) RTP_ROW(8) RTP_ROW(9) RTP_ROW(10) RTP_ROW(11)

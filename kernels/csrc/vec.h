@@ -35,6 +35,15 @@ inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(float v) { return v; }
 
 #ifdef RTP_AVX2
+// Asks for the cache line holding p in L2 (a T1 hint), for weights read further on: on an
+// EPYC Zen 4 a stream prefetched kilobytes ahead into L2 read 20-45% faster than one left
+// to the hardware prefetchers or prefetched into L1 (kernels/csrc/rows_gemm.cpp,
+// packed_gemm.cpp). Never faults, wherever p points.
+template <typename T>
+RTP_INLINE void prefetch_l2(const T* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+}
+
 RTP_INLINE __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
