@@ -31,6 +31,10 @@ namespace {
 #ifdef RTP_AVX512
 constexpr int64_t kNR = 32;  // output columns per panel: two registers of 16 int32 lanes
 constexpr int kMR = 12;      // rows of x per tile: 24 accumulators + 2 weights + 1 broadcast
+// How far ahead the panel is prefetched into L2, as packed_gemm does: 48 steps of 128 bytes.
+// 16 steps ahead into L1 (T0) before; this read 6-30% faster from 1 to 64 rows of x on an
+// EPYC Zen 4 (llama-100m's layer shapes x 20 copies, streamed from memory).
+constexpr int64_t kAheadBytes = 6144;
 
 #define RTP_VNNI __attribute__((target("avx512vnni")))
 
@@ -63,8 +67,8 @@ RTP_VNNI inline __attribute__((always_inline)) void tile(const int8_t* __restric
                            hi6 = lo0, hi7 = lo0, hi8 = lo0, hi9 = lo0, hi10 = lo0, hi11 = lo0;
   for (int64_t k = 0; k < K4; ++k) {
     const int8_t* row = b + k * kNR * 4;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kNR * 4), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kNR * 4 + 64), _MM_HINT_T0);
+    rtp::prefetch_l2(row + kAheadBytes);  // a panel step is 128 bytes: two lines
+    rtp::prefetch_l2(row + kAheadBytes + 64);
     const __m512i b0 = _mm512_loadu_si512(row), b1 = _mm512_loadu_si512(row + 64);
     RTP_ROW(0) RTP_ROW(1) RTP_ROW(2) RTP_ROW(3) RTP_ROW(4) RTP_ROW(5)
     RTP_ROW(6) RTP_ROW(7) RTP_ROW(8) RTP_ROW(9) RTP_ROW(10) RTP_ROW(11)
