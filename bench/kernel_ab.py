@@ -1,0 +1,201 @@
+"""One GEMM kernel at two revisions of kernels/csrc, timed in turn in one process.
+
+    python bench/kernel_ab.py --base REV [--kernel packed_gemm] [--dtype float32]
+                              [--rows 1,2,4,8,16,32,64] [--rounds 21] [--build avx512]
+
+Changes to a kernel that move it by a few percent (a prefetch distance, a tile) are smaller
+than this host's drift between two runs of `bench/gemm.py` minutes apart. Here the kernel's
+source at REV (`git show`) and in the working tree are each compiled, with the headers of
+their own revision and the flags of one ISA build (kernels/cpu_build.py), into a module of
+their own in this process; every round times both, one after the other, on the same
+operands (which goes first alternates), so a slow spell of the machine falls on both.
+
+Operands: one layer's projection shapes of `--model` (bench/linear.py), `--copies` copies
+with weights of their own (by default enough to exceed 256 MiB, so that a few rows stream
+the weights from memory, as a decode step does), packed as the engine packs them for the
+kernel (rtp_serve/kernels/linear.py, w8a8.py). Both outputs are checked equal.
+Per row count: GFLOPS (int8_gemm: GOPS) of each, the median over the rounds, the median of
+the rounds' ratios, and the weights' GB/s of the new source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent  # run as a script: the repository root first
+sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+from bench.linear import shapes  # noqa: E402
+from rtp_serve.core.model_config import ModelConfig  # noqa: E402
+from rtp_serve.kernels import cpu_build  # noqa: E402
+from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
+from rtp_serve.kernels.linear import pack_panels  # noqa: E402
+from rtp_serve.kernels.w8a8 import pack_vnni, quantize_int8, quantize_rows  # noqa: E402
+from rtp_serve.models.make_model import resolve_model  # noqa: E402
+
+CSRC = "kernels/csrc"
+# Each kernel's entry point as kernels/csrc/module.cpp declares it.
+DECLARATIONS = {
+    "packed_gemm": "torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor panels, int64_t N,"
+    " c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,"
+    " c10::optional<torch::Tensor> residual);\nint64_t panel_width();",
+    "rows_gemm": "torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor w,"
+    " c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,"
+    " c10::optional<torch::Tensor> residual);",
+    "int8_gemm": "torch::Tensor int8_gemm(torch::Tensor xq, torch::Tensor x_scale,"
+    " torch::Tensor panels, torch::Tensor w_sums, torch::Tensor w_scale, int64_t N,"
+    " c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);",
+}
+
+
+def source_tree(rev: str | None, into: Path) -> Path:
+    """kernels/csrc at git revision `rev` (None: the working tree) under `into`."""
+    if rev is None:
+        return _ROOT / CSRC
+    names = subprocess.run(
+        ["git", "-C", str(_ROOT), "ls-tree", "--name-only", f"{rev}:{CSRC}"],
+        check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    for name in names:
+        text = subprocess.run(
+            ["git", "-C", str(_ROOT), "show", f"{rev}:{CSRC}/{name}"],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        (into / name).write_text(text)
+    return into
+
+
+def compile_kernel(kernel: str, src: Path, build: str, name: str, work: Path):
+    """The kernel's source in `src`, with the headers beside it, as module `name`."""
+    bind = work / f"{name}_bind.cpp"
+    calls = [kernel] + (["panel_width"] if kernel == "packed_gemm" else [])
+    defs = "\n".join(
+        f'  m.def("{c}", &{c}, py::call_guard<py::gil_scoped_release>());' for c in calls
+    )
+    bind.write_text(
+        f"#include <torch/extension.h>\n{DECLARATIONS[kernel]}\n"
+        f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}\n}}\n"
+    )
+    return cpp_extension.load(
+        name=name,
+        sources=[str(src / f"{kernel}.cpp"), str(bind)],
+        extra_cflags=cpu_build.flags(build),
+        extra_ldflags=list(cpu_build.LINK_FLAGS),
+        extra_include_paths=[str(src)],
+        build_directory=str(work),
+        verbose=False,
+    )
+
+
+def operands(kernel: str, module, dims: list[tuple[int, int]], copies: int, dtype):
+    """Per copy and shape: (weight operand(s) as the kernel takes them, k, n)."""
+    ops = []
+    for _ in range(copies):
+        for k, n in dims:
+            w = torch.randn(n, k) / k**0.5
+            if kernel == "int8_gemm":
+                q, scale = quantize_int8(w)
+                ops.append(((pack_vnni(q), q.sum(dim=1, dtype=torch.int32), scale), k, n))
+            elif kernel == "packed_gemm":
+                ops.append(((pack_panels(w.to(dtype), module.panel_width()),), k, n))
+            else:
+                ops.append(((w.to(dtype).contiguous(),), k, n))
+    return ops
+
+
+def call(kernel: str, module, x: dict, weights: tuple, k: int, n: int) -> torch.Tensor:
+    if kernel == "int8_gemm":
+        xq, xs = x[k]
+        panels, sums, scale = weights
+        return module.int8_gemm(xq, xs, panels, sums, scale, n, None, None)
+    if kernel == "packed_gemm":
+        return module.packed_gemm(x[k], weights[0], n, None, None, None)
+    return module.rows_gemm(x[k], weights[0], None, None, None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="the git revision to compare against")
+    ap.add_argument("--kernel", default="packed_gemm", choices=sorted(DECLARATIONS))
+    ap.add_argument("--dtype", default="float32", help="weights (packed_gemm, rows_gemm)")
+    ap.add_argument("--model", default="llama-100m")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--copies", type=int, default=0, help="default: over 256 MiB of weights")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--build", default=None, help="avx2 or avx512 (default: this CPU's)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    isa = cpu_isa()
+    build = args.build or cpu_build.build_for(isa.level)
+    if build is None:
+        sys.exit("no kernel build runs on this CPU (it lacks AVX2)")
+    if args.kernel == "int8_gemm" and build != "avx512":
+        sys.exit("int8_gemm is an AVX-512 VNNI kernel: --build avx512")
+    dtype = getattr(torch, args.dtype)
+    dims = shapes(ModelConfig.from_dir(str(resolve_model(args.model))))
+    per_copy = sum(k * n for k, n in dims) * (1 if args.kernel == "int8_gemm" else 4)
+    copies = args.copies or max(1, -(-(256 << 20) // per_copy))
+    rows = [int(r) for r in args.rows.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "base").mkdir()
+        tag = f"{os.getpid()}"
+        base = compile_kernel(
+            args.kernel, source_tree(args.base, work / "base"), build, f"ab_base_{tag}", work
+        )
+        new = compile_kernel(args.kernel, source_tree(None, work), build, f"ab_new_{tag}", work)
+        weights = operands(args.kernel, new, dims, copies, dtype)
+        flops = sum(2 * k * n for _, k, n in weights)
+        nbytes = sum(k * n for _, k, n in weights) * (
+            1 if args.kernel == "int8_gemm" else dtype.itemsize
+        )
+        print(f"cpu: {isa.describe()}; bench flags: {bench_flags()}; build {build}; "
+              f"threads {args.threads}")  # fmt: skip
+        print(f"{args.kernel} at {args.base} (base) against the working tree (new); "
+              f"{args.model}: {len(dims)} shapes x {copies} copies, {nbytes / 2**20:.0f} MiB "
+              f"of {'int8' if args.kernel == 'int8_gemm' else args.dtype} weights; "
+              f"{args.rounds} rounds")  # fmt: skip
+        unit = "GOPS" if args.kernel == "int8_gemm" else "GFLOPS"
+        print(f"{'M':>5} {'base ' + unit:>12} {'new ' + unit:>12} {'new/base':>9} "
+              f"{'new GB/s':>9}")  # fmt: skip
+        for m in rows:
+            x = {k: torch.randn(m, k) for k in {k for k, _ in dims}}
+            if args.kernel == "int8_gemm":
+                x = {k: quantize_rows(v, k) for k, v in x.items()}
+
+            def run(module, x=x):
+                return [call(args.kernel, module, x, w, k, n) for w, k, n in weights]
+
+            for a, b in zip(run(base), run(new), strict=True):
+                if not torch.equal(a, b) and not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
+                    sys.exit(f"{args.kernel}: base and new disagree at {m} rows")
+            times: dict[str, list[float]] = {"base": [], "new": []}
+            for i in range(args.rounds):  # each first in every other round
+                pair = (("base", base), ("new", new))
+                for label, module in pair if i % 2 == 0 else pair[::-1]:
+                    start = time.perf_counter()
+                    run(module)
+                    times[label].append(time.perf_counter() - start)
+            ratio = statistics.median(
+                b / n for b, n in zip(times["base"], times["new"], strict=True)
+            )
+            t_base, t_new = statistics.median(times["base"]), statistics.median(times["new"])
+            print(f"{m:>5} {m * flops / t_base / 1e9:>12.1f} {m * flops / t_new / 1e9:>12.1f} "
+                  f"{ratio:>8.2f}x {nbytes / t_new / 1e9:>9.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
