@@ -32,8 +32,8 @@ namespace {
 constexpr int64_t kNR = 32;  // output columns per panel: two registers of 16 int32 lanes
 constexpr int kMR = 12;      // rows of x per tile: 24 accumulators + 2 weights + 1 broadcast
 // How far ahead the panel is prefetched into L2, as packed_gemm does: 48 steps of 128 bytes.
-// 16 steps ahead into L1 (T0) before; this read 6-30% faster from 1 to 64 rows of x on an
-// EPYC Zen 4 (llama-100m's layer shapes x 20 copies, streamed from memory).
+// 16 steps ahead into L1 (T0) before; this runs 3-18% faster from 1 to 64 rows of x on an
+// EPYC Zen 4 (bench/kernel_ab.py: llama-100m's layer shapes, streamed from memory).
 constexpr int64_t kAheadBytes = 6144;
 
 #define RTP_VNNI __attribute__((target("avx512vnni")))

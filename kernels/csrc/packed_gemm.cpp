@@ -34,8 +34,8 @@ constexpr int kMR = 6;   // rows of x per tile: 12 accumulators + 2 weights + 1 
 #endif
 // How far ahead of the tile the panel is prefetched, in bytes, into L2 (a T1 hint): 6 KiB.
 // Streaming a panel from memory (a few rows of x: decode), 16 k steps ahead into L1 (T0)
-// read 29-33 GB/s on an EPYC Zen 4; 6 KiB ahead into L2 gave 5-20% more GFLOPS at 2-12 rows
-// (AVX-512 and AVX2 builds) and 0-5% at 16-64, where only the first tile streams.
+// read 25-27 GB/s on an EPYC Zen 4; 6 KiB ahead into L2 gave 4-17% more GFLOPS from 1 to 12
+// rows and about 1% at 16-64, where only the first tile streams (bench/kernel_ab.py).
 constexpr int64_t kAheadBytes = 6144;
 constexpr int64_t kKC = 128;    // k steps summed in registers before adding to the tile's sum
 

@@ -33,8 +33,8 @@ constexpr int64_t kRows = 4;  // weight rows widened and dotted together
 // Each block of weight rows streams from memory once. While one block is read, the same
 // offset of the next block is prefetched into L2 (a T1 hint, 6-24 KiB ahead). Left to the
 // hardware prefetchers, the 4 or 8 row streams of a block (a new 4 KiB page every 3 KiB of
-// a 768-wide row) read 23-32 GB/s on an EPYC Zen 4 where this reads 31-36 (medians; float32,
-// llama-100m's shapes streamed from memory, 1-4 rows of x; bf16 at 2-4 rows: 16-18 -> 30-36).
+// a 768-wide row) ran 1.3-1.6x slower on an EPYC Zen 4 at 1-8 rows of x (float32; bf16 at
+// 2-8 rows: 1.6-2x; bench/kernel_ab.py, llama-100m's shapes streamed from memory).
 
 using rtp::widen;
 

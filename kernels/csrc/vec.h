@@ -36,9 +36,10 @@ inline float widen(float v) { return v; }
 
 #ifdef RTP_AVX2
 // Asks for the cache line holding p in L2 (a T1 hint), for weights read further on. On an
-// EPYC Zen 4 the GEMMs' weight streams prefetched kilobytes ahead into L2 read 5-45% faster
-// (bf16 rows at 2-4 rows of x: twice) than left to the hardware prefetchers or prefetched
-// into L1 (rows_gemm.cpp, packed_gemm.cpp, int8_gemm.cpp). Never faults, wherever p points.
+// EPYC Zen 4 the GEMMs' weight streams prefetched kilobytes ahead into L2 ran 1.1-1.6x as
+// fast at 1-8 rows of x (bf16 rows at 2: twice) as left to the hardware prefetchers or
+// prefetched into L1 (rows_gemm.cpp, packed_gemm.cpp, int8_gemm.cpp; bench/kernel_ab.py).
+// Never faults, wherever p points.
 template <typename T>
 RTP_INLINE void prefetch_l2(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
