@@ -1,7 +1,8 @@
-"""One GEMM kernel at two revisions of kernels/csrc, timed in turn in one process.
+"""One kernel at two revisions of kernels/csrc, timed in turn in one process.
 
     python bench/kernel_ab.py --base REV [--kernel packed_gemm] [--dtype float32]
                               [--rows 1,2,4,8,16,32,64] [--rounds 21] [--build avx512]
+    python bench/kernel_ab.py --base REV --kernel paged_prefill [--rows 270,1024,2048]
 
 Changes to a kernel that move it by a few percent (a prefetch distance, a tile) are smaller
 than this host's drift between two runs of `bench/gemm.py` minutes apart. Here the kernel's
@@ -16,6 +17,12 @@ the weights from memory, as a decode step does), packed as the engine packs them
 kernel (rtp_serve/kernels/linear.py, w8a8.py). Both outputs are checked equal.
 Per row count: GFLOPS (int8_gemm: GOPS) of each, the median over the rounds, the median of
 the rounds' ratios, and the weights' GB/s of the new source.
+
+`paged_prefill` (the attention of a new prompt): `--rows` are prompt lengths, and each is a
+fresh prompt (nothing cached) of `--model`'s heads through each of its layers, every layer
+with a KV cache of its own in `--dtype`, its blocks in order as a fresh prompt takes them.
+GFLOPS count the causal half only (QK and PV: 4 x dim per visible pair); the last column
+is then the cache's GB/s.
 """
 
 from __future__ import annotations
@@ -55,7 +62,12 @@ DECLARATIONS = {
     "int8_gemm": "torch::Tensor int8_gemm(torch::Tensor xq, torch::Tensor x_scale,"
     " torch::Tensor panels, torch::Tensor w_sums, torch::Tensor w_scale, int64_t N,"
     " c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual);",
+    "paged_prefill": "torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache,"
+    " torch::Tensor v_cache, torch::Tensor block_table, int64_t ctx_len, int64_t block_size,"
+    " double scale, c10::optional<torch::Tensor> k_scale,"
+    " c10::optional<torch::Tensor> v_scale);",
 }
+PREFILL_BLOCK = 16  # the engine's default block size
 
 
 def source_tree(rev: str | None, into: Path) -> Path:
@@ -123,13 +135,58 @@ def call(kernel: str, module, x: dict, weights: tuple, k: int, n: int) -> torch.
     return module.rows_gemm(x[k], weights[0], None, None, None)
 
 
+def prefill_case(cfg: ModelConfig, n: int, dtype: torch.dtype):
+    """(run(module) -> outputs, FLOPs, cache bytes): a new n-token prompt through every layer."""
+    blocks = -(-n // PREFILL_BLOCK)
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layers = [
+        (
+            torch.randn(n, hq, d).to(dtype),
+            torch.randn(blocks * PREFILL_BLOCK, hkv, d).to(dtype),
+            torch.randn(blocks * PREFILL_BLOCK, hkv, d).to(dtype),
+            torch.arange(blocks),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+
+    def run(module):
+        return [
+            module.paged_prefill(q, k, v, table, 0, PREFILL_BLOCK, d**-0.5, None, None)
+            for q, k, v, table in layers
+        ]
+
+    flops = cfg.num_layers * hq * n * (n + 1) / 2 * d * 4
+    cache_bytes = sum(k.nbytes + v.nbytes for _, k, v, _ in layers)
+    return run, flops, cache_bytes
+
+
+def timed(run, base, new, rounds: int) -> tuple[float, float, float]:
+    """Median seconds of base and new over the rounds, each first in every other round, and
+    the median of the rounds' base / new."""
+    times: dict[str, list[float]] = {"base": [], "new": []}
+    for i in range(rounds):
+        pair = (("base", base), ("new", new))
+        for label, module in pair if i % 2 == 0 else pair[::-1]:
+            start = time.perf_counter()
+            run(module)
+            times[label].append(time.perf_counter() - start)
+    ratio = statistics.median(b / n for b, n in zip(times["base"], times["new"], strict=True))
+    return statistics.median(times["base"]), statistics.median(times["new"]), ratio
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the git revision to compare against")
     ap.add_argument("--kernel", default="packed_gemm", choices=sorted(DECLARATIONS))
-    ap.add_argument("--dtype", default="float32", help="weights (packed_gemm, rows_gemm)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="weights (packed_gemm, rows_gemm); paged_prefill: q and KV",
+    )
     ap.add_argument("--model", default="llama-100m")
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--rows", default=None,
+                    help="rows of x (default 1,2,4,8,16,32,64); paged_prefill: prompt lengths "
+                         "(default 270,1024,2048)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--copies", type=int, default=0, help="default: over 256 MiB of weights")
     ap.add_argument("--threads", type=int, default=2)
@@ -144,11 +201,12 @@ def main() -> None:
     if args.kernel == "int8_gemm" and build != "avx512":
         sys.exit("int8_gemm is an AVX-512 VNNI kernel: --build avx512")
     dtype = getattr(torch, args.dtype)
-    dims = shapes(ModelConfig.from_dir(str(resolve_model(args.model))))
-    weight_bytes = 1 if args.kernel == "int8_gemm" else dtype.itemsize
-    per_copy = sum(k * n for k, n in dims) * weight_bytes
-    copies = args.copies or max(1, -(-(256 << 20) // per_copy))
-    rows = [int(r) for r in args.rows.split(",")]
+    cfg = ModelConfig.from_dir(str(resolve_model(args.model)))
+    prefill = args.kernel == "paged_prefill"
+    rows = [
+        int(r)
+        for r in (args.rows or ("270,1024,2048" if prefill else "1,2,4,8,16,32,64")).split(",")
+    ]
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -158,11 +216,29 @@ def main() -> None:
             args.kernel, source_tree(args.base, work / "base"), build, f"ab_base_{tag}", work
         )
         new = compile_kernel(args.kernel, source_tree(None, work), build, f"ab_new_{tag}", work)
+        print(f"cpu: {isa.describe()}; bench flags: {bench_flags()}; build {build}; "
+              f"threads {args.threads}")  # fmt: skip
+        if prefill:
+            print(f"paged_prefill at {args.base} (base) against the working tree (new); "
+                  f"{args.model}: {cfg.num_layers} layers of {cfg.num_heads} query and "
+                  f"{cfg.num_kv_heads} kv heads of {cfg.head_dim}, {args.dtype} KV; a new "
+                  f"prompt of M tokens; {args.rounds} rounds")  # fmt: skip
+            print(f"{'M':>5} {'base GFLOPS':>12} {'new GFLOPS':>12} {'new/base':>9} "
+                  f"{'new GB/s':>9}")  # fmt: skip
+            for m in rows:
+                run, flops, nbytes = prefill_case(cfg, m, dtype)
+                check(run, base, new, args.kernel, m)
+                t_base, t_new, ratio = timed(run, base, new, args.rounds)
+                print(f"{m:>5} {flops / t_base / 1e9:>12.1f} {flops / t_new / 1e9:>12.1f} "
+                      f"{ratio:>8.2f}x {nbytes / t_new / 1e9:>9.1f}")  # fmt: skip
+            return
+        dims = shapes(cfg)
+        weight_bytes = 1 if args.kernel == "int8_gemm" else dtype.itemsize
+        per_copy = sum(k * n for k, n in dims) * weight_bytes
+        copies = args.copies or max(1, -(-(256 << 20) // per_copy))
         weights = operands(args.kernel, new, dims, copies, dtype)
         flops = sum(2 * k * n for _, k, n in weights)
         nbytes = sum(k * n for _, k, n in weights) * weight_bytes
-        print(f"cpu: {isa.describe()}; bench flags: {bench_flags()}; build {build}; "
-              f"threads {args.threads}")  # fmt: skip
         print(f"{args.kernel} at {args.base} (base) against the working tree (new); "
               f"{args.model}: {len(dims)} shapes x {copies} copies, {nbytes / 2**20:.0f} MiB "
               f"of {'int8' if args.kernel == 'int8_gemm' else args.dtype} weights; "
@@ -178,22 +254,16 @@ def main() -> None:
             def run(module, x=x):
                 return [call(args.kernel, module, x, w, k, n) for w, k, n in weights]
 
-            for a, b in zip(run(base), run(new), strict=True):
-                if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
-                    sys.exit(f"{args.kernel}: base and new disagree at {m} rows")
-            times: dict[str, list[float]] = {"base": [], "new": []}
-            for i in range(args.rounds):  # each first in every other round
-                pair = (("base", base), ("new", new))
-                for label, module in pair if i % 2 == 0 else pair[::-1]:
-                    start = time.perf_counter()
-                    run(module)
-                    times[label].append(time.perf_counter() - start)
-            ratio = statistics.median(
-                b / n for b, n in zip(times["base"], times["new"], strict=True)
-            )
-            t_base, t_new = statistics.median(times["base"]), statistics.median(times["new"])
+            check(run, base, new, args.kernel, m)
+            t_base, t_new, ratio = timed(run, base, new, args.rounds)
             print(f"{m:>5} {m * flops / t_base / 1e9:>12.1f} {m * flops / t_new / 1e9:>12.1f} "
                   f"{ratio:>8.2f}x {nbytes / t_new / 1e9:>9.1f}")  # fmt: skip
+
+
+def check(run, base, new, kernel: str, m: int) -> None:
+    for a, b in zip(run(base), run(new), strict=True):
+        if not torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-4):
+            sys.exit(f"{kernel}: base and new disagree at {m} rows")
 
 
 if __name__ == "__main__":

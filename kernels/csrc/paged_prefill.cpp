@@ -12,10 +12,17 @@
 // running sum, rescaled accumulator) over the chunks, as flash attention does. Query vectors
 // go kRows at a time: their scores against the chunk's keys, then their P.V together, each V
 // row loaded once for all of them; a micro-tile whose causal window ends before the chunk
-// skips it. A tile holds about kTileVectors query vectors (128 rows of an MHA model, 42 of
-// a GQA group of 3). Against tiles of 64 rows and chunks of one block (AVX-512 EPYC,
+// skips it. Against tiles of 64 rows and chunks of one block (AVX-512 EPYC,
 // bench/attention.py, 12 heads): a new 200-token prompt 0.72 -> 0.56 ms, 1,024 tokens
 // 14.7 -> 10.5 ms, 256 tokens after 1,024 cached 7.9 -> 5.8 ms.
+//
+// Each (tile, kv head) task widens every chunk its rows see, so a prompt cut into more tiles
+// widens its first chunks more often: with tiles of 128 query vectors, widening was 17-18%
+// of a new 270-token prompt's time in llama-100m (12 heads; the kernel with it left out).
+// Tiles are now as large as kTileBytes and kTasksPerThread allow (one per kv head there),
+// the tiles that see the most keys first: 1.05-1.08x at 270-2,048 tokens of llama-100m and
+// 1.03-1.07x of smollm2 (GQA 9/3) on AVX-512, 1.03-1.05x on the AVX2 build (the same EPYC
+// Zen 4, bench/kernel_ab.py --kernel paged_prefill).
 #include "exp_approx.h"
 #include "parallel.h"
 #include "tensor.h"
@@ -29,8 +36,22 @@
 
 namespace {
 
-// Query vectors (rows x the kv head's group) per task: each widened block serves them all.
-constexpr int64_t kTileVectors = 128;
+// Query vectors (rows x the kv head's group) per task: each widened chunk serves them all, so
+// the fewer tiles the fewer times each chunk is widened. A tile's queries and accumulators
+// (2 x vectors x dim floats) stay within kTileBytes, and a step keeps at least
+// kTasksPerThread tasks per thread, so that a thread held up by a neighbour leaves work to
+// the others.
+constexpr int64_t kTileBytes = 256 << 10;
+constexpr int64_t kTasksPerThread = 4;
+
+// Rows of a tile: as few tiles per kv head as both bounds allow, the rows shared out evenly.
+inline int64_t tile_rows_for(int64_t n, int64_t group, int64_t dim, int64_t kv_heads) {
+  const int64_t max_rows = std::max<int64_t>(1, kTileBytes / (2 * dim * 4) / group);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per_head = std::max((kTasksPerThread * threads + kv_heads - 1) / kv_heads,
+                                    (n + max_rows - 1) / max_rows);
+  return std::max<int64_t>(1, (n + per_head - 1) / per_head);
+}
 
 // The kernel's inner loops, for a block size and head dim fixed at compile time (kBs, kDim;
 // 0 = read them at run time). Fixed sizes let the compiler keep a micro-tile of scores
@@ -63,15 +84,17 @@ void prefill_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t* table = block_table.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  const int64_t tile_rows = std::max<int64_t>(1, kTileVectors / group);
+  const int64_t tile_rows = tile_rows_for(n, group, dim, kv_heads);
   const int64_t tiles = (n + tile_rows - 1) / tile_rows;
 
   rtp::parallel_chunks(tiles * kv_heads, 1, [&](rtp::Chunks& chunks) {
     std::vector<float> qf, acc, run_max, run_sum, kt(dim * ck), vf(ck * dim), s(kRows * ck);
     for (int64_t begin, end; chunks.next(begin, end);) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t h = task % kv_heads;
-        const int64_t i0 = (task / kv_heads) * tile_rows, i1 = std::min(n, i0 + tile_rows);
+        // The last tiles first: they see the most keys, and taken last they would leave
+        // one thread finishing them alone.
+        const int64_t h = task % kv_heads, tile = tiles - 1 - task / kv_heads;
+        const int64_t i0 = tile * tile_rows, i1 = std::min(n, i0 + tile_rows);
         const int64_t nq = (i1 - i0) * group;  // query vectors: row-major (row, group head)
         qf.assign(((nq + kRows - 1) / kRows) * kRows * dim, 0.f);  // padded to micro-tiles
         for (int64_t i = i0; i < i1; ++i) {
