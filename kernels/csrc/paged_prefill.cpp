@@ -17,7 +17,7 @@
 // 14.7 -> 10.5 ms, 256 tokens after 1,024 cached 7.9 -> 5.8 ms.
 //
 // Each (tile, kv head) task widens every chunk its rows see, so a prompt cut into more tiles
-// widens its first chunks more often: with tiles of 128 query vectors, widening was 17-18%
+// widens its first chunks more often: with tiles of 128 query vectors, widening was 15-18%
 // of a new 270-token prompt's time in llama-100m (12 heads; the kernel with it left out).
 // Tiles are now as large as kTileBytes and kTasksPerThread allow (one per kv head there),
 // the tiles that see the most keys first: 1.05-1.08x at 270-2,048 tokens of llama-100m and
