@@ -88,6 +88,18 @@ def test_master_gets_the_workers_block_hashes(tiny, tok, script) -> None:
     assert list(req.exclude) == []
 
 
+def test_the_plans_remote_blocks_reach_the_worker(tiny, script) -> None:
+    """What the master says the remote tier holds of the prompt goes to the worker, whose
+    lookup asks it for no more (services/worker/tiers.py); a plan without it, nothing."""
+    for said in (0, 3, None):
+        worker = FakeWorker(script)
+        master = FakeMaster([("w1", None)], **({} if said is None else {"remote_blocks": said}))
+        status, body = complete(tiny, {"w1": (FUSED, worker)}, {"prompt": "x"}, master)
+        assert status == 200, body
+        (req,) = worker.requests
+        assert (req.remote_blocks if req.HasField("remote_blocks") else None) == said
+
+
 def test_a_request_releases_its_id_at_the_master_when_it_ends(tiny, script) -> None:
     """The master leases the id to the frontend that routed it (services/master/leases.py)."""
     master = FakeMaster([("w1", None)])

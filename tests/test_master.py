@@ -402,9 +402,18 @@ def test_blocks_only_the_cache_instances_hold_are_fetched_not_computed():
     plan = route(CacheAware(), cluster(*PD3, *caches, cached=held, loads=loads))
     assert plan.prefill.id in ("p1", "p2", "p3")  # never a cache instance
     assert "fetch 7.0 of 6 blocks" in plan.reason
+    assert plan.remote_blocks == 6  # what the worker's lookup may ask the remote tier for
     # With c2 gone, only block 0 is reachable: 1 block fetched, the rest computed.
     plan = route(CacheAware(), cluster(*PD3, caches[0], cached={"c1": H[0:6:2]}, loads=loads))
     assert "fetch 2.0 of 1 blocks" in plan.reason
+    assert plan.remote_blocks == 1
+    # Nothing held anywhere: the plan says so, and the worker asks the remote tier nothing.
+    plan = route(CacheAware(), cluster(*PD3, *caches, loads=loads))
+    assert plan.HasField("remote_blocks") and plan.remote_blocks == 0
+    # A policy that ignores prefixes looks nothing up, and says nothing.
+    assert not route(RoundRobin(), cluster(*PD3, *caches, cached=held, loads=loads)).HasField(
+        "remote_blocks"
+    )
 
 
 def test_cached_but_busy_loses_to_idle_but_cold_that_fetches():

@@ -48,15 +48,20 @@ def test_export_ranges() -> None:
 
 
 class CountingCache(CacheServicer):
-    """The cache service, counting the blocks put to it."""
+    """The cache service, counting the blocks put to it and the lookups asked of it."""
 
     def __init__(self) -> None:
         super().__init__(ByteLRU(64 << 20))
         self.blocks_put = 0
+        self.gets = 0
 
     async def Put(self, request, context):
         self.blocks_put += len(request.blocks)
         return await super().Put(request, context)
+
+    async def Get(self, request, context):
+        self.gets += 1
+        return await super().Get(request, context)
 
 
 class Cluster:
@@ -65,10 +70,15 @@ class Cluster:
     def __init__(self, llm: AsyncLLM, worker: str, cache: str, servicer: CountingCache) -> None:
         self.llm, self.worker, self.cache, self.cache_servicer = llm, worker, cache, servicer
 
-    async def generate(self, prompt: list[int], rid: str) -> list[worker_pb2.GenerateResponse]:
+    async def generate(
+        self, prompt: list[int], rid: str, remote_blocks: int | None = None
+    ) -> list[worker_pb2.GenerateResponse]:
         async with grpc_util.channel(self.worker) as ch:
             request = worker_pb2.GenerateRequest(
-                request_id=rid, prompt_token_ids=prompt, params=params_to_pb(GREEDY)
+                request_id=rid,
+                prompt_token_ids=prompt,
+                params=params_to_pb(GREEDY),
+                remote_blocks=remote_blocks,
             )
             return [m async for m in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=30)]
 
@@ -151,6 +161,36 @@ def test_computed_policy_writes_every_computed_block_at_first_use(model_dir, cor
             await c.settled(servicer)
             assert await c.stored(keys) == [True] * 4
             assert c.cache_servicer.blocks_put == 4
+
+    asyncio.run(main())
+
+
+def test_the_remote_tier_is_asked_only_for_what_the_route_says_it_may_hold(
+    model_dir, corpus_ids
+) -> None:
+    """A request whose route says the remote tier holds no more of its prompt than the
+    worker does (remote_blocks) is not looked up there, and is served; one whose route says
+    more, or says nothing, is looked up. Each skip is counted."""
+    from prometheus_client import REGISTRY
+
+    def fresh(i: int) -> list[int]:
+        return corpus_ids[100 * i : 100 * i + 70]  # 4 full blocks before the last token
+
+    async def main() -> None:
+        async with cluster(str(model_dir("tiny-llama")), "reused") as (c, servicer):
+            labels = {"role": servicer.metrics.role, "model_name": servicer.metrics.model_name}
+
+            def skipped() -> float:
+                return REGISTRY.get_sample_value("rtp:remote_lookups_skipped_total", labels) or 0
+
+            before = skipped()
+            out = await c.generate(fresh(0), "none", remote_blocks=0)
+            assert sum(len(m.token_ids) for m in out) == GREEDY.max_tokens
+            assert c.cache_servicer.gets == 0 and skipped() == before + 1
+            await c.generate(fresh(1), "unset")
+            assert c.cache_servicer.gets == 1 and skipped() == before + 1
+            await c.generate(fresh(2), "more", remote_blocks=3)
+            assert c.cache_servicer.gets == 2 and skipped() == before + 1
 
     asyncio.run(main())
 

@@ -39,7 +39,7 @@ from rtp_serve.services.worker import metrics, streams
 from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import join_blocks
 from rtp_serve.services.worker.servicer import PeerUnavailableError, WorkerServicer, abort
-from rtp_serve.services.worker.tiers import Tiers
+from rtp_serve.services.worker.tiers import Tiers, remote_blocks
 
 if TYPE_CHECKING:
     from rtp_serve.engine.async_llm import AsyncLLM
@@ -138,7 +138,7 @@ class DecodeServicer(WorkerServicer):
             )
 
     async def _fused(self, request, prompt, params, hashes: list[BlockHash]):
-        fetch = self.tiers.prefetch(prompt, hashes)
+        fetch = self.tiers.prefetch(prompt, hashes, remote_blocks(request))
         # With a remote tier (and room to spare), the KV of the prompt blocks the write
         # policy may write back comes with the last output (Tiers.export: the blocks are
         # intact until the engine's next step).
@@ -194,6 +194,7 @@ class DecodeServicer(WorkerServicer):
                     structured=request.structured if request.HasField("structured") else None,
                     lora_name=request.lora_name,
                     tenant=request.tenant,
+                    remote_blocks=remote_blocks(request),
                 ),
                 timeout=context.time_remaining(),
             )

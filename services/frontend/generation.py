@@ -275,6 +275,7 @@ class Generator:
                 structured=_resumed(inp.structured, len(produced)),
                 lora_name=inp.lora,
                 tenant=tenant_to_pb(inp.tenant.share) if inp.tenant else None,
+                remote_blocks=route.remote_blocks,
             )
             left = inp.remaining()
             if _passed(left):

@@ -66,6 +66,12 @@ class Route:
     def prefill_address(self) -> str:
         return self.prefill.address if self.prefill is not None else ""
 
+    @property
+    def remote_blocks(self) -> int | None:
+        """The master's RoutePlan.remote_blocks (None: it did not say)."""
+        plan = self.plan
+        return plan.remote_blocks if plan is not None and plan.HasField("remote_blocks") else None
+
 
 class Membership(MemberSet):
     """The cluster as the nameservice reports it: enough to route without the master."""

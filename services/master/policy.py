@@ -170,6 +170,11 @@ class Ask:
             self._prefix = Prefix.of(self.view, self.hashes)
         return self._prefix
 
+    @property
+    def looked_up(self) -> Prefix | None:
+        """The prefix, where the policy looked it up (None: it did not)."""
+        return self._prefix
+
 
 class Policy(ABC):
     name: str
@@ -188,10 +193,19 @@ class Policy(ABC):
         return self.decide(view, request).plan
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
-        """The plan and why; raises NoWorkersError when no candidate is left."""
+        """The plan and why; raises NoWorkersError when no candidate is left. Where the
+        policy looked the prompt's prefix up, the plan says how much of it the remote tier
+        can give, so that a worker holding as much asks it for nothing."""
         view.catch_up(request.unix_ms)  # the events due under an event cutoff
         view.expire_charges()  # the table's pending sums as `view.pending` would say
         ask = Ask(view, request)
+        decision = self._decide(ask)
+        if (prefix := ask.looked_up) is not None:
+            decision.plan.remote_blocks = prefix.reachable
+        return decision
+
+    def _decide(self, ask: Ask) -> Decision:
+        view, request = ask.view, ask.request
         first, decode = candidates(view, request.exclude)
         first, decode = serving(first, request.lora_name), serving(decode, request.lora_name)
         tokens = request.num_prompt_tokens

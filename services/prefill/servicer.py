@@ -26,7 +26,7 @@ from rtp_serve.services.worker import metrics
 from rtp_serve.services.worker.drain import drained
 from rtp_serve.services.worker.kv_wire import split_blocks
 from rtp_serve.services.worker.servicer import WorkerServicer, abort
-from rtp_serve.services.worker.tiers import TierHits, Tiers
+from rtp_serve.services.worker.tiers import TierHits, Tiers, remote_blocks
 
 if TYPE_CHECKING:
     from rtp_serve.engine.async_llm import AsyncLLM
@@ -61,7 +61,7 @@ class PrefillServicer(WorkerServicer):
             skip = request.skip_blocks * self.block_size
             if skip >= len(prompt):
                 raise ValueError(f"skip_blocks {request.skip_blocks} covers the whole prompt")
-            fetch = self.tiers.prefetch(prompt, hashes)
+            fetch = self.tiers.prefetch(prompt, hashes, remote_blocks(request))
             final = None
             with tracing.tracer.start_as_current_span("prefill") as span:
                 async for out in self.llm.generate(

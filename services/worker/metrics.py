@@ -91,6 +91,12 @@ class WorkerFamilies(Families):
             _W,
         ),
         MetricSpec(
+            "remote_lookups_skipped", "counter", "remote_lookups_skipped",
+            "Prompts whose lookup did not ask the remote tier: the master's index said it "
+            "holds no more of the prompt than this worker does (RoutePlan.remote_blocks).",
+            _W,
+        ),
+        MetricSpec(
             "kv_transfer_blocks", "counter", "kv_transfer_blocks",
             "KV blocks moved between prefill and decode workers.",
             (*_W, "direction"),
@@ -306,6 +312,9 @@ class WorkerMetrics:
 
     def writeback_skipped(self) -> None:
         self.families.kv_writeback_skipped.labels(self.role, self.model_name).inc()
+
+    def remote_lookup_skipped(self) -> None:
+        self.families.remote_lookups_skipped.labels(self.role, self.model_name).inc()
 
     def kv_transfer(self, direction: str, nbytes: int, blocks: int = 1) -> None:
         labels = (self.role, self.model_name, direction)

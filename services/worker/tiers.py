@@ -5,8 +5,12 @@ Each prompt block is resolved through the tiers first (Algorithm 1 of the paper)
 the device pool (or copied up from the engine's host tier), it is reused; else found in the
 remote tier (the cache service instances, backed by Redis), it is fetched and imported into
 the pool; else it is computed. The lookup (`Prefetch`) runs while the request is queued
-(the engine holds it until the lookup is over, engine/scheduler.py). The remote tier is an
-optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
+(the engine holds it until the lookup is over, engine/scheduler.py). The remote tier is asked
+only for blocks the master's index says it may hold: a request routed by a cache-aware
+policy carries `remote_blocks`, the longest prefix the remote tier can give by that index,
+and a worker whose own tiers hold as much asks nothing (a lone fresh prompt's lookup, a miss,
+was about 2 ms of its time to first token, on the cache service's cores as well). The
+remote tier is an optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
 uses its own pool alone. Blocks fetched from it are used only if their integrity tag matches
 the key asked for (services/cache/integrity.py): a poisoned block reads as a miss too, and
 is counted.
@@ -44,7 +48,7 @@ from rtp_serve.services.cache.client import CacheClient
 from rtp_serve.services.cache.integrity import KVIntegrity
 from rtp_serve.services.common.env import env
 from rtp_serve.services.common.naming import MemberSet, NameClient
-from rtp_serve.services.common.pb import common_pb2, nameservice_pb2
+from rtp_serve.services.common.pb import common_pb2, nameservice_pb2, worker_pb2
 from rtp_serve.services.worker.kv_wire import join_blocks, split_blocks
 from rtp_serve.services.worker.metrics import WorkerMetrics
 
@@ -98,22 +102,33 @@ class TierHits:
         return self.device + self.remote
 
 
+def remote_blocks(request: worker_pb2.GenerateRequest | worker_pb2.PrefillRequest) -> int | None:
+    """The request's `remote_blocks` (None where unset: ask the remote tier as needed)."""
+    return request.remote_blocks if request.HasField("remote_blocks") else None
+
+
 class Prefetch:
     """One prompt's lookup through the tiers (Algorithm 1): called by the engine while the
     request is queued, it returns the remote blocks to import; `hits` says what was found.
     The caller reports the request's admission (`admitted`), which counts what it reused."""
 
-    def __init__(self, tiers: Tiers, prompt: list[int], hashes: list[BlockHash]) -> None:
+    def __init__(
+        self,
+        tiers: Tiers,
+        prompt: list[int],
+        hashes: list[BlockHash],
+        remote_blocks: int | None = None,
+    ) -> None:
         self.tiers = tiers
         # At least one prompt token is always computed: its logits give the next token.
         self.usable = hashes[: (len(prompt) - 1) // tiers.block_size]
+        self.remote_blocks = remote_blocks
         self.hits = TierHits(0, 0)  # until the lookup is done (or if it failed)
         self._counted = False
 
     async def __call__(self) -> StagedKV | None:
         tiers = self.tiers
-        self.hits, staged = await tiers.lookup(self.usable)
-        queried = len(self.usable) - self.hits.device if tiers.cache is not None else 0
+        self.hits, staged, queried = await tiers.lookup(self.usable, self.remote_blocks)
         tiers.metrics.prefix_lookup(len(self.usable), queried, self.hits.remote)
         return staged
 
@@ -157,19 +172,30 @@ class Tiers:
                 caches = members.with_role(nameservice_pb2.ROLE_CACHE)
                 self.cache.set_addresses([m.address for m in caches])
 
-    def prefetch(self, prompt: list[int], hashes: list[BlockHash]) -> Prefetch:
+    def prefetch(
+        self, prompt: list[int], hashes: list[BlockHash], remote_blocks: int | None = None
+    ) -> Prefetch:
         """The lookup of this prompt's prefix through the tiers, to hand the engine as the
-        request's `prefetch` (it runs while the request is queued)."""
-        return Prefetch(self, prompt, hashes)
+        request's `prefetch` (it runs while the request is queued). `remote_blocks`: at most
+        this many leading blocks are in the remote tier (None: unknown)."""
+        return Prefetch(self, prompt, hashes, remote_blocks)
 
-    async def lookup(self, usable: list[BlockHash]) -> tuple[TierHits, StagedKV | None]:
+    async def lookup(
+        self, usable: list[BlockHash], remote_blocks: int | None = None
+    ) -> tuple[TierHits, StagedKV | None, int]:
         """What the device pool or the host tier (copied up at admission) and then the remote
-        tier hold of these leading keys; the remote blocks come back to be imported."""
+        tier hold of these leading keys; the remote blocks come back to be imported, and the
+        number of keys the remote tier was asked for. It is not asked where `remote_blocks`
+        (what the master's index says it may hold) is no more than this worker holds."""
         device = self.llm.cached_prefix(usable)
         if self.cache is None or device == len(usable):
-            return TierHits(device, 0), None
+            return TierHits(device, 0), None, 0
+        if remote_blocks is not None and remote_blocks <= device:
+            self.metrics.remote_lookup_skipped()
+            return TierHits(device, 0), None, 0
         started = time.perf_counter()
         asked = usable[device:]
+        queried = len(asked)
         found = await self.cache.get_prefix(asked)
         if found:  # hashing whole blocks: off the event loop (hashlib releases the GIL)
             found, rejected = await asyncio.to_thread(
@@ -179,18 +205,18 @@ class Tiers:
                 log.warning("dropped %d remote KV blocks failing their integrity check", rejected)
                 self.metrics.kv_integrity_failures(rejected)
         if not found:
-            return TierHits(device, 0), None
+            return TierHits(device, 0), None, queried
         bs = self.block_size
         end = device + len(found)
         try:
             kv = join_blocks(found, device * bs, end * bs, bs, usable, self.llm.kv_layout)
         except ValueError as exc:  # a bad remote block is a miss, not a failed request
             log.warning("ignoring remote KV blocks: %s", exc)
-            return TierHits(device, 0), None
+            return TierHits(device, 0), None, queried
         self._remember(usable[device:end])
         # What the master's cost model predicts a remote hit with (rtp_serve/core/cost_model.py).
         self.llm.costs.observe_fetch(TIER_REMOTE, time.perf_counter() - started, kv.nbytes)
-        return TierHits(device, len(found)), StagedKV(usable[device:end], kv)
+        return TierHits(device, len(found)), StagedKV(usable[device:end], kv), queried
 
     def writes_back(self) -> bool:
         """Whether the prompt of a request arriving now may be written back to the remote

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rtp_serve.services.common.pb import nameservice_pb2 as nameservice__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cmaster.proto\x12\x06rtp.v1\x1a\x11nameservice.proto\"\xe0\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1b\n\x13packed_block_hashes\x18\n \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07\x65xclude\x18\x06 \x03(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x13\n\x0b\x66rontend_id\x18\x08 \x01(\t\x12\x0f\n\x07unix_ms\x18\t \x01(\x03\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf0\x01\n\tRoutePlan\x12\x1f\n\x07prefill\x18\x01 \x01(\x0b\x32\x0e.rtp.v1.Member\x12\x1e\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x0e.rtp.v1.Member\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x18\n\x10predicted_ttft_s\x18\x06 \x01(\x01\x12\x18\n\x10predicted_wait_s\x18\x07 \x01(\x01\x12\x1b\n\x13predicted_prefill_s\x18\x08 \x01(\x01\x12\x19\n\x11predicted_fetch_s\x18\t \x01(\x01\"e\n\x11RouteBatchRequest\x12&\n\x08requests\x18\x01 \x03(\x0b\x32\x14.rtp.v1.RouteRequest\x12(\n\x08releases\x18\x02 \x03(\x0b\x32\x16.rtp.v1.ReleaseRequest\"N\n\x0cRouteOutcome\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.rtp.v1.RoutePlan\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"9\n\x0fRouteBatchReply\x12&\n\x08outcomes\x18\x01 \x03(\x0b\x32\x14.rtp.v1.RouteOutcome\"7\n\x0cIndexRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x13\n\x0b\x63ounts_only\x18\x02 \x01(\x08\"\xaf\x01\n\x0bWorkerIndex\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x19\n\x11host_block_hashes\x18\x06 \x03(\x0c\x12\x12\n\nnum_blocks\x18\x07 \x01(\x04\x12\x17\n\x0fnum_host_blocks\x18\x08 \x01(\x04\"2\n\nIndexReply\x12$\n\x07workers\x18\x01 \x03(\x0b\x32\x13.rtp.v1.WorkerIndex2\xe8\x01\n\x06Master\x12\x30\n\x05Route\x12\x14.rtp.v1.RouteRequest\x1a\x11.rtp.v1.RoutePlan\x12@\n\nRouteBatch\x12\x19.rtp.v1.RouteBatchRequest\x1a\x17.rtp.v1.RouteBatchReply\x12\x37\n\x07Release\x12\x16.rtp.v1.ReleaseRequest\x1a\x14.rtp.v1.ReleaseReply\x12\x31\n\x05Index\x12\x14.rtp.v1.IndexRequest\x1a\x12.rtp.v1.IndexReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cmaster.proto\x12\x06rtp.v1\x1a\x11nameservice.proto\"\xe0\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1b\n\x13packed_block_hashes\x18\n \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07\x65xclude\x18\x06 \x03(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x13\n\x0b\x66rontend_id\x18\x08 \x01(\t\x12\x0f\n\x07unix_ms\x18\t \x01(\x03\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x9e\x02\n\tRoutePlan\x12\x1f\n\x07prefill\x18\x01 \x01(\x0b\x32\x0e.rtp.v1.Member\x12\x1e\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x0e.rtp.v1.Member\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x18\n\x10predicted_ttft_s\x18\x06 \x01(\x01\x12\x18\n\x10predicted_wait_s\x18\x07 \x01(\x01\x12\x1b\n\x13predicted_prefill_s\x18\x08 \x01(\x01\x12\x19\n\x11predicted_fetch_s\x18\t \x01(\x01\x12\x1a\n\rremote_blocks\x18\n \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_remote_blocks\"e\n\x11RouteBatchRequest\x12&\n\x08requests\x18\x01 \x03(\x0b\x32\x14.rtp.v1.RouteRequest\x12(\n\x08releases\x18\x02 \x03(\x0b\x32\x16.rtp.v1.ReleaseRequest\"N\n\x0cRouteOutcome\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.rtp.v1.RoutePlan\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"9\n\x0fRouteBatchReply\x12&\n\x08outcomes\x18\x01 \x03(\x0b\x32\x14.rtp.v1.RouteOutcome\"7\n\x0cIndexRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x13\n\x0b\x63ounts_only\x18\x02 \x01(\x08\"\xaf\x01\n\x0bWorkerIndex\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x19\n\x11host_block_hashes\x18\x06 \x03(\x0c\x12\x12\n\nnum_blocks\x18\x07 \x01(\x04\x12\x17\n\x0fnum_host_blocks\x18\x08 \x01(\x04\"2\n\nIndexReply\x12$\n\x07workers\x18\x01 \x03(\x0b\x32\x13.rtp.v1.WorkerIndex2\xe8\x01\n\x06Master\x12\x30\n\x05Route\x12\x14.rtp.v1.RouteRequest\x1a\x11.rtp.v1.RoutePlan\x12@\n\nRouteBatch\x12\x19.rtp.v1.RouteBatchRequest\x1a\x17.rtp.v1.RouteBatchReply\x12\x37\n\x07Release\x12\x16.rtp.v1.ReleaseRequest\x1a\x14.rtp.v1.ReleaseReply\x12\x31\n\x05Index\x12\x14.rtp.v1.IndexRequest\x1a\x12.rtp.v1.IndexReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEREPLY']._serialized_start=329
   _globals['_RELEASEREPLY']._serialized_end=361
   _globals['_ROUTEPLAN']._serialized_start=364
-  _globals['_ROUTEPLAN']._serialized_end=604
-  _globals['_ROUTEBATCHREQUEST']._serialized_start=606
-  _globals['_ROUTEBATCHREQUEST']._serialized_end=707
-  _globals['_ROUTEOUTCOME']._serialized_start=709
-  _globals['_ROUTEOUTCOME']._serialized_end=787
-  _globals['_ROUTEBATCHREPLY']._serialized_start=789
-  _globals['_ROUTEBATCHREPLY']._serialized_end=846
-  _globals['_INDEXREQUEST']._serialized_start=848
-  _globals['_INDEXREQUEST']._serialized_end=903
-  _globals['_WORKERINDEX']._serialized_start=906
-  _globals['_WORKERINDEX']._serialized_end=1081
-  _globals['_INDEXREPLY']._serialized_start=1083
-  _globals['_INDEXREPLY']._serialized_end=1133
-  _globals['_MASTER']._serialized_start=1136
-  _globals['_MASTER']._serialized_end=1368
+  _globals['_ROUTEPLAN']._serialized_end=650
+  _globals['_ROUTEBATCHREQUEST']._serialized_start=652
+  _globals['_ROUTEBATCHREQUEST']._serialized_end=753
+  _globals['_ROUTEOUTCOME']._serialized_start=755
+  _globals['_ROUTEOUTCOME']._serialized_end=833
+  _globals['_ROUTEBATCHREPLY']._serialized_start=835
+  _globals['_ROUTEBATCHREPLY']._serialized_end=892
+  _globals['_INDEXREQUEST']._serialized_start=894
+  _globals['_INDEXREQUEST']._serialized_end=949
+  _globals['_WORKERINDEX']._serialized_start=952
+  _globals['_WORKERINDEX']._serialized_end=1127
+  _globals['_INDEXREPLY']._serialized_start=1129
+  _globals['_INDEXREPLY']._serialized_end=1179
+  _globals['_MASTER']._serialized_start=1182
+  _globals['_MASTER']._serialized_end=1414
 # @@protoc_insertion_point(module_scope)

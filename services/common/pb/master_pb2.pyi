@@ -46,7 +46,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
-    __slots__ = ("prefill", "decode", "matched_blocks", "policy", "reason", "predicted_ttft_s", "predicted_wait_s", "predicted_prefill_s", "predicted_fetch_s")
+    __slots__ = ("prefill", "decode", "matched_blocks", "policy", "reason", "predicted_ttft_s", "predicted_wait_s", "predicted_prefill_s", "predicted_fetch_s", "remote_blocks")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class RoutePlan(_message.Message):
     PREDICTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     prefill: _nameservice_pb2.Member
     decode: _nameservice_pb2.Member
     matched_blocks: int
@@ -65,7 +66,8 @@ class RoutePlan(_message.Message):
     predicted_wait_s: float
     predicted_prefill_s: float
     predicted_fetch_s: float
-    def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_fetch_s: _Optional[float] = ...) -> None: ...
+    remote_blocks: int
+    def __init__(self, prefill: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., decode: _Optional[_Union[_nameservice_pb2.Member, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_fetch_s: _Optional[float] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class RouteBatchRequest(_message.Message):
     __slots__ = ("requests", "releases")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rtp_serve.services.common.pb import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.rtp.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12,\n\nstructured\x18\x07 \x01(\x0b\x32\x18.rtp.v1.StructuredOutput\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x1e\n\x06tenant\x18\t \x01(\x0b\x32\x0e.rtp.v1.Tenant\"&\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xa6\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12!\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x0f.rtp.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x15\n\rresume_tokens\x18\x06 \x01(\rB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xfa\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12&\n\x08logprobs\x18\x02 \x03(\x0b\x32\x14.rtp.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x18\n\x0bstop_reason\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tprefill_s\x18\t \x01(\x01\x42\x0e\n\x0c_stop_reason\"\x84\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.rtp.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12,\n\nstructured\x18\x07 \x01(\x0b\x32\x18.rtp.v1.StructuredOutput\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x1e\n\x06tenant\x18\t \x01(\x0b\x32\x0e.rtp.v1.Tenant\"f\n\x0fPrefillResponse\x12)\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x18.rtp.v1.GenerateResponseH\x00\x12 \n\x05\x62lock\x18\x02 \x01(\x0b\x32\x0f.rtp.v1.KVBlockH\x00\x42\x06\n\x04kind\"\x14\n\x12WorkerStatsRequest\"\xf7\x03\n\x0bWorkerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x05 \x01(\r\x12\x14\n\x0cintegrity_ok\x18\x06 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rqueued_tokens\x18\t \x01(\x04\x12\x14\n\x0cqueue_wait_s\x18\n \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x0b \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0c \x01(\x01\x12\x17\n\x0fmax_num_waiting\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x14\n\x0cweight_dtype\x18\x0f \x01(\t\x12\x10\n\x08kv_dtype\x18\x10 \x01(\t\x12\x0f\n\x07\x63pu_isa\x18\x11 \x01(\t\x12\x16\n\x0elinear_kernels\x18\x12 \x01(\t\x12\r\n\x05loras\x18\x13 \x03(\t\x12\x16\n\x0eresident_loras\x18\x14 \x03(\t\x12\x19\n\x11\x61ttention_backend\x18\x15 \x01(\t\x12\x1e\n\x16kv_transfers_in_flight\x18\x16 \x01(\r\"\x13\n\x11KVSnapshotRequest\"r\n\nKVSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x19\n\x11host_block_hashes\x18\x05 \x03(\x0c\"7\n\x0fLoadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"&\n\x11UnloadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1a\n\tLoraReply\x12\r\n\x05loras\x18\x01 \x03(\t\"\xc6\x01\n\x0eStreamsRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.rtp.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x30\n\x05trace\x18\x04 \x03(\x0b\x32!.rtp.v1.StreamsRequest.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"5\n\x0cStreamsReply\x12%\n\x07outputs\x18\x01 \x03(\x0b\x32\x14.rtp.v1.StreamOutput\"\x82\x01\n\x0cStreamOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08response\x18\x02 \x01(\x0b\x32\x18.rtp.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\x12\x13\n\x0b\x66\x61iled_peer\x18\x05 \x01(\t2\xbb\x03\n\x06Worker\x12?\n\x08Generate\x12\x17.rtp.v1.GenerateRequest\x1a\x18.rtp.v1.GenerateResponse0\x01\x12;\n\x07Streams\x12\x16.rtp.v1.StreamsRequest\x1a\x14.rtp.v1.StreamsReply(\x01\x30\x01\x12<\n\x07Prefill\x12\x16.rtp.v1.PrefillRequest\x1a\x17.rtp.v1.PrefillResponse0\x01\x12\x38\n\x05Stats\x12\x1a.rtp.v1.WorkerStatsRequest\x1a\x13.rtp.v1.WorkerStats\x12\x39\n\x08Snapshot\x12\x19.rtp.v1.KVSnapshotRequest\x1a\x12.rtp.v1.KVSnapshot\x12=\n\x0fLoadLoraAdapter\x12\x17.rtp.v1.LoadLoraRequest\x1a\x11.rtp.v1.LoraReply\x12\x41\n\x11UnloadLoraAdapter\x12\x19.rtp.v1.UnloadLoraRequest\x1a\x11.rtp.v1.LoraReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x06rtp.v1\x1a\x0c\x63ommon.proto\"\xb7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.rtp.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12,\n\nstructured\x18\x07 \x01(\x0b\x32\x18.rtp.v1.StructuredOutput\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x1e\n\x06tenant\x18\t \x01(\x0b\x32\x0e.rtp.v1.Tenant\x12\x1a\n\rremote_blocks\x18\n \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_remote_blocks\"&\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xa6\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12!\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x0f.rtp.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x15\n\rresume_tokens\x18\x06 \x01(\rB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xfa\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12&\n\x08logprobs\x18\x02 \x03(\x0b\x32\x14.rtp.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x18\n\x0bstop_reason\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tprefill_s\x18\t \x01(\x01\x42\x0e\n\x0c_stop_reason\"\xb2\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.rtp.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12,\n\nstructured\x18\x07 \x01(\x0b\x32\x18.rtp.v1.StructuredOutput\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x1e\n\x06tenant\x18\t \x01(\x0b\x32\x0e.rtp.v1.Tenant\x12\x1a\n\rremote_blocks\x18\n \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_remote_blocks\"f\n\x0fPrefillResponse\x12)\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x18.rtp.v1.GenerateResponseH\x00\x12 \n\x05\x62lock\x18\x02 \x01(\x0b\x32\x0f.rtp.v1.KVBlockH\x00\x42\x06\n\x04kind\"\x14\n\x12WorkerStatsRequest\"\xf7\x03\n\x0bWorkerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x05 \x01(\r\x12\x14\n\x0cintegrity_ok\x18\x06 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rqueued_tokens\x18\t \x01(\x04\x12\x14\n\x0cqueue_wait_s\x18\n \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x0b \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0c \x01(\x01\x12\x17\n\x0fmax_num_waiting\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x14\n\x0cweight_dtype\x18\x0f \x01(\t\x12\x10\n\x08kv_dtype\x18\x10 \x01(\t\x12\x0f\n\x07\x63pu_isa\x18\x11 \x01(\t\x12\x16\n\x0elinear_kernels\x18\x12 \x01(\t\x12\r\n\x05loras\x18\x13 \x03(\t\x12\x16\n\x0eresident_loras\x18\x14 \x03(\t\x12\x19\n\x11\x61ttention_backend\x18\x15 \x01(\t\x12\x1e\n\x16kv_transfers_in_flight\x18\x16 \x01(\r\"\x13\n\x11KVSnapshotRequest\"r\n\nKVSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x19\n\x11host_block_hashes\x18\x05 \x03(\x0c\"7\n\x0fLoadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"&\n\x11UnloadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1a\n\tLoraReply\x12\r\n\x05loras\x18\x01 \x03(\t\"\xc6\x01\n\x0eStreamsRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.rtp.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x30\n\x05trace\x18\x04 \x03(\x0b\x32!.rtp.v1.StreamsRequest.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"5\n\x0cStreamsReply\x12%\n\x07outputs\x18\x01 \x03(\x0b\x32\x14.rtp.v1.StreamOutput\"\x82\x01\n\x0cStreamOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08response\x18\x02 \x01(\x0b\x32\x18.rtp.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\x12\x13\n\x0b\x66\x61iled_peer\x18\x05 \x01(\t2\xbb\x03\n\x06Worker\x12?\n\x08Generate\x12\x17.rtp.v1.GenerateRequest\x1a\x18.rtp.v1.GenerateResponse0\x01\x12;\n\x07Streams\x12\x16.rtp.v1.StreamsRequest\x1a\x14.rtp.v1.StreamsReply(\x01\x30\x01\x12<\n\x07Prefill\x12\x16.rtp.v1.PrefillRequest\x1a\x17.rtp.v1.PrefillResponse0\x01\x12\x38\n\x05Stats\x12\x1a.rtp.v1.WorkerStatsRequest\x1a\x13.rtp.v1.WorkerStats\x12\x39\n\x08Snapshot\x12\x19.rtp.v1.KVSnapshotRequest\x1a\x12.rtp.v1.KVSnapshot\x12=\n\x0fLoadLoraAdapter\x12\x17.rtp.v1.LoadLoraRequest\x1a\x11.rtp.v1.LoraReply\x12\x41\n\x11UnloadLoraAdapter\x12\x19.rtp.v1.UnloadLoraRequest\x1a\x11.rtp.v1.LoraReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,41 +35,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMSREQUEST_TRACEENTRY']._loaded_options = None
   _globals['_STREAMSREQUEST_TRACEENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=39
-  _globals['_GENERATEREQUEST']._serialized_end=304
-  _globals['_TENANT']._serialized_start=306
-  _globals['_TENANT']._serialized_end=344
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=347
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=513
-  _globals['_CHOICES']._serialized_start=515
-  _globals['_CHOICES']._serialized_end=541
-  _globals['_GENERATERESPONSE']._serialized_start=544
-  _globals['_GENERATERESPONSE']._serialized_end=794
-  _globals['_PREFILLREQUEST']._serialized_start=797
-  _globals['_PREFILLREQUEST']._serialized_end=1057
-  _globals['_PREFILLRESPONSE']._serialized_start=1059
-  _globals['_PREFILLRESPONSE']._serialized_end=1161
-  _globals['_WORKERSTATSREQUEST']._serialized_start=1163
-  _globals['_WORKERSTATSREQUEST']._serialized_end=1183
-  _globals['_WORKERSTATS']._serialized_start=1186
-  _globals['_WORKERSTATS']._serialized_end=1689
-  _globals['_KVSNAPSHOTREQUEST']._serialized_start=1691
-  _globals['_KVSNAPSHOTREQUEST']._serialized_end=1710
-  _globals['_KVSNAPSHOT']._serialized_start=1712
-  _globals['_KVSNAPSHOT']._serialized_end=1826
-  _globals['_LOADLORAREQUEST']._serialized_start=1828
-  _globals['_LOADLORAREQUEST']._serialized_end=1883
-  _globals['_UNLOADLORAREQUEST']._serialized_start=1885
-  _globals['_UNLOADLORAREQUEST']._serialized_end=1923
-  _globals['_LORAREPLY']._serialized_start=1925
-  _globals['_LORAREPLY']._serialized_end=1951
-  _globals['_STREAMSREQUEST']._serialized_start=1954
-  _globals['_STREAMSREQUEST']._serialized_end=2152
-  _globals['_STREAMSREQUEST_TRACEENTRY']._serialized_start=2100
-  _globals['_STREAMSREQUEST_TRACEENTRY']._serialized_end=2144
-  _globals['_STREAMSREPLY']._serialized_start=2154
-  _globals['_STREAMSREPLY']._serialized_end=2207
-  _globals['_STREAMOUTPUT']._serialized_start=2210
-  _globals['_STREAMOUTPUT']._serialized_end=2340
-  _globals['_WORKER']._serialized_start=2343
-  _globals['_WORKER']._serialized_end=2786
+  _globals['_GENERATEREQUEST']._serialized_end=350
+  _globals['_TENANT']._serialized_start=352
+  _globals['_TENANT']._serialized_end=390
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=393
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=559
+  _globals['_CHOICES']._serialized_start=561
+  _globals['_CHOICES']._serialized_end=587
+  _globals['_GENERATERESPONSE']._serialized_start=590
+  _globals['_GENERATERESPONSE']._serialized_end=840
+  _globals['_PREFILLREQUEST']._serialized_start=843
+  _globals['_PREFILLREQUEST']._serialized_end=1149
+  _globals['_PREFILLRESPONSE']._serialized_start=1151
+  _globals['_PREFILLRESPONSE']._serialized_end=1253
+  _globals['_WORKERSTATSREQUEST']._serialized_start=1255
+  _globals['_WORKERSTATSREQUEST']._serialized_end=1275
+  _globals['_WORKERSTATS']._serialized_start=1278
+  _globals['_WORKERSTATS']._serialized_end=1781
+  _globals['_KVSNAPSHOTREQUEST']._serialized_start=1783
+  _globals['_KVSNAPSHOTREQUEST']._serialized_end=1802
+  _globals['_KVSNAPSHOT']._serialized_start=1804
+  _globals['_KVSNAPSHOT']._serialized_end=1918
+  _globals['_LOADLORAREQUEST']._serialized_start=1920
+  _globals['_LOADLORAREQUEST']._serialized_end=1975
+  _globals['_UNLOADLORAREQUEST']._serialized_start=1977
+  _globals['_UNLOADLORAREQUEST']._serialized_end=2015
+  _globals['_LORAREPLY']._serialized_start=2017
+  _globals['_LORAREPLY']._serialized_end=2043
+  _globals['_STREAMSREQUEST']._serialized_start=2046
+  _globals['_STREAMSREQUEST']._serialized_end=2244
+  _globals['_STREAMSREQUEST_TRACEENTRY']._serialized_start=2192
+  _globals['_STREAMSREQUEST_TRACEENTRY']._serialized_end=2236
+  _globals['_STREAMSREPLY']._serialized_start=2246
+  _globals['_STREAMSREPLY']._serialized_end=2299
+  _globals['_STREAMOUTPUT']._serialized_start=2302
+  _globals['_STREAMOUTPUT']._serialized_end=2432
+  _globals['_WORKER']._serialized_start=2435
+  _globals['_WORKER']._serialized_end=2878
 # @@protoc_insertion_point(module_scope)

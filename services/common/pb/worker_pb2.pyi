@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_address", "block_hashes", "structured", "lora_name", "tenant")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_address", "block_hashes", "structured", "lora_name", "tenant", "remote_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class GenerateRequest(_message.Message):
     structured: StructuredOutput
     lora_name: str
     tenant: Tenant
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+    remote_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class Tenant(_message.Message):
     __slots__ = ("name", "weight")
@@ -82,7 +84,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., stop_reason: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "skip_blocks", "block_hashes", "structured", "lora_name", "tenant")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "skip_blocks", "block_hashes", "structured", "lora_name", "tenant", "remote_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class PrefillRequest(_message.Message):
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -101,7 +104,8 @@ class PrefillRequest(_message.Message):
     structured: StructuredOutput
     lora_name: str
     tenant: Tenant
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+    remote_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., lora_name: _Optional[str] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "block")
