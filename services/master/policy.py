@@ -170,14 +170,12 @@ class Ask:
             self._prefix = Prefix.of(self.view, self.hashes)
         return self._prefix
 
-    @property
-    def looked_up(self) -> Prefix | None:
-        """The prefix, where the policy looked it up (None: it did not)."""
-        return self._prefix
-
 
 class Policy(ABC):
     name: str
+    # Whether it routes by where the prompt's blocks are; such a plan also says how many of
+    # them the remote tier can give (RoutePlan.remote_blocks).
+    uses_cache = False
 
     def __init__(self, max_local_prefill_tokens: int = 0) -> None:
         # Conditional disaggregation: in PD mode a prompt whose uncached part is shorter than
@@ -193,15 +191,15 @@ class Policy(ABC):
         return self.decide(view, request).plan
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
-        """The plan and why; raises NoWorkersError when no candidate is left. Where the
-        policy looked the prompt's prefix up, the plan says how much of it the remote tier
-        can give, so that a worker holding as much asks it for nothing."""
+        """The plan and why; raises NoWorkersError when no candidate is left. A policy that
+        routes by prefix says how much of the prompt the remote tier can give, so that a
+        worker holding as much asks it for nothing."""
         view.catch_up(request.unix_ms)  # the events due under an event cutoff
         view.expire_charges()  # the table's pending sums as `view.pending` would say
         ask = Ask(view, request)
         decision = self._decide(ask)
-        if (prefix := ask.looked_up) is not None:
-            decision.plan.remote_blocks = prefix.reachable
+        if self.uses_cache:
+            decision.plan.remote_blocks = ask.prefix.reachable
         return decision
 
     def _decide(self, ask: Ask) -> Decision:

@@ -85,6 +85,7 @@ def uncached_tokens(view: ClusterView, worker_id: str, num_prompt_tokens: int, m
 
 class Policy(ABC):
     name: str
+    uses_cache = False  # as policy.Policy's
 
     def __init__(self, max_local_prefill_tokens: int = 0) -> None:
         # Conditional disaggregation: in PD mode a prompt whose uncached part is shorter than
@@ -101,6 +102,12 @@ class Policy(ABC):
 
     def decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         """The plan and why; raises NoWorkersError when no candidate is left."""
+        decision = self._decide(view, request)
+        if self.uses_cache:
+            decision.plan.remote_blocks = reachable(view, route_hashes(request))
+        return decision
+
+    def _decide(self, view: ClusterView, request: master_pb2.RouteRequest) -> Decision:
         view.catch_up(request.unix_ms)
         first, decode = candidates(view, request.exclude)
         first, decode = (
@@ -224,6 +231,19 @@ def with_room(view: ClusterView, members: list[Member]) -> list[Member]:
     return room or members
 
 
+def reachable(view: ClusterView, hashes: Sequence[bytes]) -> int:
+    """What the remote tier can give of the prompt: what its instances hold (T2 and T3),
+    and what any worker holds (each wrote it back)."""
+    caches = [m.id for m in view.members(nameservice_pb2.ROLE_CACHE)]
+    everyone = [w for w in view.index.workers() if w not in caches]
+    device = view.index.match_all(hashes, everyone)
+    host = view.index.host
+    return max(
+        max((n + host.match(w, hashes, n) for w, n in device.items()), default=0),
+        view.index.match_any(hashes, caches),
+    )
+
+
 def reporting(view: ClusterView, members: list[Member]) -> list[Member]:
     """The members with a fresh load report; all of them when none has one (no NATS, or
     all just started: then costs count only what was routed here)."""
@@ -252,15 +272,10 @@ class CacheAware(Policy):
         if self.uses_cache:
             host = view.index.host
             below = {w: host.match(w, hashes, n) for w, n in device.items()}
-            # What the remote tier can give: what its instances hold (T2 and T3), and what
-            # any worker holds (each wrote it back).
-            reachable = max(
-                max((device[w] + below[w] for w in everyone), default=0),
-                view.index.match_any(hashes, caches),
-            )
+            remote = reachable(view, hashes)
             local = matched
         else:  # what it would cost with nothing cached anywhere
-            below, reachable, local = dict.fromkeys(ids, 0), 0, dict.fromkeys(ids, 0)
+            below, remote, local = dict.fromkeys(ids, 0), 0, dict.fromkeys(ids, 0)
         reports = {m.id: view.load(m.id) for m in first}
         borrowed = cost.mean_cost([cost.step_cost(r) for r in reports.values()])
         preds = {}
@@ -275,7 +290,7 @@ class CacheAware(Policy):
                 _block_size(view, m.id),
                 local[m.id],
                 below[m.id],
-                reachable,
+                remote,
             )
             swap = cost.lora_swap(reports[m.id], step, request.lora_name)
             preds[m.id] = dataclasses.replace(pred, seconds=pred.seconds + swap) if swap else pred
