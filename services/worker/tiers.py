@@ -5,15 +5,15 @@ Each prompt block is resolved through the tiers first (Algorithm 1 of the paper)
 the device pool (or copied up from the engine's host tier), it is reused; else found in the
 remote tier (the cache service instances, backed by Redis), it is fetched and imported into
 the pool; else it is computed. The lookup (`Prefetch`) runs while the request is queued
-(the engine holds it until the lookup is over, engine/scheduler.py). The remote tier is asked
-only for blocks the master's index says it may hold: a request routed by a cache-aware
-policy carries `remote_blocks`, the longest prefix the remote tier can give by that index,
-and a worker whose own tiers hold as much asks nothing (a lone fresh prompt's lookup, a miss,
-was about 2 ms of its time to first token, on the cache service's cores as well). The
-remote tier is an optimisation: any failure reads as a miss, and a worker without one (`--no-remote-cache`)
-uses its own pool alone. Blocks fetched from it are used only if their integrity tag matches
-the key asked for (services/cache/integrity.py): a poisoned block reads as a miss too, and
-is counted.
+(the engine holds it until the lookup is over, engine/scheduler.py). The remote tier is
+asked only for blocks the master's index says it may hold: a request routed by a
+cache-aware policy carries `remote_blocks`, the longest prefix the remote tier can give by
+that index, and a worker whose own tiers hold as much asks nothing (a lone fresh prompt's
+lookup, a miss, was about 2 ms of its time to first token, on the cache service's cores as
+well). The remote tier is an optimisation: any failure reads as a miss, and a worker without
+one (`--no-remote-cache`) uses its own pool alone. Blocks fetched from it are used only if
+their integrity tag matches the key asked for (services/cache/integrity.py): a poisoned
+block reads as a miss too, and is counted.
 
 Full blocks are written back to the remote tier off the request path, by prefill and fused
 workers, unless requests wait for the engine (`writes_back`: a saturated worker serves
