@@ -49,6 +49,7 @@ from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
 from rtp_serve.kernels.linear import pack_panels  # noqa: E402
 from rtp_serve.kernels.w8a8 import pack_vnni, quantize_int8, quantize_rows  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
+from rtp_serve.services.common.flags import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 CSRC = "kernels/csrc"
 # Each kernel's entry point as kernels/csrc/module.cpp declares it.
@@ -67,7 +68,6 @@ DECLARATIONS = {
     " double scale, c10::optional<torch::Tensor> k_scale,"
     " c10::optional<torch::Tensor> v_scale);",
 }
-PREFILL_BLOCK = 16  # the engine's default block size
 
 
 def source_tree(rev: str | None, into: Path) -> Path:
@@ -137,13 +137,13 @@ def call(kernel: str, module, x: dict, weights: tuple, k: int, n: int) -> torch.
 
 def prefill_case(cfg: ModelConfig, n: int, dtype: torch.dtype):
     """(run(module) -> outputs, FLOPs, cache bytes): a new n-token prompt through every layer."""
-    blocks = -(-n // PREFILL_BLOCK)
+    blocks = -(-n // DEFAULT_BLOCK_SIZE)
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = [
         (
             torch.randn(n, hq, d).to(dtype),
-            torch.randn(blocks * PREFILL_BLOCK, hkv, d).to(dtype),
-            torch.randn(blocks * PREFILL_BLOCK, hkv, d).to(dtype),
+            torch.randn(blocks * DEFAULT_BLOCK_SIZE, hkv, d).to(dtype),
+            torch.randn(blocks * DEFAULT_BLOCK_SIZE, hkv, d).to(dtype),
             torch.arange(blocks),
         )
         for _ in range(cfg.num_layers)
@@ -151,7 +151,7 @@ def prefill_case(cfg: ModelConfig, n: int, dtype: torch.dtype):
 
     def run(module):
         return [
-            module.paged_prefill(q, k, v, table, 0, PREFILL_BLOCK, d**-0.5, None, None)
+            module.paged_prefill(q, k, v, table, 0, DEFAULT_BLOCK_SIZE, d**-0.5, None, None)
             for q, k, v, table in layers
         ]
 
@@ -223,41 +223,43 @@ def main() -> None:
                   f"{args.model}: {cfg.num_layers} layers of {cfg.num_heads} query and "
                   f"{cfg.num_kv_heads} kv heads of {cfg.head_dim}, {args.dtype} KV; a new "
                   f"prompt of M tokens; {args.rounds} rounds")  # fmt: skip
-            print(f"{'M':>5} {'base GFLOPS':>12} {'new GFLOPS':>12} {'new/base':>9} "
-                  f"{'new GB/s':>9}")  # fmt: skip
-            for m in rows:
-                run, flops, nbytes = prefill_case(cfg, m, dtype)
-                check(run, base, new, args.kernel, m)
-                t_base, t_new, ratio = timed(run, base, new, args.rounds)
-                print(f"{m:>5} {flops / t_base / 1e9:>12.1f} {flops / t_new / 1e9:>12.1f} "
-                      f"{ratio:>8.2f}x {nbytes / t_new / 1e9:>9.1f}")  # fmt: skip
-            return
-        dims = shapes(cfg)
-        weight_bytes = 1 if args.kernel == "int8_gemm" else dtype.itemsize
-        per_copy = sum(k * n for k, n in dims) * weight_bytes
-        copies = args.copies or max(1, -(-(256 << 20) // per_copy))
-        weights = operands(args.kernel, new, dims, copies, dtype)
-        flops = sum(2 * k * n for _, k, n in weights)
-        nbytes = sum(k * n for _, k, n in weights) * weight_bytes
-        print(f"{args.kernel} at {args.base} (base) against the working tree (new); "
-              f"{args.model}: {len(dims)} shapes x {copies} copies, {nbytes / 2**20:.0f} MiB "
-              f"of {'int8' if args.kernel == 'int8_gemm' else args.dtype} weights; "
-              f"{args.rounds} rounds")  # fmt: skip
+
+            def case(m: int):
+                return prefill_case(cfg, m, dtype)
+        else:
+            dims = shapes(cfg)
+            weight_bytes = 1 if args.kernel == "int8_gemm" else dtype.itemsize
+            per_copy = sum(k * n for k, n in dims) * weight_bytes
+            copies = args.copies or max(1, -(-(256 << 20) // per_copy))
+            weights = operands(args.kernel, new, dims, copies, dtype)
+            flops = sum(2 * k * n for _, k, n in weights)
+            nbytes = sum(k * n for _, k, n in weights) * weight_bytes
+            print(f"{args.kernel} at {args.base} (base) against the working tree (new); "
+                  f"{args.model}: {len(dims)} shapes x {copies} copies, "
+                  f"{nbytes / 2**20:.0f} MiB of "
+                  f"{'int8' if args.kernel == 'int8_gemm' else args.dtype} weights; "
+                  f"{args.rounds} rounds")  # fmt: skip
+
+            def case(m: int):
+                x = {k: torch.randn(m, k) for k in {k for k, _ in dims}}
+                if args.kernel == "int8_gemm":
+                    x = {k: quantize_rows(v, k) for k, v in x.items()}
+
+                def run(module):
+                    return [call(args.kernel, module, x, w, k, n) for w, k, n in weights]
+
+                return run, m * flops, nbytes
+
         unit = "GOPS" if args.kernel == "int8_gemm" else "GFLOPS"
         print(f"{'M':>5} {'base ' + unit:>12} {'new ' + unit:>12} {'new/base':>9} "
               f"{'new GB/s':>9}")  # fmt: skip
         for m in rows:
-            x = {k: torch.randn(m, k) for k in {k for k, _ in dims}}
-            if args.kernel == "int8_gemm":
-                x = {k: quantize_rows(v, k) for k, v in x.items()}
-
-            def run(module, x=x):
-                return [call(args.kernel, module, x, w, k, n) for w, k, n in weights]
-
+            run, work_per_run, nbytes = case(m)
             check(run, base, new, args.kernel, m)
             t_base, t_new, ratio = timed(run, base, new, args.rounds)
-            print(f"{m:>5} {m * flops / t_base / 1e9:>12.1f} {m * flops / t_new / 1e9:>12.1f} "
-                  f"{ratio:>8.2f}x {nbytes / t_new / 1e9:>9.1f}")  # fmt: skip
+            print(f"{m:>5} {work_per_run / t_base / 1e9:>12.1f} "
+                  f"{work_per_run / t_new / 1e9:>12.1f} {ratio:>8.2f}x "
+                  f"{nbytes / t_new / 1e9:>9.1f}")  # fmt: skip
 
 
 def check(run, base, new, kernel: str, m: int) -> None:
