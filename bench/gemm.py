@@ -20,7 +20,8 @@ their own weights so that small M streams them from memory as a decode step does
 GFLOPS of the op as tuned (its KernelTable's pick, `gemm_table.tune`), of each path forced
 (oneDNN's prepacked fp32 where it runs here),
 and of torch.mm on the same weights; then the tuned op as % of the GEMM peak and the floor
-arithmetic: the step's FLOPs at the peak vs its weight bytes at the copy bandwidth.
+arithmetic: the step's FLOPs at the peak vs its weight bytes at the read bandwidth
+(bench/roofline.py).
 Wall-clock on a shared machine: compare within one run.
 """
 
@@ -37,8 +38,8 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 
 import torch  # noqa: E402
 
-from bench.engine import copy_bandwidth  # noqa: E402
 from bench.linear import shapes  # noqa: E402
+from bench.roofline import copy_bandwidth, read_bandwidth  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.kernels import cpu  # noqa: E402
 from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402
@@ -114,7 +115,7 @@ def main() -> None:
     fma = statistics.median(ops.fma_peak_gflops(30_000_000) for _ in range(3))
     peaks = gemm_peak(ops, max(layer, key=lambda s: s[0] * s[1]))
     peak = max(peaks.values())
-    bandwidth = copy_bandwidth() / 1e9
+    bandwidth = read_bandwidth() / 1e9
     nbytes = sum(w.numel() * 4 for w in weights)
     flops_per_row = 2 * sum(w.numel() for w in weights)
 
@@ -130,7 +131,7 @@ def main() -> None:
           f" x {per_cycle} FLOP/cycle x {args.threads} cores{split}")  # fmt: skip
     print("GEMM peak (large GEMMs): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items())
           + f" GFLOPS -> peak {peak:.0f} ({100 * peak / fma:.0f}% of the FMA limit)")  # fmt: skip
-    print(f"copy bandwidth: {bandwidth:.1f} GB/s")
+    print(f"read bandwidth: {bandwidth:.1f} GB/s (a copy moves {copy_bandwidth() / 1e9:.1f})")
     for op, (k, n) in zip(linears[: len(layer)], layer, strict=True):
         print(f"  table {k}x{n}: {op.table.describe()}")
     print()

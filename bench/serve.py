@@ -20,7 +20,11 @@ TPOT excludes the first token: (latency - ttft) / (output tokens - 1). Prints th
 and one table (a row per target), then for each of our clusters its mean TTFT split by hop
 (HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py), and for
 each launched target the CPU each of its processes spent per output token, the engine's
-threads apart (the serving tax: bench/cpu_use.py);
+threads apart (the serving tax: bench/cpu_use.py), and for each load sent all at once the
+floor this machine puts under it (bench/roofline.py: its FLOPs at the measured GEMM peak,
+its decode reads at the measured read bandwidth, overlapped: the roofline; one after the
+other: the serial estimate) with each target's duration as a share of each (`--no-floor`
+skips measuring the machine);
 `--save-result` writes one JSON object per target, a line each, to `--result-file`.
 
 `--rounds N` runs the whole comparison N times, each round launching every `--compare`
@@ -565,6 +569,48 @@ async def bench_targets(
     return out
 
 
+def floors(args, model: str, points: Sequence[Point]) -> dict[str, object]:
+    """Each load's floor on this machine (bench/roofline.py), keyed by its label, for the
+    loads sent all at once (one paced by its arrivals lasts as long as they do), in the
+    dtype our targets serve (`--dtype` among their flags, else the checkpoint's)."""
+    loads = [p for p in points if not any(p.arrivals)]
+    if not loads:
+        return {}
+    from bench import roofline
+    from rtp_serve.core.dtypes import resolve_dtype
+    from rtp_serve.core.model_config import ModelConfig
+
+    flags = shlex.split(args.engine_args) + shlex.split(args.launcher_args)
+    asked = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "auto"
+    dtype = resolve_dtype(asked, model)
+    machine = roofline.measure_machine(("bfloat16" if dtype == "bfloat16" else "float32",))
+    cfg = ModelConfig.from_dir(model)
+    return {
+        p.label: roofline.served_floor(
+            cfg,
+            [(len(r.prompt), r.output_len) for r in p.requests],
+            p.max_concurrency,
+            machine,
+            dtype,
+        )  # fmt: skip
+        for p in loads
+    }
+
+
+def floor_lines(floor_of: dict, results: dict[str, dict]) -> list[str]:
+    """The floor of each load, then each target's duration of it as a share of the floor."""
+    lines = []
+    for label, f in floor_of.items():
+        lines.append(f"# floor {label or 'of the load'} ({f.dtype}): {f.describe()}")
+        for name, r in results.items():
+            if _point(name) == label and r.get("duration"):
+                lines.append(
+                    f"#   {name}: {r['duration']:.1f} s = {100 * f.roofline_s / r['duration']:.0f}% "
+                    f"of the roofline, {100 * f.serial_s / r['duration']:.0f}% of the serial estimate"
+                )
+    return lines
+
+
 def medians(reps: Sequence[dict]) -> dict:
     """One row from several runs of the same load: the median of each number (NaNs left
     out) and of each number in a nested dict of numbers (the TTFT hops); failures summed,
@@ -707,6 +753,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     o.add_argument("--result-dir", default=".")
     o.add_argument("--result-file", default=None)
     o.add_argument("--disable-tqdm", action="store_true")
+    o.add_argument("--no-floor", action="store_true",
+                   help="do not measure this machine's ceilings for each load's floor")  # fmt: skip
     args = ap.parse_args(argv)
     if not args.url and not args.compare:
         ap.error("give --url (one or more) or --compare")
@@ -738,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     print(f"# CPU ISA: {cpu['describe']}")
     print(f"# dataset {args.dataset_name} {dataset_args(args)}: {loads}; rate {rate}, "
           f"burstiness {args.burstiness}; model {model or 'the server'}")  # fmt: skip
+    # Measured before any target starts, on an idle machine.
+    floor_of = floors(args, model, points) if model and not args.no_floor else {}
     names = list(targets)
     rows = [f"{n} {p.label}".strip() for n in names for p in points]  # the targets' order
     rounds: list[dict[str, dict]] = []
@@ -752,9 +802,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         results = {row: medians([r[row] for r in rounds if row in r])
                    for row in rows if any(row in r for r in rounds)}  # fmt: skip
         print(f"# medians over {len(rounds)} rounds")
+    for name, r in results.items():
+        if (f := floor_of.get(_point(name))) is not None:
+            r["floor_roofline_s"], r["floor_serial_s"] = f.roofline_s, f.serial_s
     print(table(results, args.metric_percentiles))
     if len(rounds) > 1:
         print("\n".join(by_round(rounds, names[0])))
+    for line in floor_lines(floor_of, results):
+        print(line)
     for name, r in results.items():
         if "ttft_hops_ms" in r:
             print(f"# {name}: {hops.describe(r['ttft_hops_ms'])}")

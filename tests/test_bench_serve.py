@@ -201,6 +201,7 @@ def test_smoke_against_the_in_process_engine(
     # Its engine threads (named rtp-engine) apart from the rest of this process.
     assert set(r["cpu_us_per_token"]) == {"engine", "client"}
     assert "# engine: CPU per output token: engine " in out
+    assert "# floor" not in out  # paced by its arrivals: no floor of the machine's
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["target"] == "engine" and saved["cpu_isa"]["level"]
     assert saved["request_rate"] == 50.0 and saved["p99_itl_ms"] > 0
@@ -221,7 +222,8 @@ def test_concurrency_sweep_runs_each_load_with_prompts_of_its_own(
     assert not first & {tuple(r.prompt) for r in points[1].requests}
     results = main(["--compare", "--topologies", "engine", "--model", str(model),
                     "--sweep-concurrency", "1,3", "--num-prompts", "2", "--input-len", "16",
-                    "--output-len", "4", "--disable-tqdm", "--num-warmups", "1"])  # fmt: skip
+                    "--output-len", "4", "--disable-tqdm", "--num-warmups", "1",
+                    "--no-floor"])  # fmt: skip
     assert list(results) == ["engine c=1", "engine c=3"]
     assert [results[k]["completed"] for k in results] == [2, 6]
     assert results["engine c=3"]["max_concurrency"] == 3
@@ -263,10 +265,18 @@ def test_rounds_against_the_in_process_engine_save_each_round_and_the_medians(
                     "--rounds", "2", "--disable-tqdm", "--num-warmups", "1", "--save-result",
                     "--result-dir", str(tmp_path), "--result-file", "r.json"])  # fmt: skip
     assert results["engine"]["completed"] == 2 and results["engine"]["failed"] == 0
-    assert "# medians over 2 rounds" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "# medians over 2 rounds" in out
     saved = [json.loads(line) for line in (tmp_path / "r.json").read_text().splitlines()]
     assert [s["round"] for s in saved] == [1, 2, "median"]
     assert all(s["target"] == "engine" for s in saved)
+    # Sent all at once: the load's floor on this machine (bench/roofline.py), and the
+    # engine's duration as a share of it.
+    floor = saved[-1]["floor_roofline_s"]
+    assert 0 < floor <= saved[-1]["floor_serial_s"]
+    assert "# floor of the load (float32): 2 requests, 32 prompt + 6 decode tokens" in out
+    share = round(100 * floor / saved[-1]["duration"])
+    assert f"#   engine: {saved[-1]['duration']:.1f} s = {share}% of the roofline" in out
 
 
 def test_ttft_hops_add_up_to_the_clients_ttft():
