@@ -55,6 +55,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # Run as a script, this file's folder comes first on sys.path, where bench/engine.py would
 # shadow any module named engine: put the repository root there instead (for `bench.*`).
@@ -73,6 +74,9 @@ from bench.workload import (  # noqa: E402
     prefix_repetition_requests,
     random_requests,
 )
+
+if TYPE_CHECKING:
+    from bench.roofline import Floor  # imported where used: it brings torch
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -569,7 +573,7 @@ async def bench_targets(
     return out
 
 
-def floors(args, model: str, points: Sequence[Point]) -> dict[str, object]:
+def floors(args, model: str, points: Sequence[Point]) -> dict[str, Floor]:
     """Each load's floor on this machine (bench/roofline.py), keyed by its label, for the
     loads sent all at once (one paced by its arrivals lasts as long as they do), in the
     dtype our targets serve (`--dtype` among their flags, else the checkpoint's)."""
@@ -580,34 +584,32 @@ def floors(args, model: str, points: Sequence[Point]) -> dict[str, object]:
     from rtp_serve.core.dtypes import resolve_dtype
     from rtp_serve.core.model_config import ModelConfig
 
+    asked = "auto"
     flags = shlex.split(args.engine_args) + shlex.split(args.launcher_args)
-    asked = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "auto"
+    for i, flag in enumerate(flags):
+        if flag == "--dtype" and i + 1 < len(flags):
+            asked = flags[i + 1]
+        elif flag.startswith("--dtype="):
+            asked = flag.split("=", 1)[1]
     dtype = resolve_dtype(asked, model)
     machine = roofline.measure_machine(("bfloat16" if dtype == "bfloat16" else "float32",))
     cfg = ModelConfig.from_dir(model)
-    return {
-        p.label: roofline.served_floor(
-            cfg,
-            [(len(r.prompt), r.output_len) for r in p.requests],
-            p.max_concurrency,
-            machine,
-            dtype,
-        )  # fmt: skip
-        for p in loads
-    }
+    floor_of = {}
+    for p in loads:
+        lens = [(len(r.prompt), r.output_len) for r in p.requests]
+        floor_of[p.label] = roofline.served_floor(cfg, lens, p.max_concurrency, machine, dtype)
+    return floor_of
 
 
-def floor_lines(floor_of: dict, results: dict[str, dict]) -> list[str]:
+def floor_lines(floor_of: dict[str, Floor], results: dict[str, dict]) -> list[str]:
     """The floor of each load, then each target's duration of it as a share of the floor."""
     lines = []
     for label, f in floor_of.items():
         lines.append(f"# floor {label or 'of the load'} ({f.dtype}): {f.describe()}")
         for name, r in results.items():
-            if _point(name) == label and r.get("duration"):
-                lines.append(
-                    f"#   {name}: {r['duration']:.1f} s = {100 * f.roofline_s / r['duration']:.0f}% "
-                    f"of the roofline, {100 * f.serial_s / r['duration']:.0f}% of the serial estimate"
-                )
+            if _point(name) == label and (took := r.get("duration")):
+                lines.append(f"#   {name}: {took:.1f} s = {100 * f.roofline_s / took:.0f}% of the "
+                             f"roofline, {100 * f.serial_s / took:.0f}% of the serial estimate")  # fmt: skip
     return lines
 
 
