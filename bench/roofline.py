@@ -7,8 +7,8 @@ Ceilings, measured in the run that uses them (`measure_machine`):
   read bandwidth  bytes/s that a reduction over a large tensor reads on the process's
                   threads: the ceiling of a decode step, which streams its weights and KV
                   and writes next to nothing
-  copy bandwidth  bytes/s moved (read + write) by a large copy; more than a read stream
-                  reaches, so not the ceiling of reads
+  copy bandwidth  bytes/s moved (read + write) by a large copy: reads and writes
+                  counted together, so not the ceiling of a read stream
 Both bandwidths drift on a shared host: a sum over 256 MiB buffers read 27-35 GB/s for
 minutes on the Zen 4 VM of docs/benchmarks.md, and 50-66 in quieter spells. A floor is as
 good as the ceilings measured for it: compare shares within one run.
@@ -21,8 +21,8 @@ A served load's floor (`served_floor`), for requests of prompt p and output o to
            context (p + 1 ... p + o - 1 keys): at the GEMM peak; and the bytes its steps
            read (each token's context of K and V once, every weight once a step of
            `concurrency` streams): at the read bandwidth
-`roofline_s` overlaps the decode's compute and reads (the larger of the two): no engine
-goes faster. `serial_s` runs them one after the other, as a decode step does here (its
+`roofline_s` overlaps the decode's compute and reads (the larger of the two): at these
+ceilings, no engine goes faster. `serial_s` runs them one after the other, as a decode step does here (its
 GEMMs at the peak, then its attention at the read bandwidth: docs/engine.md), an estimate
 rather than a bound: decode tokens that ride in a prefill step read no weights of their
 own. Neither counts norms, RoPE, sampling or a step's own overhead.
