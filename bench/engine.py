@@ -4,7 +4,7 @@
                            [--quick] [--vllm [--pairs 3] [--vllm-venv ../vllm-venv]]
 
 Header: the CPU's ISA level and flags (rtp_serve/kernels/isa.py), the kernels chosen, and the machine
-measured in this run (bench/roofline.py): the read bandwidth (a sum over 1 GiB; a copy's
+measured in this run (bench/ceilings.py): the read bandwidth (a sum over 1 GiB; a copy's
 figure beside it) and GEMM peaks (the fastest large-batch path of fp32, bf16 and W8A8).
 
 Per configuration (`--configs`, default all; HF rows for fp32 and bf16):
@@ -60,7 +60,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from bench.roofline import Machine, measure_machine  # noqa: E402
+from bench.ceilings import measure_machine  # noqa: E402
+from bench.roofline import Machine  # noqa: E402
 from rtp_serve.engine import LLM, SamplingParams, prefault  # noqa: E402
 from rtp_serve.engine.memory import kv_bytes_per_token  # noqa: E402
 from rtp_serve.kernels.isa import CpuIsa, cpu_isa, library_caps  # noqa: E402

@@ -21,7 +21,7 @@ GFLOPS of the op as tuned (its KernelTable's pick, `gemm_table.tune`), of each p
 (oneDNN's prepacked fp32 where it runs here),
 and of torch.mm on the same weights; then the tuned op as % of the GEMM peak and the floor
 arithmetic: the step's FLOPs at the peak vs its weight bytes at the read bandwidth
-(bench/roofline.py).
+(bench/ceilings.py).
 Wall-clock on a shared machine: compare within one run.
 """
 
@@ -38,8 +38,8 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 
 import torch  # noqa: E402
 
+from bench.ceilings import copy_bandwidth, read_bandwidth  # noqa: E402
 from bench.linear import shapes  # noqa: E402
-from bench.roofline import copy_bandwidth, read_bandwidth  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.kernels import cpu  # noqa: E402
 from rtp_serve.kernels.isa import bench_flags, cpu_isa  # noqa: E402

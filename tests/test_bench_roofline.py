@@ -56,27 +56,45 @@ def test_served_floor_is_the_sum_over_every_token():
     head = 64 * 300
     pair = 4 * 3 * 4 * 16
     kv_token = 2 * 3 * 2 * 16  # elements
-    prefill = decode = context = 0
+    prefill = gemm = attention = context = 0
     for p, o in lens:
         prefill += 2 * head  # the first token's LM-head row
         for i in range(p):  # the i-th prompt token attends itself and those before it
             prefill += 2 * params + pair * (i + 1)
         for k in range(1, o):  # each later token, its context p + k keys
-            decode += 2 * (params + head) + pair * (p + k)
+            gemm += 2 * (params + head)
+            attention += pair * (p + k)
             context += p + k
     decode_tokens = sum(o - 1 for _, o in lens)
     for dtype, item, peak in (("float32", 4, 1e9), ("bfloat16", 2, 2e9)):
         f = roofline.served_floor(cfg, lens, 2, machine, dtype)
-        steps = math.ceil(decode_tokens / 2)
+        weights = (params + head) * item * math.ceil(decode_tokens / 2)  # 2 streams a step
+        kv = kv_token * item * context
         assert (f.requests, f.prompt_tokens, f.decode_tokens) == (4, 18, decode_tokens)
-        assert (f.prefill_flops, f.decode_flops) == (prefill, decode)
-        assert f.kv_bytes == kv_token * item * context
-        assert f.weight_bytes == (params + head) * item * steps
-        reads = (kv_token * item * context + (params + head) * item * steps) / 1e8
+        assert (f.prefill_flops, f.decode_gemm_flops, f.decode_attention_flops) == (
+            prefill, gemm, attention,
+        )  # fmt: skip
+        assert (f.weight_bytes, f.kv_bytes) == (weights, kv)
         assert f.prefill_s == pytest.approx(prefill / peak)
-        assert f.serial_s == pytest.approx(prefill / peak + decode / peak + reads)
-        assert f.roofline_s == pytest.approx(prefill / peak + max(decode / peak, reads))
+        assert f.serial_s == pytest.approx(
+            prefill / peak + max(gemm / peak, weights / 1e8) + max(attention / peak, kv / 1e8)
+        )
+        assert f.roofline_s == pytest.approx(
+            prefill / peak + max((gemm + attention) / peak, (weights + kv) / 1e8)
+        )
+        assert f.prefill_s < f.roofline_s <= f.serial_s
     # All at once (None) and a cap above the load's size stream every request each step.
     at_once = roofline.served_floor(cfg, lens, None, machine)
     assert at_once.weight_bytes == roofline.served_floor(cfg, lens, 64, machine).weight_bytes
     assert at_once.weight_bytes == (params + head) * 4 * math.ceil(decode_tokens / 4)
+
+
+def test_the_best_of_two_measurements_keeps_each_ceilings_higher_value():
+    a = roofline.Machine(50e9, 30e9, 190e9, math.nan, math.nan)
+    b = roofline.Machine(48e9, 60e9, 220e9, math.nan, 5e11)
+    best = a.best(b)
+    assert (best.bandwidth, best.read_bandwidth, best.fp32_peak, best.w8a8_peak) == (
+        50e9, 60e9, 220e9, 5e11,
+    )  # fmt: skip
+    assert math.isnan(best.bf16_peak)  # measured by neither
+    assert best.peak("float32") == 220e9 and math.isnan(best.peak("bfloat16"))
