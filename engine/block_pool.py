@@ -9,6 +9,12 @@ Nothing else touches ref counts. A block is in exactly one of three states:
 Cached and free blocks together form the free queue, ordered for eviction: the front is
 evicted first. Freed blocks join at the back, so the queue is least-recently-used first;
 callers free a request's blocks tail first, so its tail goes before its head.
+
+`allocate` takes the blocks at the front and hands them out in ascending block order: a
+request's earlier blocks come back reversed, and a run of them given to a new request
+in that order would put each of its blocks just before the previous one in memory, where
+the decode attention reads them after a jump each instead of as one stream
+(kernels/csrc/paged_decode.cpp).
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:

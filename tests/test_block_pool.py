@@ -54,8 +54,23 @@ def test_freed_blocks_join_the_back_in_the_given_order():
     assert pool.free_queue_ids() == [4, 2, 0, 3]
     assert refs(pool) == [0, 1, 0, 0, 0]
     pool.check_integrity()
-    # The next allocation takes the least recently freed block first.
-    assert ids(pool.allocate(3)) == [4, 2, 0]
+    # The next allocation takes the least recently freed blocks, in ascending order.
+    assert ids(pool.allocate(3)) == [0, 2, 4]
+    assert pool.free_queue_ids() == [3]
+    pool.check_integrity()
+
+
+def test_a_run_freed_tail_first_comes_back_as_a_forward_run():
+    """A request frees its blocks tail first; the next request to take them gets them in
+    pool order, so its blocks lie one after another as the decode attention reads them."""
+    pool = BlockPool(8)
+    first = pool.allocate(5)
+    assert ids(first) == [0, 1, 2, 3, 4]
+    pool.allocate(3)
+    pool.free(reversed(first))
+    assert pool.free_queue_ids() == [4, 3, 2, 1, 0]
+    assert ids(pool.allocate(3)) == [2, 3, 4]  # the three freed first (its tail), forward
+    assert ids(pool.allocate(2)) == [0, 1]
     pool.check_integrity()
 
 
