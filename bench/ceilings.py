@@ -36,30 +36,29 @@ from bench.roofline import Machine  # noqa: E402
 from rtp_serve.kernels.linear import cpu_kernels, make_linear  # noqa: E402
 
 
+def best_seconds(fn, reps: int) -> float:
+    """The fastest of `reps` calls of fn, after one to warm up: on a shared machine the best
+    run is the closest to what the CPU can do."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     """Bytes per second moved (read + write) by a large tensor copy."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), reps)
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes per second read by a sum over a tensor far larger than the caches (the best
-    of `reps`: on a shared machine the best run is the closest to what it can do)."""
+    """Bytes per second read by a sum over a tensor far larger than the caches."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_seconds(src.sum, reps)
 
 
 def gemm_peak(
@@ -78,16 +77,9 @@ def gemm_peak(
     op = make_linear(w, dtype, weight_dtype, cpu_kernels(torch.device("cpu")))
     x = torch.randn(m, k, generator=g).to(dtype)
     paths = op.paths() if hasattr(op, "paths") else {"op": op}
-    best = float("inf")
-    for name, path in paths.items():
-        if name == "rows_gemm" and len(paths) > 1:
-            continue
-        path(x)
-        for _ in range(reps):
-            t = time.perf_counter()
-            path(x)
-            best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n / best
+    if len(paths) > 1:
+        paths.pop("rows_gemm", None)
+    return 2 * m * k * n / min(best_seconds(lambda p=p: p(x), reps) for p in paths.values())
 
 
 def measure_machine(

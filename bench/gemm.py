@@ -38,7 +38,7 @@ sys.path = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _R
 
 import torch  # noqa: E402
 
-from bench.ceilings import copy_bandwidth, read_bandwidth  # noqa: E402
+from bench.ceilings import best_seconds, copy_bandwidth, read_bandwidth  # noqa: E402
 from bench.linear import shapes  # noqa: E402
 from rtp_serve.core.model_config import ModelConfig  # noqa: E402
 from rtp_serve.kernels import cpu  # noqa: E402
@@ -47,16 +47,6 @@ from rtp_serve.kernels.linear import Fp32Linear, cpu_kernels, tune_linears  # no
 from rtp_serve.models.make_model import resolve_model  # noqa: E402
 
 PATHS = ("rows_gemm", "packed_gemm", "mkl", "onednn")  # onednn: where prepack_fp32 works
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def gemm_peak(ops, big_shape: tuple[int, int]) -> dict[str, float]:
@@ -83,7 +73,7 @@ def gemm_peak(ops, big_shape: tuple[int, int]) -> dict[str, float]:
             op = Fp32Linear(w, cpu_kernels(torch.device("cpu")))
             cands["packed_gemm"] = lambda x=x, op=op: op.paths()["packed_gemm"](x)
         for name, fn in cands.items():
-            out[name] = max(out.get(name, 0.0), flops / best_time(fn, 5) / 1e9)
+            out[name] = max(out.get(name, 0.0), flops / best_seconds(fn, 5) / 1e9)
     return out
 
 
@@ -150,7 +140,7 @@ def main() -> None:
             },
             "torch.mm": lambda xs=xs, ws=mm_ws: [torch.mm(xs[w.shape[0]], w) for w in ws],
         }
-        gf = {name: flops / best_time(fn, args.repeats) / 1e9 for name, fn in fns.items()}
+        gf = {name: flops / best_seconds(fn, args.repeats) / 1e9 for name, fn in fns.items()}
         floor_s = max(flops / (peak * 1e9), nbytes / (bandwidth * 1e9))
         by = "FLOPs" if flops / (peak * 1e9) >= nbytes / (bandwidth * 1e9) else "bytes"
 

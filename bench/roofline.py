@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from bench.linear import shapes
 from rtp_serve.core.model_config import ModelConfig
-
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+from rtp_serve.engine.memory import ITEMSIZE, kv_bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +71,7 @@ def measure_apart(dtypes: Sequence[str] = ("float32",)) -> Machine:
 
 def projection_params(cfg: ModelConfig) -> int:
     """Weights a token multiplies in the decoder layers: q, k, v, o, gate, up and down."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
-    return cfg.num_layers * (attention + 3 * h * cfg.intermediate_size)
+    return cfg.num_layers * sum(k * n for k, n in shapes(cfg))
 
 
 def head_params(cfg: ModelConfig) -> int:
@@ -144,10 +142,10 @@ def served_floor(
 ) -> Floor:
     """The floor of serving requests of (prompt, output) tokens `lens`, at most
     `concurrency` at a time (None: all at once), in `dtype` (its KV cache too)."""
-    item = _ITEMSIZE[dtype]
+    item = ITEMSIZE[dtype]
     params, head = projection_params(cfg), head_params(cfg)
     pair = attention_flops_per_pair(cfg)
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+    kv_per_token = kv_bytes_per_token(cfg, dtype)
     prefill = sum(2 * params * p + pair * p * (p + 1) // 2 + 2 * head for p, _ in lens)
     decode_tokens = sum(max(o - 1, 0) for _, o in lens)
     # Keys the later tokens attend: p + 1, ..., p + o - 1.

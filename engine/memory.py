@@ -38,7 +38,7 @@ DEFAULT_CUDA_FRACTION = 0.9  # of a GPU's memory: nothing else of the worker's l
 CUDA_OVERHEAD_BYTES = 512 << 20
 MIN_KV_BYTES = 64 << 20  # below this a worker could hold only a few short requests
 _NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a huge number
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 _SCALE_BYTES = 4  # an int8 cache's float32 scale per block, layer, K/V and kv head
 
 
@@ -90,7 +90,7 @@ def available_memory_bytes(
 def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
     """K and V of every layer for one token (an int8 cache's per-block scales not counted:
     see kv_bytes_per_block)."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * _ITEMSIZE[dtype]
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * ITEMSIZE[dtype]
 
 
 def kv_bytes_per_block(model: ModelConfig, dtype: str, block_size: int) -> int:
@@ -111,7 +111,7 @@ def weights_bytes(model_dir: str | os.PathLike, dtype: str, weight_dtype: str = 
             if name == "__metadata__":
                 continue
             int8 = weight_dtype in INT8_WEIGHT_DTYPES and name.endswith("_proj.weight")
-            total += math.prod(t["shape"]) * (1 if int8 else _ITEMSIZE[dtype])
+            total += math.prod(t["shape"]) * (1 if int8 else ITEMSIZE[dtype])
     return total
 
 
@@ -146,7 +146,7 @@ def activation_bytes(model: ModelConfig, dtype: str, tokens: int, rows: int) -> 
     q/k/v and the MLP's gate, up and product; per sampled row float32 logits and the
     sampler's copies of them (probabilities, noise, a sort)."""
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    per_token = (4 * model.hidden_size + qkv + 3 * model.intermediate_size) * _ITEMSIZE[dtype]
+    per_token = (4 * model.hidden_size + qkv + 3 * model.intermediate_size) * ITEMSIZE[dtype]
     return tokens * per_token + rows * 4 * model.vocab_size * 4
 
 
@@ -157,7 +157,7 @@ def int8_dequant_bytes(model: ModelConfig, dtype: str) -> int:
     hidden, q = model.hidden_size, model.num_heads * model.head_dim
     qkv = (q + 2 * model.num_kv_heads * model.head_dim) * hidden
     largest = max(qkv, q * hidden, 2 * model.intermediate_size * hidden)
-    return largest * (4 + 4 + _ITEMSIZE[dtype])
+    return largest * (4 + 4 + ITEMSIZE[dtype])
 
 
 def cuda_kv_budget(
